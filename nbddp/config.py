@@ -1,0 +1,202 @@
+"""``TrainConfig``: the one object that crosses from the notebook to the workers.
+
+A frozen dataclass of plain values. Widgets produce it, code can build it, it is saved as
+``run_dir/config.json`` and read back by ``python -m nbddp train --config``. Validation runs in
+the kernel, before any process starts, and every message names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .errors import ConfigError
+
+_BOOL_FIELDS = ("scale_lr", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything the built-in classification worker needs, as plain values.
+
+    Args:
+        data_path: class-folder tree ``root/<class>/<image>``.
+        model: torchvision classification model name (``resnet34``, ``resnet18``, ...).
+        num_classes: number of outputs; ``None`` takes the number of class folders.
+        image_size: side of the square training crop, in pixels.
+        epochs: number of passes over the training split.
+        batch_size: images per process per step (the global batch is ``batch_size * world``).
+        lr: base learning rate (multiplied by the world size when ``scale_lr``).
+        lrf: final learning rate as a fraction of ``lr`` at the end of the cosine schedule.
+        momentum: SGD momentum.
+        weight_decay: SGD weight decay.
+        scale_lr: multiply ``lr`` by the number of processes, as the reference script does.
+        sync_bn: synchronise BatchNorm statistics across ranks (refused with ``freeze_layers``).
+        freeze_layers: train only the classifier head.
+        weights: weights file (``.pth`` / ``.safetensors`` / a run's export) to start from.
+        val_fraction: fraction of each class held out for validation.
+        seed: seed of the split, the initial weights and the augmentation.
+        num_workers: DataLoader worker processes per rank (``None``: derived from the cores).
+        amp: mixed precision on GPU (bf16 where supported, else fp16 with a grad scaler).
+        channels_last: NHWC memory format on GPU.
+        crop_scale: smallest area fraction kept by the random resized crop.
+        hflip: random horizontal flips (turn off for digits and text).
+        nprocs: number of CPU processes when ``gpus`` is empty.
+        gpus: GPU ids, one process each (rank r runs on ``gpus[r]``).
+        runs_dir: folder that holds one sub-folder per run.
+        name: short name appended to the run folder.
+        resume: ``True`` continues the newest run of this ``name``; a path continues that run.
+        check_images: open every image in the kernel before launching (names corrupt files).
+        timeout_s: process-group timeout in seconds (a hung collective fails after this).
+    """
+
+    data_path: str = "data/digits"
+    model: str = "resnet34"
+    num_classes: Optional[int] = None
+    image_size: int = 224
+    epochs: int = 10
+    batch_size: int = 16
+    lr: float = 0.001
+    lrf: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-3
+    scale_lr: bool = True
+    sync_bn: bool = False
+    freeze_layers: bool = False
+    weights: Optional[str] = None
+    val_fraction: float = 0.2
+    seed: int = 0
+    num_workers: Optional[int] = None
+    amp: bool = False
+    channels_last: bool = False
+    crop_scale: float = 0.08
+    hflip: bool = True
+    nprocs: int = 1
+    gpus: tuple = ()
+    runs_dir: str = "runs"
+    name: str = "train"
+    resume: Union[bool, str] = False
+    check_images: bool = True
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        # Normalise containers and paths so the config stays hashable, JSON-able and picklable.
+        object.__setattr__(self, "gpus", tuple(int(g) for g in (self.gpus or ())))
+        for name in ("data_path", "runs_dir"):
+            object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        if self.weights is not None:
+            object.__setattr__(self, "weights", os.fspath(self.weights))
+        if isinstance(self.resume, os.PathLike):
+            object.__setattr__(self, "resume", os.fspath(self.resume))
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check every field's type and range; raises ``ConfigError`` naming the field."""
+
+        def bad(name: str, why: str) -> None:
+            raise ConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}")
+
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be True or False (a string such as 'False' is not a bool)")
+        if not isinstance(self.resume, (bool, str)):
+            bad("resume", "must be True/False or the path of a run folder")
+        ints = {"image_size": 8, "epochs": 1, "batch_size": 1, "nprocs": 1, "seed": 0}
+        for name, low in ints.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                bad(name, f"must be an integer >= {low}")
+        if self.num_classes is not None and (
+            isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 2
+        ):
+            bad("num_classes", "must be an integer >= 2, or None to count the class folders")
+        if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 0):
+            bad("num_workers", "must be an integer >= 0, or None to derive it from the cores")
+        floats = {
+            "lr": (0.0, math.inf, False),
+            "lrf": (0.0, 1.0, True),
+            "momentum": (0.0, 1.0, True),
+            "weight_decay": (0.0, math.inf, True),
+            "val_fraction": (0.0, 1.0, False),
+            "crop_scale": (0.0, 1.0, True),
+            "timeout_s": (0.0, math.inf, False),
+        }
+        for name, (low, high, low_ok) in floats.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+            if v < low or (v == low and not low_ok) or v > high:
+                bad(name, f"must be in {'[' if low_ok else '('}{low}, {high}]")
+        if self.crop_scale == 0:
+            bad("crop_scale", "must be > 0 (the smallest area fraction the random crop keeps)")
+        if not isinstance(self.model, str) or not self.model:
+            bad("model", "must be a torchvision classification model name such as 'resnet34'")
+        if any(g < 0 for g in self.gpus):
+            bad("gpus", "GPU ids are >= 0")
+        if len(set(self.gpus)) != len(self.gpus):
+            bad("gpus", "lists a GPU twice; each process needs its own GPU")
+        if self.sync_bn and self.freeze_layers:
+            bad(
+                "sync_bn",
+                "is refused while freeze_layers=True: frozen BatchNorm layers keep their statistics, "
+                "so there is nothing to synchronise. Turn one of them off.",
+            )
+        if not self.name or any(c in self.name for c in "/\\") or self.name.startswith("."):
+            bad("name", "must be a plain folder-name fragment (no slashes, not hidden)")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def world_size(self) -> int:
+        """Number of processes: one per GPU, or ``nprocs`` CPU processes."""
+        return len(self.gpus) if self.gpus else self.nprocs
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.gpus else "cpu"
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["gpus"] = list(self.gpus)
+        return d
+
+    def save(self, path: Union[str, Path]) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}"
+            )
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "TrainConfig":
+        """Read a ``config.json`` (or a run folder that holds one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config file at {path}; pass a run folder or its config.json")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+__all__ = ["TrainConfig"]

@@ -1,0 +1,459 @@
+"""Class-folder image data for the built-in classification worker.
+
+The layout is the one of ``torchvision.datasets.ImageFolder`` and of the reference
+``train_multi_GPU`` scripts::
+
+    root/<class name>/<image>.jpg
+
+Everything here runs in a worker process as well as in the kernel (preflight), so this module
+must not import ipywidgets or IPython. Every ``DataError`` message names the path and the fix,
+because it is what the user reads in the notebook.
+
+Example:
+    >>> classes, samples = scan_class_folders("data/digits")
+    >>> train, val = split_samples(samples, val_fraction=0.2, seed=0)
+    >>> train_tf, val_tf = build_transforms(32, hflip=False)
+    >>> ds = ImageListDataset(val, val_tf)
+    >>> sampler = ShardSampler(len(ds), rank=0, world_size=2)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import warnings
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+from PIL import Image, ImageOps
+from torch.utils.data import Dataset, Sampler
+from torchvision import transforms as T
+
+from .errors import DataError
+
+PathLike = Union[str, os.PathLike]
+Sample = tuple[str, int]
+
+#: File extensions read as images (compared in lower case, so ``.JPG`` counts).
+IMAGE_EXTENSIONS: frozenset[str] = frozenset(
+    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+)
+
+#: Channel statistics of ImageNet, which the torchvision pretrained weights expect.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Folder names that are never classes: Jupyter's autosave folder is the classic trap (it would
+# become an extra, empty class and silently shift every label index after it).
+_IGNORED_DIRS = {"__pycache__"}
+
+
+def _is_hidden(name: str) -> bool:
+    return name.startswith(".") or name in _IGNORED_DIRS
+
+
+def is_image_file(name: str) -> bool:
+    """True for a non-hidden file name whose extension is in :data:`IMAGE_EXTENSIONS`."""
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+# ---------------------------------------------------------------------------- scanning
+def _check_root(root: Path) -> None:
+    where = f"{root} (resolved to {root.resolve()})" if not root.is_absolute() else str(root)
+    if not root.exists():
+        raise DataError(
+            f"data folder {where} does not exist. Set data_path to a folder laid out as "
+            "<root>/<class>/<image>; `python data/make_digits.py` writes the bundled "
+            "data/digits, and data/README.md says how to fetch the flower photos."
+        )
+    if not root.is_dir():
+        raise DataError(
+            f"data_path {where} is a file, not a folder. Point data_path at the folder that holds "
+            "one sub-folder per class; if this is an archive, extract it first "
+            f"(e.g. `tar xzf {root.name} -C data/`)."
+        )
+
+
+def _class_dirs(root: Path) -> list[str]:
+    names = sorted(e.name for e in os.scandir(root) if e.is_dir() and not _is_hidden(e.name))
+    if not names:
+        loose = sum(1 for e in os.scandir(root) if e.is_file() and is_image_file(e.name))
+        hint = (
+            f" It holds {loose} image file(s) directly: move them into one sub-folder per class."
+            if loose
+            else ""
+        )
+        raise DataError(
+            f"no class folders in {root}: expected <root>/<class>/<image> with one sub-folder "
+            f"per class (hidden folders such as .ipynb_checkpoints are ignored).{hint}"
+        )
+    return names
+
+
+def _images_under(folder: Path) -> list[str]:
+    # Recursive like ImageFolder, so photos kept in sub-folders of a class still count; hidden
+    # folders (e.g. .ipynb_checkpoints inside a class) are pruned so no copy is read twice.
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not _is_hidden(d)]
+        found.extend(os.path.join(dirpath, f) for f in filenames if is_image_file(f))
+    return found
+
+
+def scan_class_folders(root: PathLike) -> tuple[list[str], list[Sample]]:
+    """List the classes and images of a class-folder tree.
+
+    Classes are the sorted names of the non-hidden sub-folders of ``root`` (names starting with
+    ``.`` and ``__pycache__`` are skipped); the class index is the position in that list, so it
+    matches ``ImageFolder`` and the reference script's ``class_indices.json``. Images are the
+    files with an extension in :data:`IMAGE_EXTENSIONS` anywhere below a class folder; hidden
+    files and other files (``LICENSE.txt``, ``.DS_Store``) are ignored.
+
+    Args:
+        root: folder laid out as ``root/<class>/<image>``.
+
+    Returns:
+        ``(classes, samples)`` where ``samples`` is the sorted list of ``(path, class_index)``.
+
+    Raises:
+        DataError: the folder is missing or a file, holds no class folders, has class folders
+            without images (all of them are named), or has fewer than two classes.
+    """
+    root = Path(root)
+    _check_root(root)
+    classes = _class_dirs(root)
+    samples: list[Sample] = []
+    empty = []
+    for index, name in enumerate(classes):
+        paths = _images_under(root / name)
+        if not paths:
+            empty.append(name)
+        samples.extend((p, index) for p in paths)
+    if empty:
+        raise DataError(
+            f"{len(empty)} class folder(s) in {root} hold no images: {', '.join(map(repr, empty))}. "
+            f"Add images ({', '.join(sorted(IMAGE_EXTENSIONS))}) or remove those folders; "
+            "an empty class would still get an output and a label index."
+        )
+    if len(classes) < 2:
+        only = classes[0]
+        raise DataError(
+            f"{root} holds only one class folder ({only!r}); classification needs at least 2. "
+            f"If {root / only} is the folder that holds the class folders, set "
+            f"data_path={str(root / only)!r}."
+        )
+    return classes, sorted(samples)
+
+
+# ---------------------------------------------------------------------------- splitting
+def _n_val(n: int, val_fraction: float) -> int:
+    if n < 2:
+        return 0  # a single image cannot be in both splits; training needs it more
+    # Nearest count, but never all or nothing: every class must be seen in training and measured.
+    return min(max(int(math.floor(n * val_fraction + 0.5)), 1), n - 1)
+
+
+def split_samples(
+    samples: Sequence[Sample], val_fraction: float, seed: int
+) -> tuple[list[Sample], list[Sample]]:
+    """Split samples into training and validation sets, class by class.
+
+    The split depends only on the samples and ``seed`` (one ``random.Random(seed)`` shuffles
+    each class's sorted list, classes in label order), never on the global random state or on
+    the input order, so every rank and the kernel compute the same split without talking.
+
+    Args:
+        samples: ``(path, class_index)`` pairs, e.g. from :func:`scan_class_folders`.
+        val_fraction: fraction of each class held out, in ``(0, 1]``. Rounded to the nearest
+            count and clamped so a class with at least 2 images has at least one image in
+            each split; a class with a single image goes to training only.
+        seed: seed of the split.
+
+    Returns:
+        ``(train, val)``, both sorted, disjoint, and together equal to ``samples``.
+    """
+    if not 0.0 < val_fraction <= 1.0:
+        raise ValueError(f"val_fraction={val_fraction!r} must be in (0, 1]")
+    by_class: dict[int, list[str]] = defaultdict(list)
+    for path, label in samples:
+        by_class[label].append(path)
+    rng = random.Random(seed)
+    train: list[Sample] = []
+    val: list[Sample] = []
+    for label in sorted(by_class):
+        paths = sorted(by_class[label])
+        rng.shuffle(paths)
+        k = _n_val(len(paths), val_fraction)
+        val.extend((p, label) for p in paths[:k])
+        train.extend((p, label) for p in paths[k:])
+    return sorted(train), sorted(val)
+
+
+# ---------------------------------------------------------------------------- reading images
+def _decode_check(path: str) -> None:
+    # verify() checks the container (PNG chunk CRCs...) without decoding, but is a no-op for
+    # JPEG and misses pixel data cut short, so the image is also decoded. draft() lets libjpeg
+    # decode at 1/8 scale, which still reads every byte, so truncation is caught cheaply.
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        im.draft("RGB", (max(1, im.width // 8), max(1, im.height // 8)))
+        im.load()
+
+
+def check_images(paths: Sequence[PathLike], max_errors: int = 20) -> list[tuple[str, str]]:
+    """Find images that PIL cannot read.
+
+    Args:
+        paths: image files to check.
+        max_errors: stop after this many bad files (enough to see the pattern, and fast).
+
+    Returns:
+        ``(path, error)`` for each unreadable, corrupt or truncated file, in ``paths`` order.
+    """
+    bad: list[tuple[str, str]] = []
+    with warnings.catch_warnings():
+        # A huge photo warns (DecompressionBombWarning); only an error makes it unusable.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        for p in paths:
+            try:
+                _decode_check(os.fspath(p))
+            except Exception as err:  # PIL raises OSError, SyntaxError, ValueError...
+                bad.append((os.fspath(p), f"{type(err).__name__}: {err}"))
+                if len(bad) >= max_errors:
+                    break
+    return bad
+
+
+def _sixteen_bit_to_l(im: Image.Image) -> Image.Image:
+    # PIL's own convert() clips 16-bit values at 255, turning a 16-bit photo almost all white;
+    # rescale the full 0..65535 range to 0..255 instead ("I" is how 16-bit PNG/TIFF may decode).
+    arr = np.asarray(im, dtype=np.float64) / 257.0
+    return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8))
+
+
+def _has_alpha(im: Image.Image) -> bool:
+    return im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    if im.mode.startswith("I;16") or im.mode == "I":
+        im = _sixteen_bit_to_l(im)
+    if _has_alpha(im):
+        # Composite on white: the colour stored under transparent pixels is arbitrary (often
+        # black), so dropping alpha would show garbage; white is how viewers show the image.
+        rgba = im.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return im.convert("RGB")  # L, 1, P, CMYK (naive, no ICC), YCbCr... and a copy of RGB
+
+
+def load_rgb(path: PathLike) -> Image.Image:
+    """Open an image as 8-bit RGB, whatever its mode.
+
+    Grayscale (``L``, ``1``) is replicated to three channels; palette (``P``) is expanded;
+    16-bit (``I;16*``, and ``I``, assumed to hold 16-bit values) is scaled from 0..65535 to
+    0..255; images with alpha (``RGBA``, ``LA``, palette or grayscale with a transparency key)
+    are **composited on white**; ``CMYK`` uses PIL's conversion. The EXIF orientation is
+    applied, so a phone photo is seen the way it was labelled.
+
+    Args:
+        path: image file.
+
+    Returns:
+        A loaded ``PIL.Image`` in mode ``RGB`` (the file is closed).
+
+    Raises:
+        DataError: ``cannot read image <path>: <error>`` for a missing, corrupt or truncated file.
+    """
+    try:
+        with Image.open(path) as im:
+            im.load()
+            im = ImageOps.exif_transpose(im) or im
+            return _to_rgb(im)
+    except Exception as err:
+        raise DataError(f"cannot read image {os.fspath(path)}: {err}") from err
+
+
+class ImageListDataset(Dataset):
+    """A map-style dataset over ``(path, class_index)`` pairs.
+
+    Args:
+        samples: ``(path, class_index)`` pairs.
+        transform: applied to the RGB ``PIL.Image`` (e.g. from :func:`build_transforms`);
+            ``None`` returns the image itself.
+
+    Items are ``(transform(image), class_index)``.
+    """
+
+    def __init__(self, samples: Sequence[Sample], transform: Optional[Callable] = None):
+        self.samples = [(os.fspath(p), int(c)) for p, c in samples]
+        self.targets = [c for _, c in self.samples]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, label = self.samples[index]
+        image = load_rgb(path)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, label
+
+
+def build_transforms(
+    image_size: int, crop_scale: float = 0.08, hflip: bool = True
+) -> tuple[Callable, Callable]:
+    """Training and evaluation transforms of the reference script, with ImageNet normalisation.
+
+    Args:
+        image_size: side of the square output, in pixels.
+        crop_scale: smallest area fraction the random resized crop keeps.
+        hflip: add random horizontal flips (turn off for digits and text).
+
+    Returns:
+        ``(train_tf, val_tf)``: train is RandomResizedCrop + optional flip; val is
+        Resize(``int(image_size / 0.875)``) + CenterCrop, both ending in ToTensor + Normalize.
+    """
+    norm = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    train = [T.RandomResizedCrop(image_size, scale=(crop_scale, 1.0))]
+    if hflip:
+        train.append(T.RandomHorizontalFlip())
+    val = [T.Resize(int(image_size / 0.875)), T.CenterCrop(image_size)]
+    return T.Compose(train + norm), T.Compose(val + norm)
+
+
+# ---------------------------------------------------------------------------- distribution
+class ShardSampler(Sampler[int]):
+    """Exact, disjoint shards of a dataset for distributed evaluation.
+
+    Rank ``r`` gets indices ``r, r + W, r + 2W, ...``: no padding and no duplicates, so the
+    shards together hold every index exactly once (their lengths differ by at most one).
+    Summing correct counts and sample counts over ranks then gives the exact accuracy.
+
+    Why not ``DistributedSampler``: it pads the index list by repeating its first samples until
+    the length divides by the world size, so some images are scored twice while the reference
+    script divides by ``len(dataset)``: the accuracy is off, and can even exceed 100% on a tiny
+    set. (Its ``drop_last=True`` instead skips samples.) Neither is an exact evaluation.
+
+    Args:
+        dataset_len: number of items in the dataset.
+        rank: this process's rank, ``0 <= rank < world_size``.
+        world_size: number of processes.
+    """
+
+    def __init__(self, dataset_len: int, rank: int, world_size: int):
+        if world_size < 1 or not 0 <= rank < world_size or dataset_len < 0:
+            raise ValueError(
+                f"ShardSampler(dataset_len={dataset_len}, rank={rank}, world_size={world_size}): "
+                "need dataset_len >= 0, world_size >= 1 and 0 <= rank < world_size"
+            )
+        self.indices = range(rank, dataset_len, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def rank_share(n_train: int, world_size: int) -> int:
+    """Training samples each rank sees per epoch under ``DistributedSampler(drop_last=False)``.
+
+    That sampler pads to a multiple of the world size, so every rank gets ``ceil(n / W)``.
+    """
+    return math.ceil(n_train / world_size)
+
+
+def check_batch_fits(n_train: int, world_size: int, batch_size: int) -> int:
+    """Refuse a batch size that no rank can fill.
+
+    The training loaders drop the last partial batch (a batch of one breaks BatchNorm, and
+    uneven step counts would hang DDP), so a rank whose share is smaller than one batch would
+    run zero steps per epoch.
+
+    Returns:
+        The number of optimizer steps per epoch on each rank.
+
+    Raises:
+        DataError: naming ``batch_size``, the per-rank share and the fix.
+    """
+    share = rank_share(n_train, world_size)
+    if share < batch_size:
+        raise DataError(
+            f"batch_size={batch_size} is larger than each rank's share of the training split "
+            f"({share} images = ceil({n_train} train images / {world_size} processes)); the last "
+            f"partial batch is dropped, so no training step would run. Use batch_size <= {share}, "
+            "fewer processes, a smaller val_fraction, or more images."
+        )
+    return share // batch_size
+
+
+# ---------------------------------------------------------------------------- class names
+def class_indices(classes: Sequence[str]) -> dict[str, str]:
+    """``{"0": name0, "1": name1, ...}``, the reference script's ``class_indices.json``."""
+    return {str(i): name for i, name in enumerate(classes)}
+
+
+def write_class_indices(classes: Sequence[str], path: PathLike) -> Path:
+    """Write :func:`class_indices` as JSON (atomically, so a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(class_indices(classes), indent=4) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def describe_dataset(root: PathLike, val_fraction: float, seed: int) -> dict:
+    """Summary of a class-folder tree and its split, as plain JSON-able values.
+
+    Returns:
+        ``{"root", "classes", "counts" (class -> images), "train_counts", "val_counts",
+        "n_images", "n_train", "n_val"}``.
+
+    Raises:
+        DataError: as :func:`scan_class_folders`.
+    """
+    classes, samples = scan_class_folders(root)
+    train, val = split_samples(samples, val_fraction, seed)
+
+    def per_class(items: Sequence[Sample]) -> dict[str, int]:
+        c = Counter(label for _, label in items)
+        return {name: c.get(i, 0) for i, name in enumerate(classes)}
+
+    return {
+        "root": os.fspath(root),
+        "classes": list(classes),
+        "counts": per_class(samples),
+        "train_counts": per_class(train),
+        "val_counts": per_class(val),
+        "n_images": len(samples),
+        "n_train": len(train),
+        "n_val": len(val),
+    }
+
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "ImageListDataset",
+    "ShardSampler",
+    "build_transforms",
+    "check_batch_fits",
+    "check_images",
+    "class_indices",
+    "describe_dataset",
+    "is_image_file",
+    "load_rgb",
+    "rank_share",
+    "scan_class_folders",
+    "split_samples",
+    "write_class_indices",
+]

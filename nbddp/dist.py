@@ -1,0 +1,94 @@
+"""Small, device-agnostic helpers for code that runs inside a worker.
+
+They work the same with gloo on CPU tensors and nccl on GPU tensors, and degrade to no-ops
+when no process group is initialised, so one worker file runs alone or distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def is_dist() -> bool:
+    """True when a default process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_main() -> bool:
+    """True on global rank 0 (and when not distributed): the rank that writes files."""
+    return get_rank() == 0
+
+
+def _collective_device() -> torch.device:
+    # nccl only reduces CUDA tensors, gloo reduces CPU tensors: pick by backend, never hard-code.
+    if is_dist() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_value(value: torch.Tensor | float, average: bool = True) -> torch.Tensor:
+    """Sum (or average) a tensor or number over all ranks; returns a new tensor.
+
+    Example:
+        >>> loss_mean = reduce_value(loss.detach())  # same value on every rank
+    """
+    t = torch.as_tensor(value)
+    if not is_dist():
+        return t.clone()
+    dev = _collective_device()
+    out = t.detach().to(dev, dtype=torch.float64 if not t.is_floating_point() else t.dtype, copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    if average:
+        out /= get_world_size()
+    return out.to(t.device)
+
+
+def any_rank(flag: bool) -> bool:
+    """All ranks agree: True on every rank if ``flag`` is True on at least one rank."""
+    if not is_dist():
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def barrier() -> None:
+    if is_dist():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Run the body on rank 0 first, then on the other ranks (e.g. to build a cache once).
+
+    Example:
+        >>> with main_first():
+        ...     dataset = build_or_load_cache(path)
+    """
+    if not is_main():
+        barrier()
+    try:
+        yield
+    finally:
+        if is_main():
+            barrier()
+
+
+def save_on_main(obj, path) -> None:
+    """Save ``obj`` atomically from rank 0 only (see :func:`nbddp.checkpoint.atomic_save`)."""
+    if is_main():
+        from .checkpoint import atomic_save
+
+        atomic_save(obj, path)

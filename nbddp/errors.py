@@ -1,0 +1,72 @@
+"""Exceptions nbddp raises in the notebook.
+
+Every error is user interface: the message says what happened, where, and what to do.
+"""
+
+from __future__ import annotations
+
+
+class NbddpError(Exception):
+    """Base class of every error nbddp raises on purpose."""
+
+
+class ConfigError(NbddpError, ValueError):
+    """A launch argument or a ``TrainConfig`` field is invalid; raised before any process starts."""
+
+
+class DataError(NbddpError):
+    """The data folder cannot be used as it is (missing, empty class, unreadable image...)."""
+
+
+class WeightsError(NbddpError):
+    """A weights or checkpoint file cannot be used (missing, wrong shapes, not weights-only safe)."""
+
+
+class NonFiniteLossError(NbddpError, FloatingPointError):
+    """The loss became NaN or infinite on at least one rank; every rank stops at the same step.
+
+    Attributes:
+        rank: the first rank that saw a non-finite loss (the root cause).
+    """
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):  # keep ``rank`` when pickled between processes
+        return (type(self), (str(self), self.rank))
+
+
+class WorkerError(NbddpError):
+    """A worker process failed; the message names the root-cause rank and shows its traceback.
+
+    Attributes:
+        rank: the rank that caused the failure (not a rank that timed out waiting for it).
+        exc_type: the original exception's type name, or ``None`` for a signal / exit code.
+        signal: the signal name (``"SIGKILL"``) if the rank was killed by one.
+        exitcode: the process exit code (negative for a signal).
+        epoch: epoch the rank was in, if it reported one.
+        step: step the rank was in, if it reported one.
+        traceback: the worker's traceback text, if it raised.
+        log_path: the rank's log file.
+        run_dir: the run's folder.
+    """
+
+    def __init__(self, message: str, *, rank=None, exc_type=None, signal=None, exitcode=None,
+                 epoch=None, step=None, traceback=None, log_path=None, run_dir=None):
+        super().__init__(message)
+        self.rank, self.exc_type, self.signal, self.exitcode = rank, exc_type, signal, exitcode
+        self.epoch, self.step, self.traceback = epoch, step, traceback
+        self.log_path, self.run_dir = log_path, run_dir
+
+
+class TrainingInterrupted(NbddpError):
+    """Training was interrupted (Jupyter's Interrupt, Ctrl-C, or ``stop()``) and every worker is gone.
+
+    Attributes:
+        run_dir: the run's folder; its logs and last checkpoint are kept.
+    """
+
+    def __init__(self, message: str, run_dir=None):
+        super().__init__(message)
+        self.run_dir = run_dir

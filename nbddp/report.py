@@ -1,0 +1,147 @@
+"""Turn what the ranks left behind into one error that names the root cause.
+
+When one rank fails, the others usually fail *because of it* (their peer vanished, or they
+timed out waiting). Naming the first rank whose process ended, or the first error record, is
+often wrong. The rules, in order:
+
+1. an error that knows its cause (``exc.rank``, e.g. a NaN seen on another rank);
+2. a primary exception (not a communication error), earliest first;
+3. a rank that died on its own (signal or exit code) without an error record;
+4. a rank that stopped making progress (stalest heartbeat), for hangs;
+5. the earliest communication error.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .errors import WorkerError
+from .runtime import STATE_DIR
+
+
+@dataclass
+class RankEnd:
+    """How one rank's process ended, as the launcher saw it."""
+
+    rank: int
+    pid: int
+    exitcode: Optional[int]
+    seen_at: float
+    by_launcher: bool  # ended during nbddp's own shutdown (so not a root cause by itself)
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def signal_name(exitcode: Optional[int]) -> Optional[str]:
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, dict], beats: Dict[int, dict]) -> int:
+    """Pick the rank that caused a failure (see the module docstring for the rules)."""
+    for rec in sorted(records.values(), key=lambda r: r["time"]):
+        if rec.get("root_rank") is not None and not rec.get("secondary"):
+            return int(rec["root_rank"])
+    primary = [r for r in records.values() if not r.get("secondary")]
+    if primary:
+        return min(primary, key=lambda r: r["time"])["rank"]
+    died = [e for e in ends.values() if not e.by_launcher and e.exitcode not in (0, None) and e.rank not in records]
+    if died:
+        return min(died, key=lambda e: e.seen_at).rank
+    if beats:
+        def staleness(b: dict):
+            # Least progress first (epoch, step), then the oldest progress time.
+            return (b.get("epoch") if b.get("epoch") is not None else -1,
+                    b.get("step") if b.get("step") is not None else -1,
+                    b.get("progress_time", 0.0))
+        stuck = [b for r, b in beats.items() if r not in records or records[r].get("secondary")]
+        if stuck and len(records) < len(beats):
+            return min(stuck, key=staleness)["rank"]
+    if records:
+        return min(records.values(), key=lambda r: r["time"])["rank"]
+    return min(ends) if ends else 0
+
+
+def collect(run_dir: Path, world_size: int):
+    state = Path(run_dir) / STATE_DIR
+    records = {r: rec for r in range(world_size) if (rec := _read_json(state / f"error.rank{r}.json"))}
+    beats = {r: b for r in range(world_size) if (b := _read_json(state / f"rank{r}.json"))}
+    return records, beats
+
+
+def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int) -> WorkerError:
+    """Compose the one exception the notebook shows for a failed run."""
+    records, beats = collect(run_dir, world_size)
+    root = find_root_cause(ends, records, beats)
+    rec, end, beat = records.get(root), ends.get(root), beats.get(root, {})
+    log_path = Path(run_dir) / "logs" / f"rank{root}.log"
+    epoch = (rec or beat).get("epoch") if (rec or beat) else None
+    step = (rec or beat).get("step") if (rec or beat) else None
+    where = f"epoch {epoch}, step {step}" if epoch is not None or step is not None else "before its first step"
+    sig = signal_name(end.exitcode) if end else None
+    pid = end.pid if end else beat.get("pid")
+
+    if rec and not rec.get("secondary"):
+        headline = f"rank {root} raised {rec['type']}: {rec['message']}"
+        if rec.get("root_rank") is not None and rec["rank"] != root:
+            headline = f"rank {root}: {rec['type']}: {rec['message']}"
+    elif end and not end.by_launcher and sig:
+        hint = " — possibly out of memory (check `dmesg`, lower batch_size)" if sig == "SIGKILL" else ""
+        headline = f"rank {root} was killed by {sig}{hint}"
+    elif end and not end.by_launcher and end.exitcode not in (0, None):
+        headline = (f"rank {root} exited with code {end.exitcode} without a Python exception "
+                    "(sys.exit/os._exit in the worker, or a crash in native code)")
+    elif rec:
+        headline = f"rank {root} failed in a collective: {rec['type']}: {rec['message']}"
+    else:
+        age = time.time() - beat.get("progress_time", time.time())
+        headline = f"rank {root} stopped making progress (last progress {age:.0f} s ago)"
+
+    parts = [f"Training failed: {headline}",
+             f"  at {where} · pid {pid} · log: {log_path}"]
+    others = []
+    for r in sorted(set(range(world_size)) - {root}):
+        o_rec, o_end = records.get(r), ends.get(r)
+        if o_rec:
+            others.append(f"rank {r}: {o_rec['type']}: {o_rec['message'].splitlines()[0][:160] if o_rec['message'] else ''}")
+        elif o_end and o_end.by_launcher:
+            others.append(f"rank {r}: stopped by nbddp after rank {root} failed")
+        elif o_end:
+            others.append(f"rank {r}: exit code {o_end.exitcode}")
+    if others:
+        parts.append("Other ranks: " + "; ".join(others))
+    if rec and rec.get("traceback"):
+        parts.append(f"--- traceback of rank {root} ---\n{rec['traceback'].rstrip()}")
+    log_tail = tail(log_path)
+    if log_tail and not (rec and rec.get("traceback") and rec["traceback"].strip() in log_tail):
+        parts.append(f"--- last lines of {log_path.name} ---\n{log_tail}")
+    return WorkerError(
+        "\n".join(parts), rank=root, exc_type=rec["type"] if rec else None, signal=sig,
+        exitcode=end.exitcode if end else None, epoch=epoch, step=step,
+        traceback=rec.get("traceback") if rec else None, log_path=log_path, run_dir=Path(run_dir),
+    )

@@ -1,0 +1,364 @@
+"""The per-rank entry point: everything a worker process does around the user's function.
+
+Order matters and each step has a reason:
+1. parent-death signal first, so a worker never outlives a kernel that died (OOM killer);
+2. leave the kernel's process group and ignore SIGINT: Jupyter's Interrupt signals the whole
+   group, and a worker that gets it exits 0 (looks like success) or, inside a collective,
+   ignores it. The kernel side turns an interrupt into a staged shutdown instead;
+3. stdout/stderr redirected at file-descriptor level, so C++ (gloo/NCCL) messages land in the
+   rank's log too;
+4. process group from a store the launcher owns (no fixed port, no port race);
+5. any exception is written as an error record (type, traceback, epoch, step) before exiting,
+   so the notebook can name the root-cause rank.
+
+This module never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+STATE_DIR = ".nbddp"  # inside run_dir: heartbeats, error records, result, stop flag
+
+# Substrings of errors a rank gets because *another* rank failed (its peer vanished or never
+# arrived). Such errors are consequences; the launcher looks past them for the root cause.
+_SECONDARY_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "timed out",
+    "Timed out",
+    "Timeout",
+    "ECONNREFUSED",
+    "NCCL communicator was aborted",
+    "process group has been destroyed",
+)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What each spawned process receives (picklable plain values)."""
+
+    target: str
+    args: tuple
+    kwargs: dict
+    world_size: int
+    backend: str
+    gpus: tuple
+    store_host: str
+    store_port: int
+    run_dir: str
+    parent_pid: int
+    threads: int
+    timeout_s: float
+    fault: Optional[str] = None  # test-only fault hook, see _inject_fault
+
+
+def state_path(run_dir: os.PathLike | str, name: str) -> Path:
+    return Path(run_dir) / STATE_DIR / name
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+class Context:
+    """What a worker function receives as its first argument.
+
+    Attributes:
+        rank: global rank of this process.
+        local_rank: rank on this machine (index into the selected GPUs).
+        world_size: number of processes.
+        device: ``torch.device`` this rank computes on (``cuda:i`` or ``cpu``).
+        backend: ``"nccl"`` or ``"gloo"``.
+        run_dir: the run's folder (config, logs, metrics, checkpoints).
+        is_main: True on rank 0, the rank that writes files.
+    """
+
+    def __init__(self, rank: int, local_rank: int, world_size: int, device: torch.device,
+                 backend: str, run_dir: Path):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = world_size
+        self.device = device
+        self.backend = backend
+        self.run_dir = Path(run_dir)
+        self.is_main = rank == 0
+        self.epoch: Optional[int] = None
+        self.step: Optional[int] = None
+        self._progress_time = time.time()
+        self._stop_checked = 0.0
+        self._stop = False
+        self._progress_written = 0.0
+        self._metrics_file = None
+        (self.run_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
+
+    # -- progress and metrics ---------------------------------------------------------
+    def heartbeat(self, epoch: Optional[int] = None, step: Optional[int] = None) -> None:
+        """Record that this rank made progress (cheap; call it once per step)."""
+        if epoch is not None:
+            self.epoch = epoch
+        if step is not None:
+            self.step = step
+        self._progress_time = time.time()
+
+    def log(self, **metrics: Any) -> None:
+        """Record metrics: rank 0's go live to the notebook and to ``run_dir/metrics.jsonl``.
+
+        Other ranks only update their heartbeat, so ``ctx.log`` can be called on every rank
+        (log values reduced over ranks, e.g. with :func:`nbddp.dist.reduce_value`).
+        """
+        self.heartbeat(metrics.get("epoch"), metrics.get("step"))
+        if not self.is_main:
+            return
+        if self._metrics_file is None:
+            self._metrics_file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        record = {"time": round(time.time(), 3)}
+        record.update({k: _plain(v) for k, v in metrics.items()})
+        self._metrics_file.write(json.dumps(record) + "\n")
+
+    def progress(self, **fields: Any) -> None:
+        """Report live progress (epoch, step, total, loss...), shown by the notebook's panel.
+
+        Written at most 5 times a second, so calling it every step costs nothing.
+        """
+        self.heartbeat(fields.get("epoch"), fields.get("step"))
+        now = time.time()
+        if self.is_main and now - self._progress_written >= 0.2:
+            self._progress_written = now
+            fields = {k: _plain(v) for k, v in fields.items()}
+            fields["time"] = round(now, 3)
+            write_json_atomic(state_path(self.run_dir, "progress.json"), fields)
+
+    def should_stop(self) -> bool:
+        """True once the notebook asked this run to stop (Stop button, ``handle.stop()``).
+
+        Local to this rank: to leave a loop together, agree first, e.g.
+        ``if nbddp.dist.any_rank(ctx.should_stop()): break``.
+        """
+        now = time.time()
+        if not self._stop and now - self._stop_checked >= 0.2:
+            self._stop_checked = now
+            self._stop = state_path(self.run_dir, "stop").exists()
+        return self._stop
+
+    def close(self) -> None:
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.detach().cpu().tolist()
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def to_cpu(obj: Any) -> Any:
+    """Move every tensor in a nested structure to the CPU (rank 0's return value)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, to_cpu(v)) for k, v in obj.items()) if type(obj) is not dict else {
+            k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+# ---------------------------------------------------------------------------- process set-up
+def set_parent_death_signal(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL us when our parent dies, then check it has not died already."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # The parent may have died between our fork and the prctl call: then we were re-parented.
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def redirect_output(log_path: Path) -> None:
+    """Send fd 1 and 2 (Python and C++ output alike) to the rank's log file, line-buffered."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
+
+
+class _Heartbeat(threading.Thread):
+    """Writes ``rank<r>.json`` every second: pid, epoch, step, time of last progress.
+
+    A thread, so the file stays fresh while the main thread waits in a collective (the GIL is
+    released there); the *progress* time inside it tells a rank that stopped making progress.
+    """
+
+    def __init__(self, ctx: Context, interval: float = 1.0):
+        super().__init__(daemon=True, name="nbddp-heartbeat")
+        self.ctx, self.interval = ctx, interval
+        self.path = state_path(ctx.run_dir, f"rank{ctx.rank}.json")
+        self.state = "starting"
+        self._wake = threading.Event()
+
+    def beat(self) -> None:
+        c = self.ctx
+        try:
+            write_json_atomic(self.path, {
+                "rank": c.rank, "pid": os.getpid(), "state": self.state, "epoch": c.epoch,
+                "step": c.step, "progress_time": c._progress_time, "beat_time": time.time(),
+            })
+        except OSError:
+            pass  # a full disk must not kill the heartbeat thread; the main thread will report it
+
+    def run(self) -> None:
+        while not self._wake.wait(self.interval):
+            self.beat()
+
+
+def _error_record(exc: BaseException, ctx: Optional[Context], rank: int) -> dict:
+    text = f"{type(exc).__name__}: {exc}"
+    secondary = isinstance(exc, getattr(dist, "DistError", ())) or any(m in text for m in _SECONDARY_MARKERS)
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": traceback.format_exc(),
+        "epoch": ctx.epoch if ctx else None,
+        "step": ctx.step if ctx else None,
+        "secondary": bool(secondary),
+        # An error may know better which rank caused it (e.g. a NaN seen on another rank).
+        "root_rank": getattr(exc, "rank", None) if isinstance(getattr(exc, "rank", None), int) else None,
+    }
+
+
+def _inject_fault(fault: Optional[str], rank: int, where: str) -> None:
+    """Test-only fault hook: ``"<where>:<rank>:<action>"``, e.g. ``"start:1:raise"``."""
+    if not fault:
+        return
+    for item in fault.split(","):
+        f_where, f_rank, action = item.split(":")
+        if f_where == where and int(f_rank) == rank:
+            if action == "raise":
+                raise RuntimeError(f"injected fault on rank {rank}")
+            if action == "exit3":
+                os._exit(3)
+            if action == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if action == "hang":
+                while True:
+                    time.sleep(1)
+
+
+def entry(local_rank: int, spec: LaunchSpec) -> None:
+    """Run one rank: set up, call the target, report, tear down. Never returns normally."""
+    set_parent_death_signal(spec.parent_pid)
+    try:
+        os.setpgid(0, 0)  # own process group: the launcher can signal our DataLoader workers too
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank = local_rank  # single-machine launch: global rank == local rank
+    run_dir = Path(spec.run_dir)
+    redirect_output(run_dir / "logs" / f"rank{rank}.log")
+
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.world_size), "NBDDP_RUN_DIR": str(run_dir),
+    })
+    torch.set_num_threads(spec.threads)
+    if spec.backend == "nccl":
+        torch.cuda.set_device(local_rank)  # CUDA_VISIBLE_DEVICES holds exactly the chosen GPUs
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+
+    ctx = Context(rank, local_rank, spec.world_size, device, spec.backend, run_dir)
+    beat = _Heartbeat(ctx)
+    beat.beat()
+    beat.start()
+    code = 0
+    try:
+        _inject_fault(spec.fault, rank, "start")
+        store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+        dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
+                                timeout=datetime.timedelta(seconds=spec.timeout_s))
+        beat.state = "running"
+        fn = load_target(spec.target)
+        _inject_fault(spec.fault, rank, "run")
+        value = fn(ctx, *spec.args, **spec.kwargs)
+        if rank == 0:
+            _write_result(run_dir, to_cpu(value))
+        beat.state = "finishing"
+        dist.destroy_process_group()
+        beat.state = "done"
+    except BaseException as exc:  # noqa: BLE001 - every failure must become a record
+        code = 1
+        beat.state = "failed"
+        record = _error_record(exc, ctx, rank)
+        try:
+            write_json_atomic(state_path(run_dir, f"error.rank{rank}.json"), record)
+        except OSError:
+            pass
+        print(record["traceback"], file=sys.stderr)
+    finally:
+        ctx.close()
+        beat.beat()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # os._exit skips interpreter teardown: atexit hooks and non-daemon threads (DataLoader,
+    # gloo) can deadlock there after the process group is gone; everything is flushed above.
+    os._exit(code)
+
+
+def _write_result(run_dir: Path, value: Any) -> None:
+    path = state_path(run_dir, "result.pkl")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(
+            f"rank 0's return value ({type(value).__name__}) cannot be pickled: {exc}. "
+            "Return plain values, tensors or dicts of them."
+        ) from exc
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def load_target(target: str):
+    from .targets import load_target as _load
+
+    return _load(target)

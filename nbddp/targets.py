@@ -1,0 +1,144 @@
+"""Worker targets: ``"package.module:function"``, ``"path/to/file.py:function"`` or a function.
+
+A notebook cannot hand a function defined in its own cells to a spawned child: the child
+re-imports it by module path, and a kernel's ``__main__`` is not a module. So worker functions
+live in files, and this module turns whatever the user passed into a spec string that every
+child can load by itself. The kernel checks the spec (file exists, function defined) without
+running the user's file; the child loads it fresh, so edits to the file count at every launch.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Union
+
+from .errors import ConfigError
+
+_NOTEBOOK_FIX = (
+    "Worker functions must live in a file so each spawned process can import them. In the "
+    "notebook, put the function in its own cell that starts with\n"
+    "    %%writefile my_worker.py\n"
+    "run that cell, then launch with\n"
+    "    spawn_train(\"my_worker.py:train\", ...)"
+)
+
+
+def resolve_target(target: Union[str, Callable[..., Any]]) -> str:
+    """Turn a target into a spec string and check it, in the kernel, before anything starts.
+
+    Args:
+        target: ``"pkg.module:fn"``, ``"path/file.py:fn"`` or a module-level function.
+
+    Returns:
+        ``"pkg.module:fn"`` or ``"/absolute/path/file.py:fn"``.
+
+    Raises:
+        ConfigError: the target cannot be loaded by a spawned process; the message says why
+            and how to fix it.
+    """
+    if callable(target) and not isinstance(target, str):
+        return _spec_from_function(target)
+    if not isinstance(target, str) or ":" not in target:
+        raise ConfigError(
+            f"worker target {target!r} is not of the form 'file.py:function' or "
+            "'package.module:function'"
+        )
+    where, _, qualname = target.rpartition(":")
+    if not where or not qualname or not all(p.isidentifier() for p in qualname.split(".")):
+        raise ConfigError(f"worker target {target!r}: '{qualname}' is not a function name")
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        return _check_file_target(Path(where), qualname)
+    return _check_module_target(where, qualname)
+
+
+def _spec_from_function(fn: Callable[..., Any]) -> str:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+    if module in (None, "__main__", "__mp_main__"):
+        raise ConfigError(f"worker function {qualname!r} is defined in the notebook (__main__).\n{_NOTEBOOK_FIX}")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise ConfigError(
+            f"worker function {qualname!r} is a lambda or nested function, which spawned "
+            "processes cannot import. Define it at module level in a file."
+        )
+    mod = sys.modules.get(module)
+    mod_file = getattr(mod, "__file__", None)
+    if module.startswith("nbddp_user_") and mod_file:
+        # Loaded from a file by us earlier: keep pointing at the file, not the synthetic name.
+        return _check_file_target(Path(mod_file), qualname)
+    return _check_module_target(module, qualname)
+
+
+def _check_module_target(module: str, qualname: str) -> str:
+    try:
+        obj: Any = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import error is a user error here
+        raise ConfigError(
+            f"worker module {module!r} cannot be imported in the kernel: {type(exc).__name__}: {exc}. "
+            "Check the name, or pass a file path such as 'my_worker.py:train'."
+        ) from exc
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ConfigError(f"module {module!r} has no function {qualname!r}")
+    if not callable(obj):
+        raise ConfigError(f"{module}:{qualname} is not callable")
+    return f"{module}:{qualname}"
+
+
+def _check_file_target(path: Path, qualname: str) -> str:
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(
+            f"worker file {path} does not exist. Write it first (e.g. with %%writefile in a "
+            "notebook cell) or fix the path; relative paths start at the kernel's working "
+            f"directory {os.getcwd()}."
+        )
+    # Parse, do not execute: the kernel must not run the user's training code by itself.
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as exc:
+        raise ConfigError(f"worker file {path} has a syntax error at line {exc.lineno}: {exc.msg}") from exc
+    top = qualname.split(".")[0]
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    if top not in names:
+        found = sorted(n for n in names if not n.startswith("_"))
+        raise ConfigError(
+            f"worker file {path} defines no top-level {top!r}; it defines: {', '.join(found) or 'nothing'}"
+        )
+    return f"{path}:{qualname}"
+
+
+def load_target(spec: str) -> Callable[..., Any]:
+    """Import the function a spec names (runs in the worker process)."""
+    where, _, qualname = spec.rpartition(":")
+    if where.endswith(".py") or os.sep in where:
+        path = Path(where)
+        # The file's folder goes on sys.path so the worker can import its sibling modules.
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        name = "nbddp_user_" + "".join(c if c.isalnum() else "_" for c in path.stem)
+        mod_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        # Registered before exec so pickling and dataclasses inside the file work.
+        sys.modules[name] = module
+        mod_spec.loader.exec_module(module)
+        obj: Any = module
+    else:
+        obj = importlib.import_module(where)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj

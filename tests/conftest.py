@@ -1,0 +1,72 @@
+"""Shared test helpers: process-survival checks read /proc, as the reliability doc asks."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ROOT / "tests" / "workers"
+EXAMPLES = ROOT / "examples"
+
+
+def proc_state(pid: int):
+    """'R', 'S', 'Z' (zombie)... or None when the pid no longer exists."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("State:"):
+                return line.split()[1]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+def children_of(pid: int):
+    """Pids whose parent is ``pid`` (zombies included)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.append(int(entry))
+    return out
+
+
+def survivors(pids):
+    """The pids that still exist, live or zombie (a zombie is a survivor too)."""
+    return {p: s for p in pids if (s := proc_state(p)) is not None}
+
+
+def worker_children():
+    """Children of this test process other than multiprocessing helpers (resource tracker)."""
+    res = []
+    for pid in children_of(os.getpid()):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "resource_tracker" in cmd or "forkserver" in cmd:
+            continue
+        res.append(pid)
+    return res
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    return tmp_path / "runs"
