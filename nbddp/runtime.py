@@ -93,7 +93,7 @@ class Context:
     """
 
     def __init__(self, rank: int, local_rank: int, world_size: int, device: torch.device,
-                 backend: str, run_dir: Path):
+                 backend: str, run_dir: Path, fault: Optional[str] = None):
         self.rank = rank
         self.local_rank = local_rank
         self.world_size = world_size
@@ -108,6 +108,7 @@ class Context:
         self._stop = False
         self._progress_written = 0.0
         self._metrics_file = None
+        self._fault = fault
         (self.run_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
 
     # -- progress and metrics ---------------------------------------------------------
@@ -158,6 +159,11 @@ class Context:
             self._stop_checked = now
             self._stop = state_path(self.run_dir, "stop").exists()
         return self._stop
+
+    def fault_point(self, where: str) -> None:
+        """Test-only: fail here if the launch asked for a fault at ``where`` (see ``_inject_fault``)."""
+        if self._fault:
+            _inject_fault(self._fault, self.rank, where)
 
     def close(self) -> None:
         if self._metrics_file is not None:
@@ -305,7 +311,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     else:
         device = torch.device("cpu")
 
-    ctx = Context(rank, local_rank, spec.world_size, device, spec.backend, run_dir)
+    ctx = Context(rank, local_rank, spec.world_size, device, spec.backend, run_dir, spec.fault)
     beat = _Heartbeat(ctx)
     beat.beat()
     beat.start()

@@ -70,3 +70,27 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1):
 @pytest.fixture
 def runs_dir(tmp_path):
     return tmp_path / "runs"
+
+
+def make_tree(root: Path, classes=("a", "b", "c"), per_class: int = 12, size: int = 16, seed: int = 0) -> Path:
+    """A small learnable class-folder tree: each class has its own colour, plus noise."""
+    import random
+
+    from PIL import Image
+
+    rng = random.Random(seed)
+    palette = [(220, 40, 40), (40, 200, 60), (50, 60, 220), (230, 200, 30), (200, 50, 200)]
+    for ci, name in enumerate(classes):
+        folder = Path(root) / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            base = palette[ci % len(palette)]
+            img = Image.new("RGB", (size, size))
+            img.putdata([tuple(max(0, min(255, c + rng.randint(-40, 40))) for c in base) for _ in range(size * size)])
+            img.save(folder / f"{i:03d}.png")
+    return Path(root)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    return make_tree(tmp_path / "data")

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One entry point for the two Quickstart commands:
+#   bash dev.sh train   set up .venv, train ResNet34 on the bundled digits, export the weights
+#   bash dev.sh test    set up .venv, run every test (unit, multi-process, kernel, notebooks)
+# Needs only python3 (3.10+). The set-up is skipped when requirements-dev.txt is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+VENV=${NBDDP_VENV:-.venv}
+
+setup() {
+  local stamp="$VENV/.nbddp-setup"
+  local want
+  want=$(cat requirements-dev.txt pyproject.toml | "$PY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return
+  fi
+  echo "== setting up $VENV (first time: a few minutes)"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  "$VENV/bin/python" -m pip install -q -r requirements-dev.txt
+  "$VENV/bin/python" -m pip install -q --no-deps -e .
+  # The notebooks run on a kernel of this environment, whatever else is installed.
+  "$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 >/dev/null
+  echo "$want" > "$stamp"
+}
+
+case "${1:-}" in
+  train)
+    setup
+    shift
+    exec "$VENV/bin/python" -m nbddp train --data-path data/digits --model resnet34 --image-size 32 \
+      --epochs 8 --batch-size 32 --lr 0.01 --crop-scale 0.5 --no-hflip --name digits "$@"
+    ;;
+  test)
+    setup
+    shift
+    exec "$VENV/bin/python" -m pytest tests notebooks --nbmake "$@"
+    ;;
+  setup)
+    setup
+    ;;
+  *)
+    echo "usage: bash dev.sh train|test|setup [extra arguments]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,536 @@
+"""Checkpoint and weights files: atomic writes, weights-only loads, exports.
+
+Used by the notebook kernel and by the workers, so it imports nothing from the UI.
+
+Two rules hold everywhere in this module:
+
+* Every file is written atomically (temp file in the same folder, fsync, ``os.replace``), so a
+  crash or a failing ``torch.save`` never leaves a half-written checkpoint in place of a good one.
+* Every file is read with ``torch.load(..., weights_only=True)`` and never retried with
+  ``weights_only=False``: unpickling arbitrary objects can run arbitrary code. That is why
+  checkpoints hold only plain values (see :func:`to_plain`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import enum
+import errno
+import json
+import os
+import pickle
+import secrets
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, WeightsError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Where :func:`resolve_weights_path` looks inside a folder, first match wins: a run's export
+#: (safetensors first: it cannot hold code and loads without unpickling), then an export folder.
+WEIGHTS_SEARCH_ORDER = (
+    "export/model.safetensors",
+    "export/model.pth",
+    "model.safetensors",
+    "model.pth",
+)
+
+#: Prefixes that wrappers add in front of every key: DDP / DataParallel and ``torch.compile``.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+_TMP_MARK = ".tmp-"
+
+
+# ---------------------------------------------------------------------------- atomic writes
+def _open_temp(path: Path) -> tuple[int, Path]:
+    """Create ``.<name>.tmp-<pid>-<token>`` next to ``path``; returns (fd, temp path)."""
+    for _ in range(100):
+        # The pid lets cleanup_temp_files tell a crashed writer's leftover from a live write;
+        # the token keeps two threads of one process apart.
+        tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            # O_EXCL: never write through a file (or symlink) someone else created; mode 0o666
+            # minus the umask gives the same permissions as a plain open(), unlike mkstemp's 0o600.
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "could not create a unique temporary file", str(path))
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename is only durable once the directory entry is on disk. Some platforms (Windows)
+    # and file systems cannot open or fsync a directory: the file itself is already synced.
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> Path:
+    """Call ``write(file)`` on a temp file, then move it over ``path`` in one step."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = _open_temp(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # KeyboardInterrupt too: never leave a temp file behind
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_save(obj: Any, path: PathLike) -> Path:
+    """``torch.save(obj, path)`` that never leaves a half-written file at ``path``.
+
+    The object is written to ``.<name>.tmp-<pid>-<token>`` in the same folder, flushed and
+    fsynced, then renamed over ``path`` with ``os.replace`` (atomic on POSIX and Windows) and
+    the folder is fsynced. On any exception the temp file is removed, the exception propagates
+    and the previous file at ``path`` is untouched. Missing parent folders are created.
+
+    Args:
+        obj: what to save; keep it weights-only loadable (see :func:`to_plain`).
+        path: destination file.
+
+    Returns:
+        ``path`` as a ``Path``.
+    """
+    # Look torch.save up at call time (not ``from torch import save``) so tests can patch it.
+    return _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_text(text: str, path: PathLike) -> Path:
+    """Write UTF-8 ``text`` to ``path`` atomically (same guarantees as :func:`atomic_save`)."""
+    data = text.encode("utf-8")
+    return _atomic_write(path, lambda f: f.write(data))
+
+
+def _temp_writer_alive(tmp: Path) -> bool:
+    """True when the pid in a temp file's name is a running process on this machine."""
+    pid_text = tmp.name.rpartition(_TMP_MARK)[2].split("-", 1)[0]
+    if not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return True  # another thread of this process may be writing it right now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # PermissionError: it exists but belongs to another user; leave it alone
+    return True
+
+
+def cleanup_temp_files(folder: PathLike, recursive: bool = True) -> list[Path]:
+    """Remove ``.*.tmp-*`` files left by a writer that died between write and rename.
+
+    Temp files whose writer pid is still running on this machine are kept: removing them would
+    make that writer's ``os.replace`` fail.
+
+    Args:
+        folder: a run folder (or any folder); a missing folder is not an error.
+        recursive: also look in sub-folders (``export/``...).
+
+    Returns:
+        The paths removed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    pattern = f".*{_TMP_MARK}*"
+    removed = []
+    for tmp in sorted(folder.rglob(pattern) if recursive else folder.glob(pattern)):
+        if not tmp.is_file() or _temp_writer_alive(tmp):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+            removed.append(tmp)
+    return removed
+
+
+# ---------------------------------------------------------------------------- plain values
+def to_plain(obj: Any) -> Any:
+    """Convert ``obj`` to values that ``torch.load(weights_only=True)`` accepts.
+
+    Paths become ``str``; numpy scalars become Python numbers and numpy arrays CPU tensors;
+    dataclasses (``TrainConfig``), ``argparse.Namespace`` and mappings become ``dict``; tuples
+    (namedtuples included) stay tuples, lists and sets become lists; tensors are detached and
+    moved to the CPU; enums become their value. Use it on configs and RNG states before saving.
+
+    Example:
+        >>> state = {"config": to_plain(cfg), "numpy_rng": to_plain(np.random.get_state())}
+
+    Raises:
+        TypeError: an object of another type, with where it sits (e.g. ``obj['cfg'][2]``).
+    """
+    return _plain(obj, "obj")
+
+
+def _plain(obj: Any, where: str) -> Any:
+    if obj is None or type(obj) in (bool, int, float, complex, str, bytes):
+        return obj
+    if isinstance(obj, enum.Enum):
+        return _plain(obj.value, where)
+    # Subclasses (np.float64 is a float, np.str_ a str) pickle as their own class, which the
+    # weights-only unpickler refuses: rebuild the exact builtin type.
+    for builtin in (bool, int, float, complex, str, bytes):
+        if isinstance(obj, builtin):
+            return builtin(obj)
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return obj  # both are on the weights-only allow-list
+    if isinstance(obj, np.generic):
+        return _plain(obj.item(), where)
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind in "biufc":
+            return torch.from_numpy(np.ascontiguousarray(obj).copy())
+        return _plain(obj.tolist(), where)  # strings, objects: no tensor dtype for them
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = dataclasses.fields(obj)
+        return {f.name: _plain(getattr(obj, f.name), f"{where}.{f.name}") for f in fields}
+    if isinstance(obj, argparse.Namespace):
+        return _plain(vars(obj), where)
+    if isinstance(obj, Mapping):
+        return {_plain(k, f"{where} key {k!r}"): _plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    if isinstance(obj, bytearray):
+        return bytes(obj)
+    if isinstance(obj, (list, set, frozenset)):
+        items = list(obj)
+        if isinstance(obj, (set, frozenset)):
+            with contextlib.suppress(TypeError):
+                items = sorted(items)  # a stable order when the items allow one
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(items)]
+    raise TypeError(
+        f"to_plain: {where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a "
+        "weights-only checkpoint cannot hold; convert it to a tensor, number, string, list or dict"
+    )
+
+
+# ---------------------------------------------------------------------------- loading
+def _first_sentence(text: str) -> str:
+    """The first sentence of a (long, multi-line) torch error message."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    head, dot, _ = line.partition(". ")
+    return head + dot.strip()
+
+
+def _blocked_global(message: str) -> str:
+    """The sentence of torch's weights-only error that names the refused class, if any."""
+    for line in message.splitlines():
+        if "GLOBAL" in line or "Unsupported" in line:
+            return _first_sentence(line)
+    return ""
+
+
+def _nearby_files_hint(path: Path) -> str:
+    """What to check when ``path`` does not exist: the files next to it, or the working dir."""
+    if path.parent.is_dir():
+        nearby = sorted(p.name for p in path.parent.iterdir() if p.suffix in (".pt", ".pth", ".safetensors"))
+        if nearby:
+            return f"Check the path; {path.parent} holds: {', '.join(nearby[:8])}."
+    return f"Check the path (relative paths start from {os.getcwd()})."
+
+
+def _load_weights_only(path: PathLike, what: str = "checkpoint") -> Any:
+    """``torch.load`` with weights_only=True; every failure becomes a ``WeightsError``."""
+    path = Path(path)
+    if not path.exists():
+        raise WeightsError(f"{what} file not found: {path}. {_nearby_files_hint(path)}")
+    if path.is_dir():
+        raise WeightsError(f"{path} is a folder, not a {what} file; pass the file inside it.")
+    try:
+        # weights_only=True is the whole point: never retry with False, even on failure.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" not in str(e):
+            raise _corrupt_error(path, what, e) from e
+        blocked = _blocked_global(str(e))
+        raise WeightsError(
+            f"{path} is not weights-only safe: it holds Python objects other than tensors and "
+            f"plain containers{' (' + blocked + ')' if blocked else ''}. nbddp never unpickles "
+            "such files because that can run arbitrary code. If the file was saved with "
+            "torch.save(model), re-save model.state_dict(); if it holds numpy arrays, Path or "
+            "Namespace objects, re-save it through nbddp.checkpoint.to_plain. Do that only in a "
+            "separate Python, and only if you trust where the file came from."
+        ) from None
+    except Exception as e:  # RuntimeError (zip), EOFError (empty), KeyError (garbage)...
+        raise _corrupt_error(path, what, e) from e
+
+
+def _corrupt_error(path: Path, what: str, e: BaseException) -> WeightsError:
+    with contextlib.suppress(OSError):
+        if path.stat().st_size == 0:
+            return WeightsError(
+                f"{what} file {path} is empty (0 bytes): it was created but never written, e.g. "
+                "by a crash or a full disk. Use another checkpoint or export, or start without it."
+            )
+    return WeightsError(
+        f"cannot read {what} {path}: the file is truncated or corrupt "
+        f"({type(e).__name__}: {_first_sentence(str(e)) or 'no details'}). It was probably cut "
+        "short (a crash or a full disk during a non-atomic save, or an incomplete copy); use "
+        "another checkpoint or export, or start without it."
+    )
+
+
+def load_checkpoint(path: PathLike) -> dict:
+    """Load a checkpoint dict on the CPU, weights-only.
+
+    Raises:
+        WeightsError: the file is missing, truncated or corrupt, not weights-only safe (it
+            would need to unpickle arbitrary objects), or does not hold a dict.
+    """
+    obj = _load_weights_only(path, "checkpoint")
+    if not isinstance(obj, dict):
+        raise WeightsError(
+            f"{path} holds a {type(obj).__name__}, not a checkpoint dict; pass a file written by "
+            "nbddp (or torch.save of a dict)."
+        )
+    return obj
+
+
+# ---------------------------------------------------------------------------- state dicts
+def strip_wrapper_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Remove leading ``module.`` (DDP, DataParallel) and ``_orig_mod.`` (torch.compile) from keys.
+
+    Prefixes are removed repeatedly and in any order (``module._orig_mod.fc.weight`` becomes
+    ``fc.weight``), so a state_dict saved from a wrapped model loads into a bare one.
+
+    Raises:
+        WeightsError: two keys collapse onto the same name.
+    """
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        new = key
+        while new.startswith(WRAPPER_PREFIXES):
+            new = new.split(".", 1)[1]
+        if new in out:
+            raise WeightsError(f"two keys become {new!r} once wrapper prefixes are removed (one is {key!r})")
+        out[new] = value
+    return out
+
+
+def extract_state_dict(obj: Any, source: str = "the state_dict") -> dict[str, torch.Tensor]:
+    """The model state_dict inside ``obj``: ``obj`` itself, or its ``"model"`` entry.
+
+    ``"state_dict"`` and ``"model_state_dict"`` entries (other libraries' checkpoints) are also
+    accepted. Keys lose their wrapper prefixes (see :func:`strip_wrapper_prefixes`).
+
+    Raises:
+        WeightsError: ``obj`` is not a mapping of names to tensors; names ``source``.
+    """
+    if isinstance(obj, Mapping):
+        for key in ("model", "state_dict", "model_state_dict"):
+            if isinstance(obj.get(key), Mapping):
+                obj = obj[key]
+                break
+    if not isinstance(obj, Mapping) or not obj:
+        raise WeightsError(
+            f"{source} is not a model state_dict (got {type(obj).__name__}"
+            f"{', empty' if isinstance(obj, Mapping) else ''}); save model.state_dict(), or a dict "
+            "with the state_dict under 'model'."
+        )
+    bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise WeightsError(
+            f"{source} is not a model state_dict: {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} "
+            f"not a name -> tensor pair (first: {bad[0]!r}: {type(obj[bad[0]]).__name__}). Save "
+            "model.state_dict(), or a dict with the state_dict under 'model'."
+        )
+    return strip_wrapper_prefixes(obj)
+
+
+def resolve_weights_path(path: PathLike) -> Path:
+    """The weights file ``path`` names: the file itself, or the first of
+    :data:`WEIGHTS_SEARCH_ORDER` found inside a folder (a run folder or an export folder).
+
+    Raises:
+        WeightsError: nothing exists at ``path``, or a folder holds none of the candidates.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise WeightsError(
+            f"weights file not found: {path}. {_nearby_files_hint(path)} Pass a .safetensors / "
+            ".pth file, a run folder or an export folder."
+        )
+    if not path.is_dir():
+        return path
+    for candidate in WEIGHTS_SEARCH_ORDER:
+        if (path / candidate).is_file():
+            return path / candidate
+    raise WeightsError(
+        f"{path} is a folder without weights: looked for {', '.join(WEIGHTS_SEARCH_ORDER)}. "
+        "Pass the weights file itself, or a run folder whose training finished its export."
+    )
+
+
+def _is_safetensors(path: Path) -> bool:
+    if path.suffix == ".safetensors":
+        return True
+    # A renamed file: safetensors starts with an 8-byte header length, then the JSON header.
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return f.read(9)[8:9] == b"{"
+    return False
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise _corrupt_error(path, "weights file", e) from e
+
+
+def load_state_dict_file(path: PathLike) -> dict[str, torch.Tensor]:
+    """Load model weights as a ``{name: tensor}`` dict on the CPU, whatever the file layout.
+
+    Accepts a ``.safetensors`` file, a ``.pth``/``.pt`` state_dict, a full checkpoint dict
+    with the state_dict under ``"model"``, or a folder: a run folder or an export folder, where
+    the first of ``export/model.safetensors``, ``export/model.pth``, ``model.safetensors``,
+    ``model.pth`` is used (:data:`WEIGHTS_SEARCH_ORDER`). Leading ``module.`` / ``_orig_mod.``
+    are removed from the keys. ``.pth`` files are read weights-only.
+
+    Raises:
+        WeightsError: missing file, truncated or corrupt file, a file that is not weights-only
+            safe, or a file that holds no state_dict; the message names the file.
+    """
+    file = resolve_weights_path(path)
+    if _is_safetensors(file):
+        return strip_wrapper_prefixes(_load_safetensors(file))
+    return extract_state_dict(_load_weights_only(file, "weights"), str(file))
+
+
+# ---------------------------------------------------------------------------- export
+def _class_names(classes: Union[Sequence[str], Mapping[Any, Any]]) -> list[str]:
+    """Class names ordered by index, from a list, ``{index: name}`` or ``{name: index}``."""
+    if isinstance(classes, Mapping):
+        items = list(classes.items())
+        if all(isinstance(i, int) and not isinstance(i, bool) for _, i in items):
+            pairs = [(i, name) for name, i in items]  # ImageFolder's class_to_idx
+        else:
+            try:  # {"0": "cat"} as in class_indices.json
+                pairs = [(int(i), name) for i, name in items]
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"classes mapping must be {{index: name}} or {{name: index}}, got {classes!r}"
+                ) from None
+        pairs.sort(key=lambda pair: pair[0])
+        indices = [i for i, _ in pairs]
+        if indices != list(range(len(pairs))):
+            raise ConfigError(f"class indices must be 0..{len(pairs) - 1} without gaps, got {indices}")
+        names = [name for _, name in pairs]
+    elif isinstance(classes, Sequence) and not isinstance(classes, str):
+        names = list(classes)
+    else:
+        raise ConfigError(
+            f"classes must be a list of names or a name/index mapping, got {type(classes).__name__}"
+        )
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"classes must be non-empty strings, got {names!r}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"classes contains duplicate names: {names!r}")
+    return names
+
+
+def _export_tensors(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    tensors = extract_state_dict(state_dict, "the state_dict to export")
+    # One fresh, contiguous CPU copy per tensor: safetensors refuses shared or strided storage,
+    # and torch.save of a view would write the whole underlying storage.
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def export_weights(
+    state_dict: Mapping[str, Any],
+    out_dir: PathLike,
+    classes: Union[Sequence[str], Mapping[Any, Any]],
+    extra: Optional[Mapping[str, Any]] = None,
+) -> dict[str, Path]:
+    """Write a model's weights for inference and for later fine-tuning, each file atomically.
+
+    Files written in ``out_dir``:
+
+    * ``model.pth``: a plain state_dict (no ``module.`` prefix, contiguous CPU tensors).
+    * ``model.safetensors``: the same tensors in safetensors format.
+    * ``class_indices.json``: ``{"0": "classname", ...}``, the reference script's format.
+    * ``meta.json`` (only with ``extra``): ``extra`` as JSON (model name, image_size...), with
+      ``num_classes`` filled in from ``classes`` when missing. Written last, so its presence
+      means the export is complete.
+
+    Args:
+        state_dict: the model's state_dict (from a bare or DDP-wrapped model), or a checkpoint
+            dict holding it under ``"model"``.
+        out_dir: destination folder, created if needed.
+        classes: class names in index order, ``{index: name}``, or ``{name: index}``.
+        extra: metadata for ``meta.json``.
+
+    Returns:
+        ``{"pth": ..., "safetensors": ..., "class_indices": ..., "meta": ...}`` (no ``"meta"``
+        without ``extra``).
+    """
+    from safetensors.torch import save as safetensors_bytes
+
+    out_dir = Path(out_dir)
+    names = _class_names(classes)
+    tensors = _export_tensors(state_dict)
+    paths = {
+        "pth": atomic_save(tensors, out_dir / "model.pth"),
+        "safetensors": _atomic_write(
+            out_dir / "model.safetensors",
+            # "format": "pt" is what other safetensors readers (transformers...) expect.
+            lambda f: f.write(safetensors_bytes(tensors, metadata={"format": "pt"})),
+        ),
+        "class_indices": atomic_write_text(
+            json.dumps({str(i): n for i, n in enumerate(names)}, indent=4) + "\n",
+            out_dir / "class_indices.json",
+        ),
+    }
+    if extra is not None:
+        meta = to_plain(dict(extra))
+        meta.setdefault("num_classes", len(names))
+        text = json.dumps(meta, indent=2, default=_json_default) + "\n"
+        paths["meta"] = atomic_write_text(text, out_dir / "meta.json")
+    return paths
+
+
+__all__ = [
+    "WEIGHTS_SEARCH_ORDER",
+    "WRAPPER_PREFIXES",
+    "atomic_save",
+    "atomic_write_text",
+    "cleanup_temp_files",
+    "export_weights",
+    "extract_state_dict",
+    "load_checkpoint",
+    "load_state_dict_file",
+    "resolve_weights_path",
+    "strip_wrapper_prefixes",
+    "to_plain",
+]

@@ -1,0 +1,112 @@
+"""``python -m nbddp``: the same runs as the notebook, from a shell.
+
+    python -m nbddp train --data-path data/digits --model resnet34 --image-size 32 --epochs 5
+    python -m nbddp train --config runs/<run>/config.json --epochs 20
+    python -m nbddp run examples/linear_regression.py:train --nprocs 2
+    python -m nbddp gpus
+
+Every ``TrainConfig`` field is a flag (``--batch-size``, ``--sync-bn``/``--no-sync-bn``...);
+flags override the fields of ``--config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from typing import List, Optional
+
+from .config import TrainConfig
+
+
+def _field_parser(value_type):
+    origin = typing.get_origin(value_type)
+    args = [a for a in typing.get_args(value_type) if a is not type(None)]
+    if origin is typing.Union and len(args) == 1:
+        return _field_parser(args[0])
+    return value_type
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        t = _field_parser(hints[f.name])
+        if f.name == "gpus":
+            p.add_argument(flag, default=None, help="GPU ids, e.g. 0,1 ('all' = every GPU; default: all, else CPU)")
+        elif f.name == "resume":
+            p.add_argument(flag, default=None, help="'true' (newest run of --name) or a run folder")
+        elif t is bool:
+            p.add_argument(flag, default=None, action=argparse.BooleanOptionalAction)
+        elif t in (int, float, str):
+            p.add_argument(flag, type=t, default=None, metavar=t.__name__.upper())
+        else:
+            p.add_argument(flag, default=None)
+
+
+def build_config(ns: argparse.Namespace) -> TrainConfig:
+    """The config file (if any) with every given flag applied on top."""
+    from .gpus import list_gpus
+
+    base = TrainConfig.load(ns.config).to_dict() if ns.config else {}
+    for f in dataclasses.fields(TrainConfig):
+        v = getattr(ns, f.name, None)
+        if v is not None:
+            base[f.name] = v
+    gpus = base.get("gpus")
+    if isinstance(gpus, str):
+        base["gpus"] = [g.index for g in list_gpus()] if gpus == "all" else [int(x) for x in gpus.split(",") if x]
+    elif "gpus" not in base or ns.config is None and ns.gpus is None:
+        base["gpus"] = [g.index for g in list_gpus()]
+    if isinstance(base.get("resume"), str) and base["resume"].lower() in ("true", "false"):
+        base["resume"] = base["resume"].lower() == "true"
+    if base.get("num_classes") in ("None", ""):
+        base["num_classes"] = None
+    return TrainConfig.from_dict(base)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nbddp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the built-in image classifier")
+    t.add_argument("--config", help="a run's config.json (or its run folder) to start from")
+    _add_config_flags(t)
+    r = sub.add_parser("run", help="run a worker function file.py:function")
+    r.add_argument("target")
+    r.add_argument("--nprocs", type=int, default=None)
+    r.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1")
+    r.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments")
+    sub.add_parser("gpus", help="list the GPUs (without initialising CUDA)")
+    ns = parser.parse_args(argv)
+
+    from .errors import NbddpError
+    from .launch import spawn_train
+
+    try:
+        if ns.command == "gpus":
+            from .gpus import list_gpus
+
+            gpus = list_gpus()
+            print("\n".join(g.label() for g in gpus) or "no GPU found: training runs on CPU processes")
+            return 0
+        if ns.command == "run":
+            gpus = [int(x) for x in ns.gpus.split(",")] if ns.gpus else None
+            result = spawn_train(ns.target, nprocs=ns.nprocs, gpus=gpus, kwargs=json.loads(ns.kwargs))
+            print(f"result: {result.value!r}\nrun folder: {result.run_dir}")
+            return 0
+        cfg = build_config(ns)
+        where = f"GPUs {list(cfg.gpus)}" if cfg.gpus else f"{cfg.nprocs} CPU process(es)"
+        print(f"training {cfg.model} on {cfg.data_path} with {where}", flush=True)
+        result = spawn_train(cfg)
+        v = result.value
+        print(f"\nbest val_accuracy {v['best_accuracy']:.4f} at epoch {v['best_epoch'] + 1}; "
+              f"exported weights: {result.weights_path}\nrun folder: {result.run_dir}")
+        return 0
+    except NbddpError as exc:
+        print(f"nbddp: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,1 @@
+"""Built-in worker functions (``spawn_train(TrainConfig(...))`` runs ``classification.train``)."""

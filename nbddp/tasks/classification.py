@@ -1,0 +1,287 @@
+"""The built-in worker: image classification with DDP, one linear story.
+
+It rebuilds the multi-GPU ResNet flower classifier of the well-known ``train_multi_GPU``
+scripts without their bugs: booleans are real booleans, validation counts every image exactly
+once (no sampler padding), and checkpoints hold plain values that load with
+``weights_only=True``.
+
+``preflight`` runs in the kernel before any process starts; ``train`` runs in every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from .. import data as D
+from ..checkpoint import atomic_save, cleanup_temp_files, export_weights, load_checkpoint
+from ..config import TrainConfig
+from ..dist import barrier, is_main
+from ..engine import autocast_dtype, cosine_lambda, evaluate, train_one_epoch
+from ..errors import ConfigError, DataError
+from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
+from ..sync_bn import convert_sync_batchnorm
+
+CKPT_DIR = "checkpoints"
+EXPORT_DIR = "export"
+
+
+# ------------------------------------------------------------------------------ kernel side
+def preflight(cfg: TrainConfig) -> Optional[Path]:
+    """Check everything that can be checked before a process starts.
+
+    Returns:
+        The run folder to continue when ``cfg.resume`` is set, else ``None`` (a new run).
+
+    Raises:
+        DataError / ConfigError / WeightsError naming the problem and its fix.
+    """
+    classes, samples = D.scan_class_folders(cfg.data_path)
+    if cfg.num_classes is not None and cfg.num_classes != len(classes):
+        raise ConfigError(
+            f"TrainConfig.num_classes={cfg.num_classes} but {cfg.data_path} has {len(classes)} class "
+            f"folders ({', '.join(classes[:12])}{'...' if len(classes) > 12 else ''}). Set num_classes=None "
+            "to use the folders, or point data_path at the right folder.")
+    train, _ = D.split_samples(samples, cfg.val_fraction, cfg.seed)
+    D.check_batch_fits(len(train), cfg.world_size, cfg.batch_size)
+    if cfg.check_images:
+        bad = D.check_images([p for p, _ in samples])
+        if bad:
+            listing = "\n".join(f"  {p}: {e}" for p, e in bad)
+            raise DataError(f"{len(bad)} image(s) in {cfg.data_path} cannot be read; delete or replace them:\n{listing}")
+    if cfg.weights:
+        check_weights_file(cfg.weights, cfg.model, len(classes))
+    else:
+        from ..models import classification_model_names
+
+        if cfg.model not in classification_model_names():
+            build_model(cfg.model, len(classes))  # raises ConfigError with close matches
+    _check_writable(Path(cfg.runs_dir))
+    return find_resume_dir(cfg) if cfg.resume else None
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".nbddp-write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"TrainConfig.runs_dir={str(folder)!r} is not writable ({exc}); choose another folder") from exc
+
+
+def find_resume_dir(cfg: TrainConfig) -> Path:
+    """The run folder ``cfg.resume`` points at, checked to hold a loadable last checkpoint."""
+    if isinstance(cfg.resume, str):
+        run_dir = Path(cfg.resume)
+        if run_dir.name == "last.pt":
+            run_dir = run_dir.parent.parent
+    else:
+        candidates = sorted(Path(cfg.runs_dir).glob(f"*-{cfg.name}"), key=lambda p: p.stat().st_mtime)
+        candidates = [c for c in candidates if (c / CKPT_DIR / "last.pt").exists()]
+        if not candidates:
+            raise ConfigError(
+                f"TrainConfig.resume=True but no run named {cfg.name!r} with a checkpoint is in {cfg.runs_dir}; "
+                "pass the run folder as resume='runs/<run>' or start without resume")
+        run_dir = candidates[-1]
+    last = run_dir / CKPT_DIR / "last.pt"
+    if not last.exists():
+        raise ConfigError(f"TrainConfig.resume={cfg.resume!r}: no checkpoint at {last}; nothing to resume")
+    ckpt = load_checkpoint(last)  # weights-only: a tampered or truncated file is refused here
+    if ckpt.get("config", {}).get("model") not in (None, cfg.model):
+        raise ConfigError(f"cannot resume {run_dir}: it trained {ckpt['config']['model']!r}, the config says {cfg.model!r}")
+    return run_dir.resolve()
+
+
+# ------------------------------------------------------------------------------ worker side
+def _seed_epoch(seed: int, epoch: int, rank: int) -> None:
+    # Augmentation randomness is a function of (seed, epoch, rank) alone, so a run resumed at
+    # epoch k draws exactly what an uninterrupted run draws at epoch k.
+    s = (seed * 1_000_003 + epoch * 1_009 + rank) % (2**31)
+    torch.manual_seed(s)
+    random.seed(s)
+
+
+def _loaders(cfg: TrainConfig, ctx, classes, train_s, val_s):
+    train_tf, val_tf = D.build_transforms(cfg.image_size, cfg.crop_scale, cfg.hflip)
+    train_ds, val_ds = D.ImageListDataset(train_s, train_tf), D.ImageListDataset(val_s, val_tf)
+    cuda = ctx.device.type == "cuda"
+    workers = cfg.num_workers
+    if workers is None:
+        # On CPU the ranks already use every core for compute; on GPU feed them from the rest.
+        workers = 0 if not cuda else max(1, min(8, (os.cpu_count() or 2) // ctx.world_size - 1))
+    # DistributedSampler gives each rank a disjoint shard, reshuffled by set_epoch every epoch.
+    sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
+    common = dict(num_workers=workers, pin_memory=cuda)
+    # drop_last: a tiny final batch gives noisy BatchNorm statistics and uneven step counts.
+    train_loader = DataLoader(train_ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, **common)
+    val_loader = DataLoader(val_ds, batch_size=cfg.batch_size,
+                            sampler=D.ShardSampler(len(val_ds), ctx.rank, ctx.world_size), **common)
+    return sampler, train_loader, val_loader
+
+
+def _build(cfg: TrainConfig, ctx, num_classes: int):
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts)
+    model = build_model(cfg.model, num_classes)
+    if cfg.weights:
+        report = load_pretrained(model, cfg.weights)
+        if ctx.is_main:
+            print(report.summary(), flush=True)
+    if cfg.freeze_layers:
+        # Before DDP: DDP registers gradient hooks only for parameters that require grad.
+        trainable = freeze_except_head(model)
+        if ctx.is_main:
+            print(f"frozen: training only {', '.join(trainable)}", flush=True)
+    elif cfg.sync_bn and ctx.world_size > 1:
+        model = convert_sync_batchnorm(model, ctx.device)
+    cuda = ctx.device.type == "cuda"
+    model = model.to(ctx.device, memory_format=torch.channels_last if cfg.channels_last and cuda else torch.preserve_format)
+    ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None)
+    lr = cfg.lr * ctx.world_size if cfg.scale_lr else cfg.lr
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=cosine_lambda(cfg.epochs, cfg.lrf))
+    amp_dtype = autocast_dtype(ctx.device) if cfg.amp else None
+    scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
+    return model, ddp, optimizer, scheduler, scaler, amp_dtype
+
+
+def _writer(cfg: TrainConfig, ctx):
+    if not ctx.is_main:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams
+
+    writer = SummaryWriter(str(ctx.run_dir / "tensorboard"), flush_secs=2)
+    hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in cfg.to_dict().items()}
+    hp["world_size"] = ctx.world_size
+    # Written into the run's own event file (add_hparams would make a second run folder).
+    for summary in hparams(hp, {"accuracy": 0.0, "loss": 0.0}):
+        writer.file_writer.add_summary(summary)
+    return writer
+
+
+def _checkpoint(model, optimizer, scheduler, scaler, epoch, best, best_epoch, cfg, classes, history) -> dict:
+    # Plain values only, so it loads with torch.load(weights_only=True).
+    return {
+        "model": model.state_dict(),  # the bare model: no "module." prefix
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "epoch": epoch,
+        "best_accuracy": best,
+        "best_epoch": best_epoch,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []},
+        "config": cfg.to_dict(),
+        "classes": list(classes),
+        "history": history,
+    }
+
+
+def train(ctx, cfg: TrainConfig) -> dict:
+    """Train, evaluate exactly, checkpoint, export. Returns a small summary (rank 0's is kept)."""
+    classes, samples = D.scan_class_folders(cfg.data_path)
+    num_classes = cfg.num_classes or len(classes)
+    train_s, val_s = D.split_samples(samples, cfg.val_fraction, cfg.seed)
+    if ctx.is_main:
+        D.write_class_indices(classes, ctx.run_dir / "class_indices.json")
+        print(f"data: {len(classes)} classes, {len(train_s)} train / {len(val_s)} val images; "
+              f"{ctx.world_size} x {ctx.device.type} ({ctx.backend})", flush=True)
+    sampler, train_loader, val_loader = _loaders(cfg, ctx, classes, train_s, val_s)
+    model, ddp, optimizer, scheduler, scaler, amp_dtype = _build(cfg, ctx, num_classes)
+    channels_last = cfg.channels_last and ctx.device.type == "cuda"
+
+    ckpt_dir = ctx.run_dir / CKPT_DIR
+    start_epoch, best, best_epoch, history = 0, -1.0, -1, []
+    if cfg.resume and (ckpt_dir / "last.pt").exists():
+        ck = load_checkpoint(ckpt_dir / "last.pt")
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optimizer"])
+        scheduler.load_state_dict(ck["scheduler"])
+        if scaler is not None and ck.get("scaler"):
+            scaler.load_state_dict(ck["scaler"])
+        start_epoch, best, best_epoch = ck["epoch"] + 1, ck["best_accuracy"], ck["best_epoch"]
+        history = list(ck.get("history", []))
+        if ctx.is_main:
+            print(f"resumed from {ckpt_dir / 'last.pt'} at epoch {start_epoch}", flush=True)
+    if ctx.is_main:
+        cleanup_temp_files(ckpt_dir)  # leftovers of a crash between temp write and rename
+
+    writer = _writer(cfg, ctx)
+    stopped = False
+    global_step = start_epoch * len(train_loader)
+    for epoch in range(start_epoch, cfg.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        _seed_epoch(cfg.seed, epoch, ctx.rank)
+        lr = optimizer.param_groups[0]["lr"]
+
+        def on_step(step, loss, _base=global_step):
+            if writer is not None:
+                writer.add_scalar("train_loss_step", loss, _base + step)
+
+        stats = train_one_epoch(ddp, optimizer, train_loader, ctx.device, epoch, ctx=ctx, scaler=scaler,
+                                amp_dtype=amp_dtype, channels_last=channels_last, on_step=on_step)
+        global_step += stats.steps
+        if stats.stopped:
+            stopped = True
+            if ctx.is_main:
+                print(f"stop requested: leaving epoch {epoch} at step {stats.steps}; "
+                      f"the last checkpoint is epoch {epoch - 1}", flush=True)
+            break
+        ev = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last)
+        scheduler.step()
+        record = {"epoch": epoch, "train_loss": stats.loss, "val_loss": ev.loss, "val_accuracy": ev.accuracy,
+                  "val_images": ev.count, "lr": lr, "seconds": stats.seconds, "images_per_s": stats.images_per_s}
+        history.append(record)
+        ctx.log(**record)
+        improved = ev.accuracy > best
+        if improved:
+            best, best_epoch = ev.accuracy, epoch
+        if ctx.is_main:
+            print(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {stats.loss:.4f}  val_loss {ev.loss:.4f}  "
+                  f"val_acc {ev.accuracy:.4f}  lr {lr:.5f}  {stats.seconds:.1f}s  "
+                  f"{stats.images_per_s:.0f} img/s{'  *best*' if improved else ''}", flush=True)
+            writer.add_scalar("loss", stats.loss, epoch)
+            writer.add_scalar("val_loss", ev.loss, epoch)
+            writer.add_scalar("accuracy", ev.accuracy, epoch)
+            writer.add_scalar("learning_rate", lr, epoch)
+            writer.flush()
+            ck = _checkpoint(model, optimizer, scheduler, scaler, epoch, best, best_epoch, cfg, classes, history)
+            atomic_save(ck, ckpt_dir / "last.pt")
+            if improved:
+                atomic_save({"model": ck["model"], "epoch": epoch, "accuracy": best, "classes": list(classes),
+                             "config": ck["config"]}, ckpt_dir / "best.pt")
+        ctx.fault_point(f"epoch{epoch}")
+
+    if writer is not None:
+        writer.close()
+    barrier()  # best.pt is complete before any rank reads it
+    summary = {"run_dir": str(ctx.run_dir), "classes": list(classes), "best_accuracy": best,
+               "best_epoch": best_epoch, "metrics": history, "stopped": stopped, "weights_path": None}
+    if best_epoch < 0:
+        return summary
+    # Final pass with the best weights: the exported model's own validation predictions.
+    best_state = load_checkpoint(ckpt_dir / "best.pt")["model"]
+    model.load_state_dict(best_state)
+    final = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last, gather_predictions=True)
+    if ctx.is_main:
+        meta = {"model": cfg.model, "num_classes": num_classes, "image_size": cfg.image_size,
+                "epoch": best_epoch, "val_accuracy": final.accuracy}
+        paths = export_weights(best_state, ctx.run_dir / EXPORT_DIR, classes, extra=meta)
+        preds = [{"path": val_s[i][0], "label": val_s[i][1], "pred": p} for i, p in final.predictions]
+        (ctx.run_dir / "val_predictions.json").write_text(json.dumps(preds))
+        summary["weights_path"] = str(paths["pth"])
+        print(f"best val_acc {final.accuracy:.4f} (epoch {best_epoch + 1}); weights exported to "
+              f"{ctx.run_dir / EXPORT_DIR}", flush=True)
+    summary["final_accuracy"] = final.accuracy
+    return summary

@@ -1,0 +1,109 @@
+"""spawn_train inside a real Jupyter kernel, driven with jupyter_client: that is where users live."""
+
+import json
+import queue
+import time
+
+import pytest
+
+from conftest import ROOT, WORKERS, survivors, wait_for
+
+jupyter_client = pytest.importorskip("jupyter_client")
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def execute(kc, code: str, timeout: float = 120.0):
+    """Run code; return (reply content, printed text, error name)."""
+    msg_id = kc.execute(code)
+    out = []
+    deadline = time.time() + timeout
+    while True:
+        try:
+            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.time()))
+        except queue.Empty:
+            raise TimeoutError(f"kernel did not finish within {timeout}s; output so far: {''.join(out)}")
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            out.append(content["text"])
+        elif kind == "error":
+            out.append("\n".join(content["traceback"]))
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    while True:  # skip replies to earlier (e.g. interrupted) cells
+        reply = kc.get_shell_msg(timeout=10)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"], "".join(out)
+
+
+def test_interrupt_in_real_kernel_stops_every_worker_and_kernel_stays_usable(kernel, tmp_path):
+    km, kc = kernel
+    runs = tmp_path / "runs"
+    reply, out = execute(kc, f"import sys; sys.path.insert(0, {str(ROOT)!r}); from nbddp import spawn_train")
+    assert reply["status"] == "ok", out
+
+    msg_id = kc.execute(
+        f"spawn_train({str(WORKERS / 'faulty.py') + ':barrier_and_sleep'!r}, nprocs=2, "
+        f"runs_dir={str(runs)!r}, grace_s=1.0)"
+    )
+
+    def running():
+        beats = list(runs.glob("*/.nbddp/rank*.json"))
+        return len(beats) == 2 and all(json.loads(b.read_text())["state"] == "running" for b in beats)
+
+    assert wait_for(running, timeout=90), "workers did not start"
+    launch = json.loads(next(runs.glob("*/.nbddp/launch.json")).read_text())
+    time.sleep(0.5)
+    t0 = time.time()
+    km.interrupt_kernel()  # SIGINT to the kernel's process group, as JupyterLab's Interrupt does
+
+    # The cell ends with a clear exception, and its output showed rank 0's live line.
+    texts, ename = [], None
+    while True:
+        msg = kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            texts.append(msg["content"]["text"])
+        if msg["msg_type"] == "error":
+            ename = msg["content"]["ename"]
+            texts.append(msg["content"]["evalue"])
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert ename == "TrainingInterrupted", texts
+    assert "[rank0] rank 0 ready" in "".join(texts)
+    assert time.time() - t0 < 20
+    assert survivors(launch["pids"]) == {}, "no live or zombie worker after the interrupt"
+
+    # The kernel is usable, and a new launch in it works at once.
+    reply, out = execute(
+        kc, f"r = spawn_train({str(WORKERS / 'faulty.py') + ':info'!r}, nprocs=2, runs_dir={str(runs)!r}); "
+            "print('world', r.value['world_size'])")
+    assert reply["status"] == "ok", out
+    assert "world 2" in out
+
+
+def test_notebook_defined_function_is_refused_in_kernel(kernel, tmp_path):
+    km, kc = kernel
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+        "from nbddp import spawn_train\n"
+        "def train(ctx):\n    return 1\n"
+        f"spawn_train(train, nprocs=2, runs_dir={str(tmp_path / 'runs')!r})\n"
+    )
+    reply, out = execute(kc, code)
+    assert reply["status"] == "error" and reply["ename"] == "ConfigError"
+    assert "%%writefile my_worker.py" in reply["evalue"]
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,27 @@
+"""Distributed evaluation of a fixed-seed model, to compare with a single process."""
+
+import torch
+
+from nbddp import data as D
+from nbddp.engine import evaluate
+from nbddp.models import build_model
+
+
+def val_loader(root, rank, world, image_size=32, batch_size=4):
+    classes, samples = D.scan_class_folders(root)
+    _, val_tf = D.build_transforms(image_size)
+    ds = D.ImageListDataset(samples, val_tf)
+    return len(classes), torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=D.ShardSampler(len(ds), rank, world))
+
+
+def seeded_model(num_classes):
+    torch.manual_seed(123)
+    model = build_model("resnet18", num_classes)
+    model.eval()
+    return model
+
+
+def exact_eval(ctx, root):
+    n, loader = val_loader(root, ctx.rank, ctx.world_size)
+    r = evaluate(seeded_model(n), loader, ctx.device, gather_predictions=True)
+    return {"accuracy": r.accuracy, "loss": r.loss, "count": r.count, "predictions": r.predictions}
