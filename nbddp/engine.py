@@ -86,6 +86,8 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
         amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
         with amp:
             loss = F.cross_entropy(model(x), y)
+        if ctx is not None and ctx.fault_flag(f"nan{epoch}.{step}"):
+            loss = loss * float("nan")  # test-only: a non-finite loss on this rank alone
 
         flags = torch.zeros(2 + world, device=device if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu")
         flags[0] = loss.detach().float()

@@ -165,6 +165,10 @@ class Context:
         if self._fault:
             _inject_fault(self._fault, self.rank, where)
 
+    def fault_flag(self, where: str) -> bool:
+        """Test-only: True if the launch asked for the fault ``"<where>:<rank>:on"`` on this rank."""
+        return bool(self._fault) and f"{where}:{self.rank}:on" in self._fault.split(",")
+
     def close(self) -> None:
         if self._metrics_file is not None:
             self._metrics_file.close()

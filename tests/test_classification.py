@@ -168,3 +168,34 @@ def test_config_round_trips_and_names_bad_fields(tmp_path):
         TrainConfig(gpus=[1, 1])
     with pytest.raises(ConfigError, match="unknown TrainConfig field"):
         TrainConfig.from_dict({"epochz": 3})
+
+
+def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tree, runs_dir):
+    with pytest.raises(WorkerError) as info:
+        spawn_train(small_cfg(tree, runs_dir), echo=False, _fault="nan0.1:1:on")
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "NonFiniteLossError"
+    assert (err.epoch, err.step) == (0, 1)
+    assert "rank(s) [1] at epoch 0, step 1" in str(err)
+    # both ranks left at the same step, through their own error, not killed while waiting
+    for r in (0, 1):
+        rec = json.loads((err.run_dir / ".nbddp" / f"error.rank{r}.json").read_text())
+        assert (rec["type"], rec["step"]) == ("NonFiniteLossError", 1)
+    assert not worker_children()
+
+
+def test_stop_from_the_notebook_ends_training_cleanly(tree, runs_dir):
+    from conftest import survivors, wait_for
+
+    cfg = small_cfg(tree, runs_dir, epochs=50, batch_size=2)
+    h = spawn_train(cfg, block=False, echo=False)
+    assert wait_for(lambda: h.metrics, timeout=120), "no epoch finished"
+    h.stop()
+    result = h.wait()
+    assert result.stopped and result.value["stopped"]
+    done = [m["epoch"] for m in result.value["metrics"]]
+    assert 1 <= len(done) < 50
+    # the last completed epoch is checkpointed and the best weights were exported
+    assert load_checkpoint(result.run_dir / "checkpoints" / "last.pt")["epoch"] == done[-1]
+    assert (result.run_dir / "export" / "model.safetensors").exists()
+    assert survivors(h.pids) == {}
