@@ -316,31 +316,50 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
         device = torch.device("cpu")
 
     ctx = Context(rank, local_rank, spec.world_size, device, spec.backend, run_dir, spec.fault)
-    beat = _Heartbeat(ctx)
-    beat.beat()
-    beat.start()
-    code = 0
-    try:
-        _inject_fault(spec.fault, rank, "start")
+
+    def init_process_group():
         store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
         dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
+
+    code, _ = run_rank(ctx, init_process_group, spec.target, spec.args, spec.kwargs, spec.fault)
+    # os._exit skips interpreter teardown: atexit hooks and non-daemon threads (DataLoader,
+    # gloo) can deadlock there after the process group is gone; everything is flushed already.
+    os._exit(code)
+
+
+def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs: dict,
+             fault: Optional[str] = None) -> tuple:
+    """Run one rank's target around heartbeats and error records; shared by every launcher.
+
+    Returns:
+        ``(exit_code, value)``: 0 and the target's return value, or 1 and ``None`` after the
+        error record (type, traceback, epoch, step) was written and the traceback printed.
+    """
+    beat = _Heartbeat(ctx)
+    beat.beat()
+    beat.start()
+    code, value = 0, None
+    try:
+        _inject_fault(fault, ctx.rank, "start")
+        init_process_group()
         beat.state = "running"
-        fn = load_target(spec.target)
-        _inject_fault(spec.fault, rank, "run")
-        value = fn(ctx, *spec.args, **spec.kwargs)
-        if rank == 0:
-            _write_result(run_dir, to_cpu(value))
+        fn = load_target(target)
+        _inject_fault(fault, ctx.rank, "run")
+        value = fn(ctx, *args, **kwargs)
+        if ctx.rank == 0:
+            _write_result(ctx.run_dir, to_cpu(value))
         beat.state = "finishing"
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         beat.state = "done"
     except BaseException as exc:  # noqa: BLE001 - every failure must become a record
         code = 1
         beat.state = "failed"
-        record = _error_record(exc, ctx, rank)
+        record = _error_record(exc, ctx, ctx.rank)
         try:
-            write_json_atomic(state_path(run_dir, f"error.rank{rank}.json"), record)
+            write_json_atomic(state_path(ctx.run_dir, f"error.rank{ctx.rank}.json"), record)
         except OSError:
             pass
         print(record["traceback"], file=sys.stderr)
@@ -349,9 +368,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
         beat.beat()
         sys.stdout.flush()
         sys.stderr.flush()
-    # os._exit skips interpreter teardown: atexit hooks and non-daemon threads (DataLoader,
-    # gloo) can deadlock there after the process group is gone; everything is flushed above.
-    os._exit(code)
+    return code, value
 
 
 def _write_result(run_dir: Path, value: Any) -> None:
