@@ -73,19 +73,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the built-in image classifier")
     t.add_argument("--config", help="a run's config.json (or its run folder) to start from")
+    t.add_argument("--run-dir", default=None,
+                   help="run folder (under torchrun/srun: shared by all ranks; a restart resumes from it)")
     _add_config_flags(t)
     r = sub.add_parser("run", help="run a worker function file.py:function")
     r.add_argument("target")
     r.add_argument("--nprocs", type=int, default=None)
     r.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1")
     r.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments")
+    r.add_argument("--run-dir", default=None, help="run folder (default: runs/<time>-<name>)")
     sub.add_parser("gpus", help="list the GPUs (without initialising CUDA)")
     ns = parser.parse_args(argv)
 
+    from .elastic import detect
     from .errors import NbddpError
     from .launch import spawn_train
 
+    launcher = detect()
     try:
+        if launcher is not None and ns.command in ("train", "run"):
+            return _under_launcher(ns, launcher)
         if ns.command == "gpus":
             from .gpus import list_gpus
 
@@ -98,6 +105,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"result: {result.value!r}\nrun folder: {result.run_dir}")
             return 0
         cfg = build_config(ns)
+        if ns.run_dir:
+            raise NbddpError("--run-dir is for torchrun/srun launches; spawn_train names its own run folder")
         where = f"GPUs {list(cfg.gpus)}" if cfg.gpus else f"{cfg.nprocs} CPU process(es)"
         print(f"training {cfg.model} on {cfg.data_path} with {where}", flush=True)
         result = spawn_train(cfg)
@@ -110,3 +119,44 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _under_launcher(ns: argparse.Namespace, le) -> int:
+    """One rank of a torchrun/srun job: same worker, same run folder layout as spawn_train."""
+    from pathlib import Path
+
+    from .elastic import run_under_launcher
+    from .launch import BUILTIN_TARGET, _new_run_dir
+    from .targets import resolve_target
+
+    if ns.command == "run":
+        target, args, kwargs, cfg = resolve_target(ns.target), (), json.loads(ns.kwargs), None
+        name, runs_dir, timeout = Path(ns.target.rpartition(":")[0]).stem, "runs", 600.0
+    else:
+        from .tasks.classification import CKPT_DIR, preflight
+
+        cfg = build_config(ns).replace(gpus=(), nprocs=le.world_size)
+        run_dir = Path(ns.run_dir) if ns.run_dir else (
+            Path(cfg.runs_dir) / f"{cfg.name}-{le.job_id}" if le.job_id else None)
+        if run_dir is not None and (run_dir / CKPT_DIR / "last.pt").exists() and (le.restart_count or cfg.resume):
+            # A launcher restart (or an explicit resume) continues from the last checkpoint.
+            cfg = cfg.replace(resume=str(run_dir))
+        resumed = preflight(cfg)  # every rank checks the same inputs, so all fail together
+        target, args, kwargs = BUILTIN_TARGET, (cfg,), {}
+        name, runs_dir, timeout = cfg.name, cfg.runs_dir, cfg.timeout_s
+        ns.run_dir = str(resumed or run_dir) if (resumed or run_dir) else None
+
+    def choose() -> Path:
+        path = Path(ns.run_dir).resolve() if ns.run_dir else _new_run_dir(runs_dir, name)
+        path.mkdir(parents=True, exist_ok=True)
+        if cfg is not None:
+            cfg.save(path / "config.json")
+        return path
+
+    code, value = run_under_launcher(le, target, args, kwargs, choose, timeout)
+    if le.rank == 0 and code == 0:
+        if cfg is not None and isinstance(value, dict):
+            print(f"best val_accuracy {value['best_accuracy']:.4f}; exported weights: {value['weights_path']}")
+        else:
+            print(f"result: {value!r}")
+    return code

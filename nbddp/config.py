@@ -164,6 +164,19 @@ class TrainConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    # ------------------------------------------------------------------ cluster commands
+    def torchrun_command(self, **kwargs: Any) -> str:
+        """The exact ``torchrun`` command for this run; see :func:`nbddp.cluster.torchrun_command`."""
+        from .cluster import torchrun_command
+
+        return torchrun_command(self, **kwargs)
+
+    def sbatch_script(self, **kwargs: Any) -> str:
+        """An ``sbatch`` script for this run; see :func:`nbddp.cluster.sbatch_script`."""
+        from .cluster import sbatch_script
+
+        return sbatch_script(self, **kwargs)
+
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -1,0 +1,149 @@
+"""Run as one rank of many under the launchers clusters already have: torchrun and SLURM's srun.
+
+The notebook's ``spawn_train`` starts the processes itself. On a cluster, ``torchrun`` (c10d
+rendezvous, elastic restarts) or ``srun`` starts them, and each runs ``python -m nbddp train``.
+This module reads the launcher's environment, initialises the process group from it, agrees
+on the run folder, and then runs exactly the same worker through :func:`runtime.run_rank`, so
+logs, metrics, checkpoints and exports behave as under ``spawn_train``.
+
+Worker side: never imports IPython or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, TextIO
+
+import torch
+import torch.distributed as dist
+
+from .runtime import Context, run_rank
+
+
+@dataclass(frozen=True)
+class LauncherEnv:
+    """Where this process sits in a job started by an external launcher."""
+
+    kind: str  # "torchrun" or "slurm"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    job_id: Optional[str]
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``"gpu[03-05,09],cpu1"`` -> ``"gpu03"``."""
+    m = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect() -> Optional[LauncherEnv]:
+    """The launcher environment of this process, or ``None`` when started by hand.
+
+    torchrun sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` (and
+    ``TORCHELASTIC_*``); ``srun`` sets ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` and
+    the node list, whose first host serves the rendezvous.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        return LauncherEnv(
+            "torchrun", int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+            int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)),
+            int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            env.get("TORCHELASTIC_RUN_ID") if env.get("TORCHELASTIC_RUN_ID") not in (None, "none") else None)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        job = env.get("SLURM_JOB_ID")
+        # Every task derives the same port from the job id, so no extra coordination is needed.
+        port = int(env.get("MASTER_PORT") or (20000 + int(job) % 20000 if job and job.isdigit() else 29500))
+        ntasks = int(env["SLURM_NTASKS"])
+        return LauncherEnv(
+            "slurm", int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", 0)),
+            int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0] or 0) or ntasks,
+            env.get("MASTER_ADDR") or first_host(nodelist), port, int(env.get("SLURM_RESTART_COUNT", 0)), job)
+    return None
+
+
+class _Tee:
+    """Writes to the launcher's console and to the rank's log file (as spawn_train keeps it)."""
+
+    def __init__(self, stream: TextIO, log: TextIO):
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def init_from_env(le: LauncherEnv, timeout_s: float) -> torch.device:
+    """Process group from the launcher's rendezvous address; one GPU per local rank if any."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(le.local_rank)
+        device, backend = torch.device("cuda", le.local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        threads = os.environ.get("OMP_NUM_THREADS")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(int(threads) if threads else max(1, cores // le.local_world_size))
+    os.environ.update(RANK=str(le.rank), WORLD_SIZE=str(le.world_size), LOCAL_RANK=str(le.local_rank),
+                      MASTER_ADDR=le.master_addr, MASTER_PORT=str(le.master_port))
+    dist.init_process_group(backend, init_method="env://", rank=le.rank, world_size=le.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def agree_run_dir(choose: Callable[[], Path]) -> Path:
+    """Global rank 0 chooses the run folder; every rank gets the same path."""
+    box = [str(choose()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def run_under_launcher(le: LauncherEnv, target: str, args: tuple, kwargs: dict,
+                       choose_run_dir: Callable[[], Path], timeout_s: float = 600.0) -> tuple:
+    """Run ``target`` as rank ``le.rank``; returns ``(exit_code, value)`` like ``run_rank``.
+
+    Args:
+        le: the launcher environment (:func:`detect`).
+        target: worker spec (``"pkg.mod:fn"`` or ``"/path/file.py:fn"``).
+        args, kwargs: the worker's arguments.
+        choose_run_dir: called on global rank 0 only, after the process group is up.
+        timeout_s: process-group timeout.
+    """
+    device = init_from_env(le, timeout_s)
+    run_dir = agree_run_dir(choose_run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log = open(run_dir / "logs" / f"rank{le.rank}.log", "a", buffering=1, encoding="utf-8")
+    log.write(f"--- {le.kind} rank {le.rank}/{le.world_size} (restart {le.restart_count}) "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+    # Test-only fault hook; applies to the first attempt only so that restarts can recover.
+    fault = os.environ.get("NBDDP_FAULT") if le.restart_count == 0 else None
+    ctx = Context(le.rank, le.local_rank, le.world_size, device, dist.get_backend(), run_dir, fault)
+    try:
+        return run_rank(ctx, lambda: None, target, args, kwargs, fault)
+    finally:
+        sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
+        log.close()
