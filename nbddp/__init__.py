@@ -7,8 +7,11 @@ fails, and no process left behind when a cell is interrupted.
 
 from .config import TrainConfig
 from .errors import ConfigError, DataError, NbddpError, TrainingInterrupted, WeightsError, WorkerError
+from .export import export_run
 from .gpus import GPUInfo, list_gpus
+from .inference import Prediction, load_model, predict
 from .launch import RunHandle, TrainResult, spawn_train
+from .procs import cleanup
 from .runtime import Context
 
 __version__ = "0.1.0"
@@ -19,7 +22,14 @@ __all__ = [
     "TrainResult",
     "RunHandle",
     "Context",
+    "load_model",
+    "predict",
+    "Prediction",
+    "export_run",
+    "TrainingPanel",
+    "show_tensorboard",
     "list_gpus",
+    "cleanup",
     "GPUInfo",
     "NbddpError",
     "ConfigError",
@@ -28,3 +38,16 @@ __all__ = [
     "WorkerError",
     "TrainingInterrupted",
 ]
+
+
+_UI_NAMES = ("TrainingPanel", "show_tensorboard")
+
+
+def __getattr__(name):
+    # The notebook UI (ipywidgets, matplotlib) loads on first use, so workers and scripts that
+    # import nbddp never import it.
+    if name in _UI_NAMES:
+        from . import ui
+
+        return getattr(ui, name)
+    raise AttributeError(f"module 'nbddp' has no attribute {name!r}")

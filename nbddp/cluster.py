@@ -8,6 +8,7 @@ the run folder layout stay the same as under ``spawn_train``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 from typing import List, Optional
 
@@ -32,8 +33,8 @@ def cli_flags(cfg: TrainConfig) -> List[str]:
     return flags
 
 
-def _train_args(cfg: TrainConfig, config_path: Optional[str], run_dir: Optional[str]) -> List[str]:
-    args = ["-m", "nbddp", "train"] + (["--config", config_path] if config_path else cli_flags(cfg))
+def _train_args(cfg: TrainConfig, config_path, run_dir: Optional[str]) -> List[str]:
+    args = ["-m", "nbddp", "train"] + (["--config", os.fspath(config_path)] if config_path else cli_flags(cfg))
     return args + (["--run-dir", run_dir] if run_dir else [])
 
 
@@ -52,18 +53,20 @@ def torchrun_command(cfg: TrainConfig, nnodes: int = 1, nproc_per_node: Optional
         max_restarts: torchrun restarts of the whole group after a failure; each restart
             resumes from the last checkpoint.
         config_path: use ``--config path`` instead of flags (save it with ``cfg.save(path)``).
-        run_dir: run folder on a shared filesystem (default ``runs/<name>-<run_id>``).
+        run_dir: run folder on a shared filesystem (default ``runs/<name>``, or
+            ``runs/<name>-<run_id>`` with a ``run_id``).
 
     Example:
         >>> print(cfg.torchrun_command(nnodes=2, nproc_per_node=4, rdzv_endpoint="gpu01:29400"))
     """
     nproc = nproc_per_node or cfg.world_size
+    default_dir = f"{cfg.runs_dir}/{cfg.name}" + (f"-{run_id}" if run_id else "")
     run_id = run_id or cfg.name
     cmd = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}"]
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
-    cmd += _train_args(cfg, config_path, run_dir or f"{cfg.runs_dir}/{cfg.name}-{run_id}")
+    cmd += _train_args(cfg, config_path, os.fspath(run_dir) if run_dir else default_dir)
     return shlex.join(cmd)
 
 
@@ -88,7 +91,7 @@ def sbatch_script(cfg: TrainConfig, nodes: int = 1, gpus_per_node: Optional[int]
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
     lines += [
-        f"#SBATCH --output={cfg.runs_dir}/slurm-%j.out",
+        "#SBATCH --output=slurm-%j.out  # in the submit folder: Slurm opens it before the job runs",
         "",
         "# Every task derives the same rendezvous port from the job id.",
         "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",

@@ -31,6 +31,24 @@ def is_main() -> bool:
     return get_rank() == 0
 
 
+_CPU_GROUPS: dict = {}
+
+
+def cpu_group():
+    """A gloo group over all ranks for small CPU-side agreements (flags, counts).
+
+    With gloo that is the default group. With nccl a separate gloo group lets ranks agree on
+    plain Python facts (stop requested? batch unreadable?) without a GPU synchronisation.
+    Collective on first use: every rank must call it at the same point.
+    """
+    if not is_dist() or dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[key]
+
+
 def _collective_device() -> torch.device:
     # nccl only reduces CUDA tensors, gloo reduces CPU tensors: pick by backend, never hard-code.
     if is_dist() and dist.get_backend() == "nccl":
@@ -59,8 +77,8 @@ def any_rank(flag: bool) -> bool:
     """All ranks agree: True on every rank if ``flag`` is True on at least one rank."""
     if not is_dist():
         return bool(flag)
-    t = torch.tensor([1.0 if flag else 0.0], device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
     return bool(t.item() > 0)
 
 
@@ -92,3 +110,26 @@ def save_on_main(obj, path) -> None:
         from .checkpoint import atomic_save
 
         atomic_save(obj, path)
+
+
+def check_same(value, what: str) -> None:
+    """Collective: raise on every rank if ``value`` differs between ranks.
+
+    Use it before a loop whose length each rank computes for itself (its number of batches):
+    ranks that disagree would otherwise leave one rank waiting in DDP's all-reduce until the
+    timeout. For truly uneven inputs use DDP's ``join()`` context manager instead.
+
+    Example:
+        >>> check_same(len(loader), "batches per epoch")
+    """
+    if not is_dist():
+        return
+    values = [None] * get_world_size()
+    dist.all_gather_object(values, value, group=cpu_group())
+    if any(v != values[0] for v in values):
+        from .errors import DataError
+
+        per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise DataError(f"ranks disagree on {what} ({per_rank}); each rank must do the same number of "
+                        "collective steps: shard with DistributedSampler(drop_last=True), or wrap the loop "
+                        "in DDP's join() for uneven inputs")

@@ -70,3 +70,18 @@ class TrainingInterrupted(NbddpError):
     def __init__(self, message: str, run_dir=None):
         super().__init__(message)
         self.run_dir = run_dir
+
+
+class PeerError(NbddpError):
+    """Raised on the healthy ranks when another rank hit an error they all agreed to stop on.
+
+    Attributes:
+        rank: the rank that hit the error (the root cause).
+    """
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.rank))

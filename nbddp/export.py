@@ -96,7 +96,7 @@ def export_run(run_dir: PathLike, out_dir: PathLike, which: str = "best") -> Dic
         "num_classes": config.get("num_classes") or len(classes),
         "image_size": config.get("image_size", 224),
         "epoch": ckpt.get("epoch"),
-        "accuracy": _checkpoint_accuracy(ckpt, which),
+        "val_accuracy": _checkpoint_accuracy(ckpt, which),
         "which": which,
         "source": str(ckpt_path.resolve()),
     }
@@ -111,10 +111,34 @@ def load_val_predictions(run_dir: PathLike) -> List[dict]:
     Raises:
         WeightsError: the file is missing (the run did not finish an epoch, or was stopped).
     """
-    path = Path(run_dir) / "val_predictions.json"
+    run_dir = Path(run_dir)
+    path = run_dir / "val_predictions.json"
     if not path.is_file():
         raise WeightsError(f"no {path}: it is written when training finishes with at least one epoch")
-    return json.loads(path.read_text())
+    records = json.loads(path.read_text())
+    launch_dir = _launch_dir(run_dir)
+    for rec in records:
+        # Image paths are stored as the config gave them: relative ones start from the folder
+        # training was launched in, which need not be today's working directory.
+        p = Path(rec["path"])
+        if not p.is_absolute() and not p.exists() and launch_dir is not None and (launch_dir / p).exists():
+            rec["path"] = str(launch_dir / p)
+    return records
+
+
+def _launch_dir(run_dir: Path) -> Optional[Path]:
+    """The working directory of the launch: ``run_dir`` is ``<cwd>/<runs_dir>/<run>``."""
+    try:
+        runs_dir = Path(json.loads((run_dir / "config.json").read_text())["runs_dir"])
+    except (OSError, ValueError, KeyError):
+        return None
+    if runs_dir.is_absolute():
+        return None
+    base = run_dir.resolve().parent
+    parts = runs_dir.parts
+    if any(part == ".." for part in parts) or tuple(base.parts[-len(parts):]) != parts:
+        return None
+    return base.parents[len(parts) - 1]
 
 
 def confusion_matrix(labels: Sequence[int], preds: Sequence[int], num_classes: int) -> np.ndarray:

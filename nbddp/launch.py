@@ -29,7 +29,8 @@ import torch.multiprocessing as mp
 from .config import TrainConfig
 from .errors import ConfigError, TrainingInterrupted, WorkerError
 from .gpus import check_gpu_ids
-from .report import RankEnd, build_worker_error
+from .procs import live_workers, start_time
+from .report import RankEnd, build_worker_error, collect
 from .runtime import STATE_DIR, LaunchSpec, entry, state_path
 from .targets import resolve_target
 
@@ -172,8 +173,11 @@ class RunHandle:
         >>> result = h.wait()
     """
 
-    def __init__(self, ctx, spec: LaunchSpec, store, echo: bool, grace_s: float):
+    def __init__(self, ctx, spec: LaunchSpec, store, echo: bool, grace_s: float,
+                 stall_timeout_s: Optional[float] = None):
         self._ctx, self.spec, self._store, self.echo, self.grace_s = ctx, spec, store, echo, grace_s
+        self.stall_timeout_s = stall_timeout_s
+        self._stall_checked = 0.0
         self.run_dir = Path(spec.run_dir)
         self.world_size = spec.world_size
         self.started_at = time.time()
@@ -209,6 +213,8 @@ class RunHandle:
     def wait(self, timeout: Optional[float] = None) -> TrainResult:
         """Block until the run ends; return its ``TrainResult`` or raise its error."""
         self._wait_done(timeout)
+        if not self._done.is_set():
+            raise TimeoutError(f"the run in {self.run_dir} is still going after {timeout} s")
         if isinstance(self._outcome, BaseException):
             raise self._outcome
         return self._outcome
@@ -231,7 +237,10 @@ class RunHandle:
     def _wait_done(self, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.time() + timeout
         if self._thread is not None:
-            self._done.wait(timeout)
+            try:
+                self._done.wait(timeout)
+            except KeyboardInterrupt:
+                self._interrupted()  # Interrupt while waiting on a background run stops it too
             return
         try:
             while not self._done.is_set():
@@ -277,11 +286,35 @@ class RunHandle:
             failed = [e for e in self._ends.values() if e.exitcode != 0 and not e.by_launcher]
             if failed and self._shutdown is None:
                 self._begin_shutdown("failure")
+            if self._shutdown is None and self.stall_timeout_s and now - self._stall_checked >= 1.0:
+                self._stall_checked = now
+                if self._find_stalled_rank(now) is not None:
+                    self._begin_shutdown("failure")
             if self._shutdown is not None:
                 self._advance_shutdown(now)
             if len(self._ends) == self.world_size:
                 self._reap_all()
                 self._finish()
+
+    def _find_stalled_rank(self, now: float) -> Optional[int]:
+        """A rank behind the others whose progress stopped ``stall_timeout_s`` ago (a hang).
+
+        Only a rank that lags can be hung: the ones ahead of it are waiting for it in a
+        collective. Ranks all at the same point (a long evaluation, a checkpoint) never trip it.
+        """
+        records, beats = collect(self.run_dir, self.world_size)
+        if records or len(beats) < self.world_size or any(b.get("state") != "running" for b in beats.values()):
+            return None
+
+        def where(b: dict) -> tuple:
+            return (b.get("epoch") if b.get("epoch") is not None else -1,
+                    b.get("step") if b.get("step") is not None else -1, bool(b.get("waiting")))
+
+        lead = max(where(b) for b in beats.values())
+        for rank, b in sorted(beats.items()):
+            if where(b) < lead and now - b.get("progress_time", now) > self.stall_timeout_s:
+                return rank
+        return None
 
     def _read_streams(self) -> None:
         for line in self._log_tail.read():
@@ -359,12 +392,14 @@ class RunHandle:
         all_ok = all(e.exitcode == 0 for e in self._ends.values())
         if reason == "failure" or (not all_ok and reason is None):
             outcome: Union[TrainResult, BaseException] = build_worker_error(self.run_dir, self._ends, self.world_size)
-        elif all_ok and result_path.exists():
+        elif all_ok and result_path.exists() and reason != "interrupt":
             with open(result_path, "rb") as f:
                 value = pickle.load(f)
             outcome = TrainResult(value, self.run_dir, self.metrics, seconds, self.world_size,
                                   self.spec.backend, stopped=reason is not None)
         else:
+            # An interrupted cell always ends in an exception, even when the workers obeyed the
+            # stop request and returned: the user asked the cell to stop.
             what = "interrupted" if reason == "interrupt" else "stopped"
             outcome = TrainingInterrupted(
                 f"training {what}: all {self.world_size} workers were stopped and reaped. "
@@ -402,7 +437,9 @@ def spawn_train(
     timeout_s: Optional[float] = None,
     threads_per_proc: Optional[int] = None,
     grace_s: float = 3.0,
+    stall_timeout_s: Optional[float] = None,
     echo: bool = True,
+    on_event: Optional[Callable[[str, Any], None]] = None,
     env: Optional[Dict[str, str]] = None,
     _fault: Optional[str] = None,
 ) -> Union[TrainResult, RunHandle]:
@@ -425,7 +462,12 @@ def spawn_train(
             on CPU, 600 s on GPU).
         threads_per_proc: intra-op threads per rank (default: cores divided among the ranks).
         grace_s: seconds each shutdown stage waits (stop request, then SIGTERM, then SIGKILL).
+        stall_timeout_s: a rank that lags behind the others without progress for this long is
+            declared hung and the run is stopped, naming it (default: ``timeout_s``). Progress
+            is what the worker reports through ``ctx.heartbeat``/``ctx.log``/``ctx.progress``.
         echo: print rank 0's output live, prefixed with ``[rank0]``.
+        on_event: called as ``on_event(kind, payload)`` for every ``"line"``, ``"metrics"``,
+            ``"progress"`` and ``"end"`` event (see :meth:`RunHandle.subscribe`).
         env: extra environment variables for the workers.
 
     Returns:
@@ -473,6 +515,11 @@ def spawn_train(
 
     if run_dir is None:
         run_dir = _new_run_dir(runs_dir, name or _default_name(spec_target))
+    elif live_workers(run_dir):
+        raise ConfigError(
+            f"{run_dir} still has running workers from an earlier launch (pids {live_workers(run_dir)}); "
+            f"they may hold its GPUs and checkpoints. End them with nbddp.cleanup({str(run_dir)!r}) "
+            "and launch again.")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / STATE_DIR).mkdir(exist_ok=True)
     for stale in ("stop", "result.pkl", "progress.json", *[f"error.rank{r}.json" for r in range(world)]):
@@ -495,9 +542,13 @@ def spawn_train(
     child_env.update(env or {})
     with _patched_env(child_env), _bare_main():
         ctx = mp.start_processes(entry, args=(spec,), nprocs=world, join=False, start_method="spawn")
-    handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s)
+    handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s,
+                       stall_timeout_s=timeout_s if stall_timeout_s is None else stall_timeout_s)
+    if on_event is not None:
+        handle.subscribe(on_event)
     handle._update_launch_record(target=spec_target, world_size=world, backend=backend, gpus=gpus,
-                                 pids=handle.pids, parent_pid=os.getpid(), port=store.port,
+                                 pids=handle.pids, start_times=[start_time(p) for p in handle.pids],
+                                 parent_pid=os.getpid(), port=store.port,
                                  host=socket.gethostname(), started=handle.started_at)
     if not block:
         handle._start_background()

@@ -78,7 +78,7 @@ def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, dict], beats: D
             # Least progress first (epoch, step), then the oldest progress time.
             return (b.get("epoch") if b.get("epoch") is not None else -1,
                     b.get("step") if b.get("step") is not None else -1,
-                    b.get("progress_time", 0.0))
+                    bool(b.get("waiting")), b.get("progress_time", 0.0))
         stuck = [b for r, b in beats.items() if r not in records or records[r].get("secondary")]
         if stuck and len(records) < len(beats):
             return min(stuck, key=staleness)["rank"]

@@ -37,15 +37,15 @@ STATE_DIR = ".nbddp"  # inside run_dir: heartbeats, error records, result, stop 
 
 # Substrings of errors a rank gets because *another* rank failed (its peer vanished or never
 # arrived). Such errors are consequences; the launcher looks past them for the root cause.
-_SECONDARY_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
+_SECONDARY_MARKERS = (  # compared in lower case
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
     "timed out",
-    "Timed out",
-    "Timeout",
-    "ECONNREFUSED",
-    "NCCL communicator was aborted",
+    "timeout",
+    "pair closure",
+    "econnrefused",
+    "nccl communicator was aborted",
     "process group has been destroyed",
 )
 
@@ -74,7 +74,7 @@ def state_path(run_dir: os.PathLike | str, name: str) -> Path:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
 
@@ -103,22 +103,35 @@ class Context:
         self.is_main = rank == 0
         self.epoch: Optional[int] = None
         self.step: Optional[int] = None
+        self.waiting = False
         self._progress_time = time.time()
         self._stop_checked = 0.0
         self._stop = False
         self._progress_written = 0.0
         self._metrics_file = None
         self._fault = fault
+        self._beat: Optional["_Heartbeat"] = None
         (self.run_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
 
     # -- progress and metrics ---------------------------------------------------------
-    def heartbeat(self, epoch: Optional[int] = None, step: Optional[int] = None) -> None:
-        """Record that this rank made progress (cheap; call it once per step)."""
+    def heartbeat(self, epoch: Optional[int] = None, step: Optional[int] = None, waiting: bool = False) -> None:
+        """Record that this rank made progress (cheap; call it once per step).
+
+        Args:
+            epoch: current epoch.
+            step: current step.
+            waiting: this rank is about to wait for the others in a collective. A rank that
+                hangs before reaching the collective is then told apart from the ranks that
+                wait for it at the same step.
+        """
         if epoch is not None:
             self.epoch = epoch
         if step is not None:
             self.step = step
+        self.waiting = waiting
         self._progress_time = time.time()
+        if self._beat is not None:
+            self._beat.progressed()
 
     def log(self, **metrics: Any) -> None:
         """Record metrics: rank 0's go live to the notebook and to ``run_dir/metrics.jsonl``.
@@ -228,10 +241,12 @@ def redirect_output(log_path: Path) -> None:
 
 
 class _Heartbeat(threading.Thread):
-    """Writes ``rank<r>.json`` every second: pid, epoch, step, time of last progress.
+    """Keeps ``rank<r>.json`` current: pid, state, epoch, step, time of the last progress.
 
-    A thread, so the file stays fresh while the main thread waits in a collective (the GIL is
-    released there); the *progress* time inside it tells a rank that stopped making progress.
+    Written at once when the worker reports progress (at most every 10 ms), so a rank killed
+    mid-step is reported where it was; and by this thread every second, so the file stays
+    fresh while the main thread waits in a collective (the GIL is released there). The
+    *progress* time inside it tells a rank that stopped making progress.
     """
 
     def __init__(self, ctx: Context, interval: float = 1.0):
@@ -239,26 +254,40 @@ class _Heartbeat(threading.Thread):
         self.ctx, self.interval = ctx, interval
         self.path = state_path(ctx.run_dir, f"rank{ctx.rank}.json")
         self.state = "starting"
+        self._lock = threading.Lock()
+        self._last_write = 0.0
         self._wake = threading.Event()
+        ctx._beat = self
 
     def beat(self) -> None:
         c = self.ctx
-        try:
-            write_json_atomic(self.path, {
-                "rank": c.rank, "pid": os.getpid(), "state": self.state, "epoch": c.epoch,
-                "step": c.step, "progress_time": c._progress_time, "beat_time": time.time(),
-            })
-        except OSError:
-            pass  # a full disk must not kill the heartbeat thread; the main thread will report it
+        with self._lock:
+            try:
+                write_json_atomic(self.path, {
+                    "rank": c.rank, "pid": os.getpid(), "state": self.state, "epoch": c.epoch,
+                    "step": c.step, "waiting": c.waiting, "progress_time": c._progress_time,
+                    "beat_time": time.time(),
+                })
+            except OSError:
+                pass  # a full disk must not kill the heartbeat; the main thread will report it
+            self._last_write = time.time()
+
+    def progressed(self) -> None:
+        if time.time() - self._last_write >= 0.01:
+            self.beat()
+        else:
+            self._wake.set()  # coalesce: the thread writes it in a moment
 
     def run(self) -> None:
-        while not self._wake.wait(self.interval):
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
             self.beat()
 
 
 def _error_record(exc: BaseException, ctx: Optional[Context], rank: int) -> dict:
     text = f"{type(exc).__name__}: {exc}"
-    secondary = isinstance(exc, getattr(dist, "DistError", ())) or any(m in text for m in _SECONDARY_MARKERS)
+    secondary = isinstance(exc, getattr(dist, "DistError", ())) or any(m in text.lower() for m in _SECONDARY_MARKERS)
     return {
         "rank": rank,
         "pid": os.getpid(),
@@ -362,7 +391,13 @@ def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs:
             write_json_atomic(state_path(ctx.run_dir, f"error.rank{ctx.rank}.json"), record)
         except OSError:
             pass
-        print(record["traceback"], file=sys.stderr)
+        if record["secondary"] or record["root_rank"] not in (None, ctx.rank):
+            # A consequence of another rank's failure: one line here, so the notebook's echo of
+            # this rank does not read as the cause. The full traceback is in the error record.
+            print(f"rank {ctx.rank} stopped because another rank failed: {record['type']}: "
+                  f"{record['message'].splitlines()[0] if record['message'] else ''}", file=sys.stderr)
+        else:
+            print(record["traceback"], file=sys.stderr)
     finally:
         ctx.close()
         beat.beat()

@@ -107,3 +107,95 @@ def test_notebook_defined_function_is_refused_in_kernel(kernel, tmp_path):
     assert reply["status"] == "error" and reply["ename"] == "ConfigError"
     assert "%%writefile my_worker.py" in reply["evalue"]
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel-level faults: what happens to the workers when the kernel is interrupted, killed or
+# restarted. Workers are identified by the pids in the run's launch record.
+
+
+def start_run_in_kernel(kc, runs, code_target: str, extra: str = ""):
+    """Execute a blocking spawn_train in the kernel; return (msg_id, run_dir, pids) once running."""
+    setup, _ = execute(kc, f"import sys; sys.path.insert(0, {str(ROOT)!r}); import nbddp; from nbddp import spawn_train, TrainConfig")
+    assert setup["status"] == "ok"
+    msg_id = kc.execute(f"r = spawn_train({code_target}, runs_dir={str(runs)!r}, grace_s=1.0{extra})")
+
+    def running():
+        beats = list(runs.glob("*/.nbddp/rank*.json"))
+        return len(beats) >= 2 and all(json.loads(b.read_text())["state"] == "running" for b in beats)
+
+    assert wait_for(running, timeout=90), "workers did not start"
+    launch = next(runs.glob("*/.nbddp/launch.json"))
+    return msg_id, launch.parent.parent, json.loads(launch.read_text())["pids"]
+
+
+def kernel_pid(km) -> int:
+    return km.provisioner.process.pid
+
+
+def wait_reply(kc, msg_id, timeout=60):
+    """The error name of a cell's reply (None if it succeeded)."""
+    while True:
+        msg = kc.get_shell_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            c = msg["content"]
+            return c.get("ename") if c["status"] == "error" else None
+
+
+def test_interrupt_sent_to_the_kernel_pid_only(kernel, tmp_path):
+    km, kc = kernel
+    runs = tmp_path / "runs"
+    msg_id, run_dir, pids = start_run_in_kernel(kc, runs, repr(str(WORKERS / "faulty.py") + ":barrier_and_sleep") + ", nprocs=2")
+    import os
+    import signal as sig
+
+    os.kill(kernel_pid(km), sig.SIGINT)  # not the process group: only the kernel hears it
+    assert wait_reply(kc, msg_id) == "TrainingInterrupted"
+    assert wait_for(lambda: survivors(pids) == {}, timeout=20)
+
+
+def test_interrupt_during_training_keeps_the_checkpoint_and_resume_works(kernel, tmp_path):
+    import sys as _sys
+
+    _sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import make_tree
+
+    km, kc = kernel
+    tree = make_tree(tmp_path / "data")
+    runs = tmp_path / "runs"
+    cfg = (f"TrainConfig(data_path={str(tree)!r}, model='resnet18', image_size=32, epochs=40, batch_size=2, "
+           f"lr=0.01, nprocs=2, runs_dir={str(runs)!r}, name='k')")
+    msg_id, run_dir, pids = start_run_in_kernel(kc, runs, cfg)
+    assert wait_for(lambda: (run_dir / "checkpoints" / "last.pt").exists(), timeout=120)
+    km.interrupt_kernel()
+    assert wait_reply(kc, msg_id) == "TrainingInterrupted"
+    assert survivors(pids) == {}
+    from nbddp.checkpoint import load_checkpoint
+
+    epoch = load_checkpoint(run_dir / "checkpoints" / "last.pt")["epoch"]
+    reply, out = execute(kc, f"r2 = spawn_train({cfg}.replace(epochs={epoch + 2}, resume={str(run_dir)!r})); "
+                             "print('epochs', [m['epoch'] for m in r2.value['metrics']])")
+    assert reply["status"] == "ok", out
+    assert f"epochs {list(range(epoch + 2))}" in out
+
+
+@pytest.mark.parametrize("how", ["sigkill", "restart"])
+def test_workers_die_with_the_kernel(kernel, tmp_path, how):
+    km, kc = kernel
+    runs = tmp_path / "runs"
+    msg_id, run_dir, pids = start_run_in_kernel(kc, runs, repr(str(WORKERS / "faulty.py") + ":barrier_and_sleep") + ", nprocs=2")
+    if how == "sigkill":
+        import os
+        import signal as sig
+
+        os.kill(kernel_pid(km), sig.SIGKILL)  # the OOM killer's way
+    else:
+        km.restart_kernel(now=True)
+    # The parent-death signal ends the workers; init reaps them (a zombie counts as a survivor).
+    assert wait_for(lambda: survivors(pids) == {}, timeout=30), survivors(pids)
+    if how == "restart":
+        kc.wait_for_ready(timeout=60)
+        reply, out = execute(kc, f"import sys; sys.path.insert(0, {str(ROOT)!r}); from nbddp import spawn_train; "
+                                 f"print(spawn_train({str(WORKERS / 'faulty.py') + ':info'!r}, nprocs=2, "
+                                 f"runs_dir={str(runs)!r}, echo=False).value['world_size'])")
+        assert reply["status"] == "ok" and "2" in out, out

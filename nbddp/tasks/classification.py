@@ -10,6 +10,7 @@ once (no sampler padding), and checkpoints hold plain values that load with
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -25,8 +26,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .. import data as D
 from ..checkpoint import atomic_save, cleanup_temp_files, export_weights, load_checkpoint
 from ..config import TrainConfig
-from ..dist import barrier, is_main
-from ..engine import autocast_dtype, cosine_lambda, evaluate, train_one_epoch
+from ..dist import barrier, check_same, is_main
+from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, train_one_epoch
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
 from ..sync_bn import convert_sync_batchnorm
@@ -217,6 +218,7 @@ def train(ctx, cfg: TrainConfig) -> dict:
     if ctx.is_main:
         cleanup_temp_files(ckpt_dir)  # leftovers of a crash between temp write and rename
 
+    check_same(len(train_loader), "training steps per epoch")
     writer = _writer(cfg, ctx)
     stopped = False
     global_step = start_epoch * len(train_loader)
@@ -235,8 +237,8 @@ def train(ctx, cfg: TrainConfig) -> dict:
         if stats.stopped:
             stopped = True
             if ctx.is_main:
-                print(f"stop requested: leaving epoch {epoch} at step {stats.steps}; "
-                      f"the last checkpoint is epoch {epoch - 1}", flush=True)
+                saved = f"the last checkpoint is epoch {epoch}" if epoch > 0 else "no epoch was completed"
+                print(f"stop requested: leaving epoch {epoch + 1} at step {stats.steps}; {saved}", flush=True)
             break
         ev = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last)
         scheduler.step()
@@ -256,11 +258,19 @@ def train(ctx, cfg: TrainConfig) -> dict:
             writer.add_scalar("accuracy", ev.accuracy, epoch)
             writer.add_scalar("learning_rate", lr, epoch)
             writer.flush()
-            ck = _checkpoint(model, optimizer, scheduler, scaler, epoch, best, best_epoch, cfg, classes, history)
-            atomic_save(ck, ckpt_dir / "last.pt")
-            if improved:
-                atomic_save({"model": ck["model"], "epoch": epoch, "accuracy": best, "classes": list(classes),
-                             "config": ck["config"]}, ckpt_dir / "best.pt")
+        save_error = None
+        if ctx.is_main:
+            try:
+                if ctx.fault_flag(f"diskfull{epoch}"):
+                    raise OSError(errno.ENOSPC, f"No space left on device (injected) writing {ckpt_dir / 'last.pt'}")
+                ck = _checkpoint(model, optimizer, scheduler, scaler, epoch, best, best_epoch, cfg, classes, history)
+                atomic_save(ck, ckpt_dir / "last.pt")
+                if improved:
+                    atomic_save({"model": ck["model"], "epoch": epoch, "accuracy": best, "classes": list(classes),
+                                 "config": ck["config"]}, ckpt_dir / "best.pt")
+            except OSError as exc:  # disk full, quota, permissions: the previous checkpoint is intact
+                save_error = exc
+        agree_on_error(save_error, f"saving the checkpoint of epoch {epoch}")
         ctx.fault_point(f"epoch{epoch}")
 
     if writer is not None:
@@ -278,7 +288,8 @@ def train(ctx, cfg: TrainConfig) -> dict:
         meta = {"model": cfg.model, "num_classes": num_classes, "image_size": cfg.image_size,
                 "epoch": best_epoch, "val_accuracy": final.accuracy}
         paths = export_weights(best_state, ctx.run_dir / EXPORT_DIR, classes, extra=meta)
-        preds = [{"path": val_s[i][0], "label": val_s[i][1], "pred": p} for i, p in final.predictions]
+        preds = [{"path": os.path.abspath(val_s[i][0]), "label": val_s[i][1], "pred": p}
+                 for i, p in final.predictions]
         (ctx.run_dir / "val_predictions.json").write_text(json.dumps(preds))
         summary["weights_path"] = str(paths["pth"])
         print(f"best val_acc {final.accuracy:.4f} (epoch {best_epoch + 1}); weights exported to "

@@ -64,19 +64,20 @@ def training_curves_png(metrics: Sequence[dict], epochs: Optional[int] = None,
             losses += [y for _, y in pts]
     # A tiny or badly started run can have a validation loss 100x the training loss (BatchNorm
     # statistics of a few batches): a log scale keeps both curves readable.
-    if losses and min(losses) > 0 and max(losses) / min(losses) > 50:
+    log_scale = bool(losses) and min(losses) > 0 and max(losses) / min(losses) > 50
+    if log_scale:
         ax_loss.set_yscale("log")
     acc = next(((k, lbl) for k, lbl in _ACC_KEYS if any(_finite(m.get(k)) for m in metrics)), None)
     if acc:
         pts = [(x, m[acc[0]]) for x, m in zip(xs, metrics) if _finite(m.get(acc[0]))]
         ax_acc.plot(*zip(*pts), "o-", ms=4, color="tab:green", label=acc[1])
         bx, by = max(pts, key=lambda p: (p[1], -p[0]))  # the first epoch with the best value
-        ax_acc.plot([bx], [by], "*", ms=14, color="tab:orange", label=f"best {by:.2%} (epoch {bx})")
+        ax_acc.plot([bx], [by], "*", ms=14, color="tab:orange", label=f"best {by:.1%} (epoch {bx})")
         ax_acc.legend(loc="lower right", fontsize=8)
     ax_acc.set_ylim(0, 1.02)
     ax_acc.yaxis.set_major_formatter(PercentFormatter(1.0))
 
-    for ax, title in ((ax_loss, "loss"), (ax_acc, "validation accuracy")):
+    for ax, title in ((ax_loss, "loss (log scale)" if log_scale else "loss"), (ax_acc, "validation accuracy")):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("epoch", fontsize=9)
         ax.set_xlim(0.5, last + 0.5)
@@ -226,12 +227,16 @@ def plot_confusion_matrix(source: Any, classes: Optional[Sequence[str]] = None, 
     fig = plt.figure(figsize=(side + 1.0, side), layout="constrained")
     ax = fig.subplots()
     im = ax.imshow(shown, cmap="Blues", vmin=0, vmax=1 if normalize else max(1, shown.max()))
-    fig.colorbar(im, ax=ax, shrink=0.8)
+    bar = fig.colorbar(im, ax=ax, shrink=0.8)
+    if not normalize:
+        from matplotlib.ticker import MaxNLocator
+
+        bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xticks(range(k), names, rotation=45 if k > 4 else 0, ha="right" if k > 4 else "center", fontsize=8)
     ax.set_yticks(range(k), names, fontsize=8)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
-    ax.set_title(f"confusion matrix · accuracy {acc:.2%} of {int(total)}", fontsize=10)
+    ax.set_title(f"confusion matrix · accuracy {acc:.1%} of {int(total)} images", fontsize=10)
     if k <= 30:  # beyond that the numbers are unreadable; the colours still tell the story
         hi = (1 if normalize else shown.max()) / 2
         for i in range(k):

@@ -13,7 +13,8 @@ Kernel side. The server is a child process of the kernel started with the kernel
   interrupts the cell, not TensorBoard.
 
 Its output goes to a log file in the temp folder (named in every error), never to a pipe that
-nobody reads and that would block it once full.
+nobody reads and that would block it once full. The bootstrap arms the signal for the thread
+that started the server: call these functions from the notebook's main thread (cells run there).
 """
 
 from __future__ import annotations
@@ -161,8 +162,10 @@ class TensorBoardServer:
 
 def _launch(logdir: Path, port: int, timeout: float, reload_interval: int) -> TensorBoardServer:
     log_path = Path(tempfile.gettempdir()) / f"nbddp-tensorboard-{os.getpid()}-{port}.log"
-    cmd = [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), "--logdir", str(logdir),
-           "--host", "127.0.0.1", "--port", str(port), "--reload_interval", str(reload_interval)]
+    # --load_fast=false: TensorBoard reads the events itself instead of starting its Rust data
+    # server, a grandchild that would outlive it as a zombie when TensorBoard exits.
+    cmd = [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), "--logdir", str(logdir), "--host", "127.0.0.1",
+           "--port", str(port), "--reload_interval", str(reload_interval), "--load_fast", "false"]
     with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
@@ -216,10 +219,10 @@ def start_tensorboard(logdir: PathLike = "runs", port: Optional[int] = None, tim
         raise TensorBoardError(f"port {port} is already in use; pass another port, or port=None for a free one")
     try:
         server = _launch(folder, port or _free_port(), timeout, reload_interval)
-    except TensorBoardError:
-        if port is not None:
+    except TensorBoardError as exc:
+        if port is not None or "in use" not in str(exc):
             raise
-        # The free port may have been taken between choosing and binding it: one more try.
+        # The free port was taken between choosing and binding it: one more try.
         server = _launch(folder, _free_port(), timeout, reload_interval)
     with _lock:
         _servers[key] = server

@@ -70,3 +70,22 @@ def info(ctx):
 
 def unpicklable_result(ctx):
     return lambda: None
+
+
+def uneven_batches(ctx):
+    """Rank 1 has one batch more than rank 0: caught before the first step."""
+    from nbddp.dist import check_same
+
+    batches = 3 + ctx.rank
+    check_same(batches, "batches per epoch")
+    for _ in range(batches):
+        dist.all_reduce(torch.ones(1))
+
+
+def sigterm_target(ctx, steps: int = 400):
+    """Steps forever-ish, reporting progress, so a test can SIGTERM one rank from outside."""
+    t = torch.ones(1)
+    for step in range(steps):
+        ctx.heartbeat(epoch=0, step=step)
+        dist.all_reduce(t)
+        time.sleep(0.05)

@@ -1,0 +1,164 @@
+"""export_run, prediction and confusion-matrix figures (matplotlib Agg), on fake and real runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("MPLBACKEND", "Agg")  # before anything imports pyplot
+
+import pytest
+import torch
+import torchvision
+
+from nbddp import ConfigError, TrainConfig, WeightsError, spawn_train
+from nbddp.checkpoint import atomic_save, load_state_dict_file
+from nbddp.data import scan_class_folders, split_samples, write_class_indices
+from nbddp.export import confusion_matrix, export_run, load_val_predictions, per_class_accuracy
+from nbddp.inference import load_model, predict
+from nbddp.ui import plot_confusion_matrix, show_predictions
+from conftest import make_tree
+
+RIGHT, WRONG = "#1b7f3b", "#c62828"
+
+
+@pytest.fixture
+def fake_run(tmp_path):
+    """A run folder as the built-in worker leaves it, written here without training."""
+    data = make_tree(tmp_path / "data")
+    classes, samples = scan_class_folders(data)
+    _, val = split_samples(samples, 0.2, 0)
+    run = tmp_path / "runs" / "20260101-000000-fake"
+    cfg = TrainConfig(data_path=str(data), model="resnet18", image_size=32, epochs=2, nprocs=2, runs_dir=str(run.parent))
+    cfg.save(run / "config.json")
+    write_class_indices(classes, run / "class_indices.json")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=3)
+    history = [{"epoch": 0, "val_accuracy": 0.5}, {"epoch": 1, "val_accuracy": 0.25}]
+    # Same layout as tasks/classification.py: best.pt is small, last.pt carries the history.
+    atomic_save({"model": model.state_dict(), "epoch": 0, "accuracy": 0.5, "classes": classes,
+                 "config": cfg.to_dict()}, run / "checkpoints" / "best.pt")
+    atomic_save({"model": model.state_dict(), "epoch": 1, "best_accuracy": 0.5, "best_epoch": 0,
+                 "config": cfg.to_dict(), "classes": classes, "history": history}, run / "checkpoints" / "last.pt")
+    preds = [{"path": p, "label": y, "pred": (y + i) % 3 if i % 2 else y} for i, (p, y) in enumerate(val)]
+    (run / "val_predictions.json").write_text(json.dumps(preds))
+    return run, model, classes
+
+
+def test_export_run_writes_the_four_files(fake_run, tmp_path):
+    run, model, classes = fake_run
+    paths = export_run(run, tmp_path / "out")
+    assert {k: p.name for k, p in paths.items()} == {"pth": "model.pth", "safetensors": "model.safetensors",
+                                                     "class_indices": "class_indices.json", "meta": "meta.json"}
+    sd = torch.load(paths["pth"], weights_only=True)
+    fresh = torchvision.models.resnet18(num_classes=3)
+    fresh.load_state_dict(sd, strict=True)  # a plain torchvision state_dict
+    assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+    st = load_state_dict_file(paths["safetensors"])
+    assert st.keys() == sd.keys() and all(torch.equal(st[k], sd[k]) for k in sd)
+    assert json.loads(paths["class_indices"].read_text()) == {"0": "a", "1": "b", "2": "c"}
+    meta = json.loads(paths["meta"].read_text())
+    assert {k: meta[k] for k in ("model", "num_classes", "image_size", "epoch", "val_accuracy", "which")} == \
+        {"model": "resnet18", "num_classes": 3, "image_size": 32, "epoch": 0, "val_accuracy": 0.5, "which": "best"}
+    loaded, names = load_model(tmp_path / "out")  # the inference side reads the folder back
+    assert names == classes and loaded.nbddp_meta["image_size"] == 32
+
+    last = json.loads(export_run(run, tmp_path / "last", which="last")["meta"].read_text())
+    assert (last["epoch"], last["val_accuracy"], last["which"]) == (1, 0.25, "last")
+
+
+def test_export_run_errors_name_the_problem(fake_run, tmp_path):
+    run, _, _ = fake_run
+    with pytest.raises(ConfigError, match="'best' or 'last'"):
+        export_run(run, tmp_path / "out", which="newest")
+    (run / "checkpoints" / "best.pt").unlink()
+    with pytest.raises(WeightsError, match=r"no checkpoint at .*best\.pt.*last\.pt.*which='last'"):
+        export_run(run, tmp_path / "out")
+    (run / "checkpoints" / "last.pt").unlink()
+    with pytest.raises(WeightsError, match="before it finished an epoch"):
+        export_run(run, tmp_path / "out", which="last")
+    with pytest.raises(WeightsError, match="run folder not found"):
+        export_run(tmp_path / "nowhere", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_confusion_matrix_and_per_class_accuracy():
+    m = confusion_matrix([0, 0, 1, 1, 2], [0, 1, 1, 1, 0], 3)
+    assert m.tolist() == [[1, 1, 0], [0, 2, 0], [1, 0, 0]]
+    assert per_class_accuracy([0, 0, 1, 1, 2], [0, 1, 1, 1, 0], ["a", "b", "c"]) == {"a": 0.5, "b": 1.0, "c": 0.0}
+    assert per_class_accuracy([0], [0], ["a", "b"]) == {"a": 1.0, "b": None}
+    with pytest.raises(ValueError, match="0..2"):
+        confusion_matrix([3], [0], 3)
+
+
+def _title_colors(fig):
+    return [ax.title.get_color() for ax in fig.axes if ax.images]
+
+
+def test_prediction_grid_and_confusion_figure(fake_run, tmp_path):
+    from matplotlib.figure import Figure
+
+    run, _, classes = fake_run
+    recs = load_val_predictions(run)
+    # Recorded predictions (no model): right ones green, wrong ones red.
+    fig = show_predictions(None, None, run, n=4)
+    assert isinstance(fig, Figure) and len([ax for ax in fig.axes if ax.images]) == 4
+    assert set(_title_colors(fig)) <= {RIGHT, WRONG} and WRONG in _title_colors(fig)
+    assert "pred: " in fig.axes[0].get_title() and "true: " in fig.axes[0].get_title()
+
+    # A model and (path, label) pairs: the grid shows what predict() says.
+    export_run(run, tmp_path / "out")
+    model, names = load_model(tmp_path / "out")
+    pairs = [(r["path"], r["label"]) for r in recs]
+    fig = show_predictions(model, names, pairs, n=16)
+    shown = [ax for ax in fig.axes if ax.images]
+    assert len(shown) == len(pairs) <= 16
+    preds = predict(model, [p for p, _ in pairs])
+    expect = [RIGHT if names.index(p.label) == y else WRONG for p, (_, y) in zip(preds, pairs)]
+    assert _title_colors(fig) == expect
+    fig.savefig(tmp_path / "grid.png")  # renders under Agg
+
+    cm_fig = plot_confusion_matrix(run)
+    assert isinstance(cm_fig, Figure) and "accuracy" in cm_fig.axes[0].get_title()
+    counts = confusion_matrix([r["label"] for r in recs], [r["pred"] for r in recs], 3)
+    texts = [t.get_text() for t in cm_fig.axes[0].texts]
+    assert texts == [str(v) for v in counts.flatten()]
+    norm = plot_confusion_matrix(counts, classes, normalize=True)
+    assert [t.get_text() for t in norm.axes[0].texts][0].startswith(("0.", "1."))
+    norm.savefig(tmp_path / "cm.png")
+
+
+@pytest.mark.timeout(120)
+def test_export_of_a_real_run_predicts_like_the_workers(tmp_path):
+    data = make_tree(tmp_path / "data")
+    cfg = TrainConfig(data_path=str(data), model="resnet18", image_size=32, epochs=1, batch_size=4, lr=0.01,
+                      nprocs=2, runs_dir=str(tmp_path / "runs"), name="export")
+    result = spawn_train(cfg, echo=False)
+    paths = export_run(result.run_dir, tmp_path / "exported")
+    torchvision.models.resnet18(num_classes=3).load_state_dict(torch.load(paths["pth"], weights_only=True), strict=True)
+    meta = json.loads(paths["meta"].read_text())
+    assert meta["epoch"] == result.value["best_epoch"] and meta["val_accuracy"] == pytest.approx(result.value["best_accuracy"])
+    model, classes = load_model(tmp_path / "exported")
+    recs = load_val_predictions(result.run_dir)
+    assert [classes.index(p.label) for p in predict(model, [r["path"] for r in recs])] == [r["pred"] for r in recs]
+    assert show_predictions(model, classes, result.run_dir, n=6).axes
+
+
+def test_import_nbddp_pulls_in_no_plotting_or_widgets():
+    code = ("import sys, nbddp, nbddp.export, nbddp.ui; from nbddp.ui import show_tensorboard; "
+            "print(sorted(m for m in ('matplotlib', 'ipywidgets', 'IPython') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_relative_image_paths_resolve_from_the_launch_folder(fake_run, tmp_path, monkeypatch):
+    run, _, _ = fake_run
+    recs = load_val_predictions(run)
+    rel = [dict(r, path=os.path.relpath(r["path"], tmp_path)) for r in recs]  # "data/a/003.png"
+    (run / "val_predictions.json").write_text(json.dumps(rel))
+    # Launched from tmp_path with the default runs_dir="runs": run is tmp_path/runs/<run>.
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps(dict(cfg, runs_dir="runs")))
+    monkeypatch.chdir(run)  # the notebook now runs somewhere else
+    assert [r["path"] for r in load_val_predictions(run)] == [str(tmp_path / r["path"]) for r in rel]
+    assert show_predictions(None, None, run, n=2).axes
