@@ -63,10 +63,12 @@ class LaunchSpec:
     store_host: str
     store_port: int
     run_dir: str
-    parent_pid: int
+    parent_pid: Optional[int]  # None: started by a forkserver (the parent is the server)
     threads: int
     timeout_s: float
     fault: Optional[str] = None  # test-only fault hook, see _inject_fault
+    env: dict = field(default_factory=dict)  # set in the child: a forkserver's children do not
+                                             # inherit the kernel's environment of the moment
 
 
 def state_path(run_dir: os.PathLike | str, name: str) -> Path:
@@ -216,14 +218,20 @@ def to_cpu(obj: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- process set-up
-def set_parent_death_signal(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL us when our parent dies, then check it has not died already."""
+def set_parent_death_signal(parent_pid: Optional[int]) -> None:
+    """Ask Linux to SIGKILL us when our parent dies, then check it has not died already.
+
+    The parent is the kernel (spawn) or the forkserver (warm starts), which itself exits when
+    the kernel goes away. The signal follows the parent *thread* that started us, which is why
+    spawn_train starts workers from the caller's thread, not from a short-lived one.
+    """
+    expected = parent_pid if parent_pid is not None else os.getppid()
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    # The parent may have died between our fork and the prctl call: then we were re-parented.
-    if os.getppid() != parent_pid:
+    # The parent may have died between our start and the prctl call: then we were re-parented.
+    if os.getppid() != expected:
         os._exit(1)
 
 
@@ -329,6 +337,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     except OSError:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(spec.env)
     rank = local_rank  # single-machine launch: global rank == local rank
     run_dir = Path(spec.run_dir)
     redirect_output(run_dir / "logs" / f"rank{rank}.log")

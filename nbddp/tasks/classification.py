@@ -104,6 +104,14 @@ def find_resume_dir(cfg: TrainConfig) -> Path:
 
 
 # ------------------------------------------------------------------------------ worker side
+def _rss_mb() -> float:
+    """Resident memory of this process now (rank 0's), to see that it does not grow per epoch."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return float("nan")
+
+
 def _seed_epoch(seed: int, epoch: int, rank: int) -> None:
     # Augmentation randomness is a function of (seed, epoch, rank) alone, so a run resumed at
     # epoch k draws exactly what an uninterrupted run draws at epoch k.
@@ -243,7 +251,8 @@ def train(ctx, cfg: TrainConfig) -> dict:
         ev = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last)
         scheduler.step()
         record = {"epoch": epoch, "train_loss": stats.loss, "val_loss": ev.loss, "val_accuracy": ev.accuracy,
-                  "val_images": ev.count, "lr": lr, "seconds": stats.seconds, "images_per_s": stats.images_per_s}
+                  "val_images": ev.count, "lr": lr, "seconds": stats.seconds, "images_per_s": stats.images_per_s,
+                  "rss_mb": _rss_mb()}
         history.append(record)
         ctx.log(**record)
         improved = ev.accuracy > best
