@@ -17,7 +17,8 @@ from typing import Any, Optional, Union
 
 from .errors import ConfigError
 
-_BOOL_FIELDS = ("scale_lr", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images")
+_BOOL_FIELDS = ("scale_lr", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images",
+                "cache_images")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class TrainConfig:
         name: short name appended to the run folder.
         resume: ``True`` continues the newest run of this ``name``; a path continues that run.
         check_images: open every image in the kernel before launching (names corrupt files).
+        cache_images: decode each image once and keep it in memory (small datasets; the
+            random augmentation still runs every epoch).
         timeout_s: process-group timeout in seconds (a hung collective fails after this).
     """
 
@@ -82,6 +85,7 @@ class TrainConfig:
     name: str = "train"
     resume: Union[bool, str] = False
     check_images: bool = True
+    cache_images: bool = False
     timeout_s: float = 300.0
 
     def __post_init__(self):

@@ -290,17 +290,26 @@ class ImageListDataset(Dataset):
     Items are ``(transform(image), class_index)``.
     """
 
-    def __init__(self, samples: Sequence[Sample], transform: Optional[Callable] = None):
+    def __init__(self, samples: Sequence[Sample], transform: Optional[Callable] = None, cache: bool = False):
         self.samples = [(os.fspath(p), int(c)) for p, c in samples]
         self.targets = [c for _, c in self.samples]
         self.transform = transform
+        # Decode once, keep the RGB image: random augmentation still differs every epoch, but
+        # small datasets (digits, flowers at low resolution) stop paying JPEG/PNG decoding.
+        # Each DataLoader worker holds its own cache, so use it with few workers.
+        self._cache: Optional[dict] = {} if cache else None
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int):
         path, label = self.samples[index]
-        image = load_rgb(path)
+        if self._cache is None:
+            image = load_rgb(path)
+        else:
+            image = self._cache.get(index)
+            if image is None:
+                image = self._cache[index] = load_rgb(path)
         if self.transform is not None:
             image = self.transform(image)
         return image, label

@@ -333,3 +333,21 @@ def test_make_digits_is_byte_identical(tmp_path):
         label = int(digits.target[index])
         expected = (DIGITS / str(label) / f"{index:04d}.png").read_bytes()
         assert mod.digit_png(digits.images[index]) == expected
+
+
+def test_cached_dataset_decodes_once_and_still_augments(tmp_path, monkeypatch):
+    import nbddp.data as D
+    from PIL import Image
+
+    for c in ("a", "b"):
+        (tmp_path / c).mkdir()
+        Image.new("RGB", (16, 16), (200, 10, 10)).save(tmp_path / c / "x.png")
+    _, samples = D.scan_class_folders(tmp_path)
+    calls = []
+    real = D.load_rgb
+    monkeypatch.setattr(D, "load_rgb", lambda p: calls.append(p) or real(p))
+    train_tf, _ = D.build_transforms(8, crop_scale=0.2)
+    ds = D.ImageListDataset(samples, train_tf, cache=True)
+    first = [ds[i][0] for i in range(2)] + [ds[i][0] for i in range(2)]
+    assert len(calls) == 2, "each image decoded once"
+    assert first[0].shape == (3, 8, 8)

@@ -122,7 +122,8 @@ def _seed_epoch(seed: int, epoch: int, rank: int) -> None:
 
 def _loaders(cfg: TrainConfig, ctx, classes, train_s, val_s):
     train_tf, val_tf = D.build_transforms(cfg.image_size, cfg.crop_scale, cfg.hflip)
-    train_ds, val_ds = D.ImageListDataset(train_s, train_tf), D.ImageListDataset(val_s, val_tf)
+    train_ds = D.ImageListDataset(train_s, train_tf, cache=cfg.cache_images)
+    val_ds = D.ImageListDataset(val_s, val_tf, cache=cfg.cache_images)
     cuda = ctx.device.type == "cuda"
     workers = cfg.num_workers
     if workers is None:
