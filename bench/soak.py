@@ -9,7 +9,6 @@ and returns. A cycle over 60 s counts as a hang (and is stopped).
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import tempfile
@@ -75,7 +74,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cycles", type=int, default=100)
     a = ap.parse_args()
-    print(f"| start method | cycles | median s | max s | hangs | leaked processes | leaked ports | temp files |")
+    print("| start method | cycles | median s | max s | hangs | leaked processes | leaked ports | temp files |")
     print("|---|---|---|---|---|---|---|---|")
     for method in ("spawn", "forkserver"):
         r = soak(method, a.cycles, Path(tempfile.mkdtemp()))

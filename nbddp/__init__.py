@@ -10,7 +10,8 @@ from .errors import ConfigError, DataError, NbddpError, TrainingInterrupted, Wei
 from .export import export_run
 from .gpus import GPUInfo, list_gpus
 from .inference import Prediction, load_model, predict
-from .launch import RunHandle, TrainResult, spawn_train
+from .handle import RunHandle, TrainResult
+from .launch import spawn_train
 from .procs import cleanup
 from .runtime import Context
 

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+if TYPE_CHECKING:
+    import PIL.Image
 
 from .checkpoint import load_state_dict_file
 from .errors import WeightsError

@@ -1,93 +1,34 @@
 """``spawn_train``: start one process per GPU (or N CPU processes) from a notebook, safely.
 
-The kernel never blocks the workers' fate on itself: it starts them, then polls. Each poll
-reads rank 0's new log lines, new metrics and every process's exit code. On failure, stop or
-interrupt it runs a staged shutdown — stop request, SIGTERM, grace, SIGKILL — and reaps every
-process, so no worker (live or zombie) and no port outlives the run.
+Everything before the first process starts happens here: the target and its arguments are
+checked, the run folder made, a free port taken by a store the kernel owns, the environment
+set for the children (and restored). Watching the run is :class:`nbddp.handle.RunHandle`'s job.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import pickle
-import signal
 import socket
 import sys
-import threading
-import time
 import types
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .config import TrainConfig
-from .errors import ConfigError, TrainingInterrupted, WorkerError
+from .errors import ConfigError
 from .gpus import check_gpu_ids
 from .procs import live_workers, start_time
-from .report import RankEnd, build_worker_error, collect
+from .handle import RunHandle, TrainResult
 from .runtime import STATE_DIR, LaunchSpec, entry, state_path
 from .targets import resolve_target
 
 BUILTIN_TARGET = "nbddp.tasks.classification:train"
-
-
-@dataclass
-class TrainResult:
-    """What a finished run gives back to the notebook.
-
-    Attributes:
-        value: what rank 0's worker function returned (tensors moved to the CPU).
-        run_dir: the run's folder: config, logs, metrics, checkpoints, exported weights.
-        metrics: the records rank 0 logged with ``ctx.log`` (one per epoch for the built-in worker).
-        seconds: wall time from launch to the last process's exit.
-        world_size: number of processes.
-        backend: ``"nccl"`` or ``"gloo"``.
-        stopped: True when the run ended early because ``stop()`` was asked and the worker obeyed.
-    """
-
-    value: Any
-    run_dir: Path
-    metrics: List[dict]
-    seconds: float
-    world_size: int
-    backend: str
-    stopped: bool = False
-
-    @property
-    def weights_path(self) -> Optional[Path]:
-        """Exported weights of the best epoch (built-in worker), else ``None``."""
-        v = self.value.get("weights_path") if isinstance(self.value, dict) else None
-        return Path(v) if v else None
-
-    def __repr__(self) -> str:
-        return (f"TrainResult(run_dir={str(self.run_dir)!r}, world_size={self.world_size}, "
-                f"backend={self.backend!r}, seconds={self.seconds:.1f}, metrics=[{len(self.metrics)} records], "
-                f"stopped={self.stopped})")
-
-
-class _LineTail:
-    """Reads the complete lines appended to a file since the last call."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.partial = path, 0, b""
-
-    def read(self) -> List[str]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        self.offset += len(data)
-        data = self.partial + data
-        *lines, self.partial = data.split(b"\n")
-        return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines]
 
 
 def _free_store(timeout_s: float) -> dist.TCPStore:
@@ -178,268 +119,6 @@ def _check_picklable(args: tuple, kwargs: dict) -> None:
                 "Pass plain values (numbers, strings, paths, lists, dicts, CPU tensors) and build "
                 "models, loaders and open files inside the worker function."
             ) from exc
-
-
-class RunHandle:
-    """A running (or finished) launch. ``spawn_train(..., block=False)`` returns one.
-
-    Example:
-        >>> h = spawn_train("my_worker.py:train", nprocs=2, block=False)
-        >>> h.running, h.metrics[-1:]       # the notebook stays usable meanwhile
-        >>> h.stop()                        # same guarantees as an interrupt
-        >>> result = h.wait()
-    """
-
-    def __init__(self, ctx, spec: LaunchSpec, store, echo: bool, grace_s: float,
-                 stall_timeout_s: Optional[float] = None):
-        self._ctx, self.spec, self._store, self.echo, self.grace_s = ctx, spec, store, echo, grace_s
-        self.stall_timeout_s = stall_timeout_s
-        self._stall_checked = 0.0
-        self.run_dir = Path(spec.run_dir)
-        self.world_size = spec.world_size
-        self.started_at = time.time()
-        self.pids = [p.pid for p in ctx.processes]
-        self.metrics: List[dict] = []
-        self.progress: dict = {}
-        self._ends: Dict[int, RankEnd] = {}
-        self._log_tail = _LineTail(self.run_dir / "logs" / "rank0.log")
-        self._metrics_tail = _LineTail(self.run_dir / "metrics.jsonl")
-        self._listeners: List[Callable[[str, Any], None]] = []
-        self._lock = threading.RLock()
-        self._shutdown: Optional[dict] = None  # {"reason", "stage", "since"}
-        self._outcome: Optional[Union[TrainResult, BaseException]] = None
-        self._done = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    # -- public ----------------------------------------------------------------------
-    @property
-    def running(self) -> bool:
-        return not self._done.is_set()
-
-    def subscribe(self, callback: Callable[[str, Any], None]) -> None:
-        """Call ``callback(kind, payload)`` for ``"line"``, ``"metrics"``, ``"progress"`` and ``"end"``."""
-        self._listeners.append(callback)
-
-    def stop(self, wait: bool = True, timeout: Optional[float] = None) -> None:
-        """Ask every worker to stop; escalate to SIGTERM, then SIGKILL after ``grace_s`` each."""
-        with self._lock:
-            self._begin_shutdown("stop")
-        if wait:
-            self._wait_done(timeout)
-
-    def wait(self, timeout: Optional[float] = None) -> TrainResult:
-        """Block until the run ends; return its ``TrainResult`` or raise its error."""
-        self._wait_done(timeout)
-        if not self._done.is_set():
-            raise TimeoutError(f"the run in {self.run_dir} is still going after {timeout} s")
-        if isinstance(self._outcome, BaseException):
-            raise self._outcome
-        return self._outcome
-
-    @property
-    def outcome(self) -> Optional[Union[TrainResult, BaseException]]:
-        """The result or the exception once the run has ended, else ``None``."""
-        return self._outcome
-
-    # -- monitoring --------------------------------------------------------------------
-    def _start_background(self) -> None:
-        def loop():
-            while not self._done.is_set():
-                self.poll()
-                time.sleep(0.1)
-
-        self._thread = threading.Thread(target=loop, name="nbddp-monitor", daemon=True)
-        self._thread.start()
-
-    def _wait_done(self, timeout: Optional[float]) -> None:
-        deadline = None if timeout is None else time.time() + timeout
-        if self._thread is not None:
-            try:
-                self._done.wait(timeout)
-            except KeyboardInterrupt:
-                self._interrupted()  # Interrupt while waiting on a background run stops it too
-            return
-        try:
-            while not self._done.is_set():
-                self.poll()
-                if deadline is not None and time.time() > deadline:
-                    return
-                time.sleep(0.05)
-        except KeyboardInterrupt:
-            self._interrupted()
-
-    def _interrupted(self) -> None:
-        """Jupyter's Interrupt (or Ctrl-C) arrived in the kernel: stop everything, then raise."""
-        with self._lock:
-            self._begin_shutdown("interrupt")
-        try:
-            while not self._done.is_set():
-                self.poll()
-                time.sleep(0.05)
-        except KeyboardInterrupt:
-            # A second interrupt: no more grace.
-            self._kill_all(signal.SIGKILL)
-            self._reap_all()
-            self._finish()
-        raise self._outcome
-
-    def _emit(self, kind: str, payload: Any) -> None:
-        for cb in list(self._listeners):
-            try:
-                cb(kind, payload)
-            except Exception as exc:  # noqa: BLE001 - a broken display must not break training
-                print(f"nbddp: listener failed: {exc!r}", file=sys.stderr)
-
-    def poll(self) -> None:
-        """One monitoring step: forward output, read metrics, check processes, shut down."""
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._read_streams()
-            now = time.time()
-            for rank, p in enumerate(self._ctx.processes):
-                if rank not in self._ends and p.exitcode is not None:  # exitcode reaps the child
-                    self._ends[rank] = RankEnd(rank, p.pid, p.exitcode, now, self._shutdown is not None)
-            failed = [e for e in self._ends.values() if e.exitcode != 0 and not e.by_launcher]
-            if failed and self._shutdown is None:
-                self._begin_shutdown("failure")
-            if self._shutdown is None and self.stall_timeout_s and now - self._stall_checked >= 1.0:
-                self._stall_checked = now
-                if self._find_stalled_rank(now) is not None:
-                    self._begin_shutdown("failure")
-            if self._shutdown is not None:
-                self._advance_shutdown(now)
-            if len(self._ends) == self.world_size:
-                self._reap_all()
-                self._finish()
-
-    def _find_stalled_rank(self, now: float) -> Optional[int]:
-        """A rank behind the others whose progress stopped ``stall_timeout_s`` ago (a hang).
-
-        Only a rank that lags can be hung: the ones ahead of it are waiting for it in a
-        collective. Ranks all at the same point (a long evaluation, a checkpoint) never trip it.
-        """
-        records, beats = collect(self.run_dir, self.world_size)
-        if records or len(beats) < self.world_size or any(b.get("state") != "running" for b in beats.values()):
-            return None
-
-        def where(b: dict) -> tuple:
-            return (b.get("epoch") if b.get("epoch") is not None else -1,
-                    b.get("step") if b.get("step") is not None else -1, bool(b.get("waiting")))
-
-        lead = max(where(b) for b in beats.values())
-        for rank, b in sorted(beats.items()):
-            if where(b) < lead and now - b.get("progress_time", now) > self.stall_timeout_s:
-                return rank
-        return None
-
-    def _read_streams(self) -> None:
-        for line in self._log_tail.read():
-            if self.echo:
-                print(f"[rank0] {line}", flush=True)
-            self._emit("line", line)
-        for line in self._metrics_tail.read():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            self.metrics.append(rec)
-            self._emit("metrics", rec)
-        try:
-            prog = json.loads(state_path(self.run_dir, "progress.json").read_text())
-        except (OSError, ValueError):
-            prog = None
-        if prog and prog != self.progress:
-            self.progress = prog
-            self._emit("progress", prog)
-
-    # -- staged shutdown ----------------------------------------------------------------
-    def _begin_shutdown(self, reason: str) -> None:
-        if self._shutdown is not None or self._done.is_set():
-            return
-        # On failure the peers are most likely blocked in a collective: no point asking nicely.
-        stage = "term" if reason == "failure" else "ask"
-        self._shutdown = {"reason": reason, "stage": stage, "since": time.time()}
-        try:
-            state_path(self.run_dir, "stop").write_text(reason)
-        except OSError:
-            pass
-        if stage == "term":
-            self._kill_all(signal.SIGTERM)
-
-    def _advance_shutdown(self, now: float) -> None:
-        sd = self._shutdown
-        if now - sd["since"] < self.grace_s:
-            return
-        if sd["stage"] == "ask":
-            sd.update(stage="term", since=now)
-            self._kill_all(signal.SIGTERM)
-        elif sd["stage"] == "term":
-            sd.update(stage="kill", since=now)
-            self._kill_all(signal.SIGKILL)
-
-    def _kill_all(self, sig: int) -> None:
-        for rank, p in enumerate(self._ctx.processes):
-            if rank in self._ends or p.exitcode is not None:
-                continue
-            try:
-                # Each worker leads its own process group (DataLoader workers included).
-                if os.getpgid(p.pid) == p.pid:
-                    os.killpg(p.pid, sig)
-                else:
-                    os.kill(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def _reap_all(self) -> None:
-        now = time.time()
-        for rank, p in enumerate(self._ctx.processes):
-            p.join(timeout=5)
-            if p.exitcode is None:  # cannot happen after SIGKILL, but never leave one behind
-                p.kill()
-                p.join()
-            if rank not in self._ends:
-                self._ends[rank] = RankEnd(rank, p.pid, p.exitcode, now, True)
-
-    def _finish(self) -> None:
-        self._read_streams()
-        seconds = time.time() - self.started_at
-        reason = self._shutdown["reason"] if self._shutdown else None
-        result_path = state_path(self.run_dir, "result.pkl")
-        all_ok = all(e.exitcode == 0 for e in self._ends.values())
-        if reason == "failure" or (not all_ok and reason is None):
-            outcome: Union[TrainResult, BaseException] = build_worker_error(self.run_dir, self._ends, self.world_size)
-        elif all_ok and result_path.exists() and reason != "interrupt":
-            with open(result_path, "rb") as f:
-                value = pickle.load(f)
-            outcome = TrainResult(value, self.run_dir, self.metrics, seconds, self.world_size,
-                                  self.spec.backend, stopped=reason is not None)
-        else:
-            # An interrupted cell always ends in an exception, even when the workers obeyed the
-            # stop request and returned: the user asked the cell to stop.
-            what = "interrupted" if reason == "interrupt" else "stopped"
-            outcome = TrainingInterrupted(
-                f"training {what}: all {self.world_size} workers were stopped and reaped. "
-                f"Logs and the last checkpoint are kept in {self.run_dir}", run_dir=self.run_dir)
-        self._outcome = outcome
-        for p in self._ctx.processes:
-            with contextlib.suppress(Exception):
-                p.close()
-        self._store = None  # closes the kernel-owned store and frees its port
-        with contextlib.suppress(OSError):
-            state_path(self.run_dir, "stop").unlink()
-        self._update_launch_record(ended=time.time())
-        self._done.set()
-        self._emit("end", outcome)
-
-    def _update_launch_record(self, **fields) -> None:
-        path = self.run_dir / STATE_DIR / "launch.json"
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
-            rec = {}
-        rec.update(fields)
-        path.write_text(json.dumps(rec, indent=1))
 
 
 def spawn_train(

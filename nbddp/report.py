@@ -18,7 +18,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from .errors import WorkerError
 from .runtime import STATE_DIR

@@ -1,7 +1,6 @@
 """Shared test helpers: process-survival checks read /proc, as the reliability doc asks."""
 
 import os
-import sys
 import time
 from pathlib import Path
 

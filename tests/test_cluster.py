@@ -111,7 +111,7 @@ def test_commands_for_the_cluster(tree, runs_dir):
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=4" in script
     assert "srun python -m nbddp train" in script and "$SLURM_JOB_ID" in script
     # the flags rebuild the same config
-    from nbddp.cli import build_config, main  # noqa: F401
+    from nbddp.cli import build_config
     import argparse
 
     from nbddp import cli

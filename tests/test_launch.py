@@ -5,12 +5,11 @@ import os
 import signal
 import threading
 import time
-import types
 
 import pytest
 
 from nbddp import ConfigError, TrainingInterrupted, WorkerError, spawn_train
-from conftest import EXAMPLES, WORKERS, proc_state, survivors, wait_for, worker_children
+from conftest import EXAMPLES, WORKERS, survivors, wait_for, worker_children
 
 FAULTY = str(WORKERS / "faulty.py")
 

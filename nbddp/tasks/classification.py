@@ -14,19 +14,17 @@ import errno
 import json
 import os
 import random
-import time
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import data as D
 from ..checkpoint import atomic_save, cleanup_temp_files, export_weights, load_checkpoint
 from ..config import TrainConfig
-from ..dist import barrier, check_same, is_main
+from ..dist import barrier, check_same
 from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, train_one_epoch
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained

@@ -25,7 +25,8 @@ import ipywidgets as W
 from ..config import TrainConfig
 from ..errors import ConfigError, NbddpError, TrainingInterrupted, WorkerError
 from ..gpus import list_gpus
-from ..launch import RunHandle, TrainResult, spawn_train
+from ..handle import RunHandle, TrainResult
+from ..launch import spawn_train
 from .charts import training_curves_png
 
 COMMON_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
