@@ -29,7 +29,7 @@ case "${1:-}" in
     setup
     shift
     exec "$VENV/bin/python" -m nbddp train --data-path data/digits --model resnet34 --image-size 32 \
-      --epochs 8 --batch-size 32 --lr 0.01 --crop-scale 0.5 --no-hflip --name digits "$@"
+      --epochs 6 --batch-size 32 --lr 0.01 --crop-scale 0.5 --no-hflip --nprocs 2 --name digits "$@"
     ;;
   test)
     setup
