@@ -34,6 +34,8 @@ case "${1:-}" in
   test)
     setup
     shift
+    # Chromium for tests/test_browser.py (Debian package); never fails, says why it skipped.
+    bash scripts/install_browser.sh
     # Notebooks shorten their training in CI but still run every code path.
     export NBDDP_SMOKE=${NBDDP_SMOKE:-1}
     exec "$VENV/bin/python" -m pytest tests notebooks --nbmake "$@"

@@ -47,7 +47,7 @@ def training_curves_png(metrics: Sequence[dict], epochs: Optional[int] = None,
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator, PercentFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, PercentFormatter
 
     dpi = 100
     fig = Figure(figsize=(width_px / dpi, height_px / dpi), dpi=dpi, layout="constrained")
@@ -67,29 +67,34 @@ def training_curves_png(metrics: Sequence[dict], epochs: Optional[int] = None,
     log_scale = bool(losses) and min(losses) > 0 and max(losses) / min(losses) > 50
     if log_scale:
         ax_loss.set_yscale("log")
+        # Whole decades, labelled 0.1, 1, 10, 100: at least two labelled ticks, plain numbers.
+        lo, hi = math.floor(math.log10(min(losses) / 1.2)), math.ceil(math.log10(max(losses) * 1.2))
+        ax_loss.set_ylim(10.0 ** lo, 10.0 ** hi)
+        ax_loss.yaxis.set_major_locator(LogLocator(base=10, numticks=12))
+        ax_loss.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     acc = next(((k, lbl) for k, lbl in _ACC_KEYS if any(_finite(m.get(k)) for m in metrics)), None)
     if acc:
         pts = [(x, m[acc[0]]) for x, m in zip(xs, metrics) if _finite(m.get(acc[0]))]
         ax_acc.plot(*zip(*pts), "o-", ms=4, color="tab:green", label=acc[1])
         bx, by = max(pts, key=lambda p: (p[1], -p[0]))  # the first epoch with the best value
         ax_acc.plot([bx], [by], "*", ms=14, color="tab:orange", label=f"best {by:.1%} (epoch {bx})")
-        ax_acc.legend(loc="lower right", fontsize=8)
+        ax_acc.legend(loc="best", fontsize=9)
     ax_acc.set_ylim(0, 1.02)
     ax_acc.yaxis.set_major_formatter(PercentFormatter(1.0))
 
     for ax, title in ((ax_loss, "loss (log scale)" if log_scale else "loss"), (ax_acc, "validation accuracy")):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("epoch", fontsize=9)
+        ax.set_title(title, fontsize=11)
+        ax.set_xlabel("epoch", fontsize=10)
         ax.set_xlim(0.5, last + 0.5)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.tick_params(labelsize=8)
+        ax.tick_params(labelsize=9)
         ax.grid(alpha=0.3)
     if losses:
-        ax_loss.legend(fontsize=8)
+        ax_loss.legend(loc="best", fontsize=9)
     if not metrics:
         for ax in (ax_loss, ax_acc):
             ax.text(0.5, 0.5, "curves appear after the first epoch", ha="center", va="center",
-                    transform=ax.transAxes, color="0.5", fontsize=9)
+                    transform=ax.transAxes, color="0.4", fontsize=10)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()

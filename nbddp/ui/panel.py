@@ -35,9 +35,14 @@ FREEZE_REASON = "frozen BatchNorm layers keep their statistics: nothing to synch
 LOG_LINES = 200
 
 _LABEL = {"description_width": "110px"}
+# Full-width widgets get side margins of 0: ipywidgets gives every widget a 2px margin, and
+# "width: 100%" plus margins overflows its box (clipped inputs, a horizontal scrollbar).
+_FULL = dict(width="100%", margin="2px 0")
 _COLORS = {"info": "var(--jp-ui-font-color1, #333)", "ok": "var(--jp-success-color1, #2e7d32)",
            "warn": "var(--jp-warn-color1, #e65100)", "error": "var(--jp-error-color1, #c62828)"}
-_LOG_BOX = ("height:180px;overflow-y:auto;display:flex;flex-direction:column-reverse;"  # keeps the end in view
+# At most 180px: a short log stays short instead of sitting at the bottom of an empty box.
+_LOG_BOX = ("max-height:180px;min-height:2.5em;overflow-y:auto;"
+            "display:flex;flex-direction:column-reverse;"  # keeps the end in view
             "border:1px solid var(--jp-border-color2,#ddd);padding:4px 6px;background:var(--jp-layout-color1,#fff)")
 
 
@@ -54,7 +59,7 @@ def _duration(seconds: float) -> str:
 
 
 def _field(widget_cls, description: str, **kw):
-    return widget_cls(description=description, style=_LABEL, layout=W.Layout(width="100%"), **kw)
+    return widget_cls(description=description, style=_LABEL, layout=W.Layout(**_FULL), **kw)
 
 
 class TrainingPanel:
@@ -154,13 +159,13 @@ class TrainingPanel:
                                     layout=W.Layout(width="120px"))
         self.train_button.on_click(self._on_train)
         self.stop_button.on_click(lambda _b: self.stop())
-        self.status = W.HTML("", layout=W.Layout(width="100%"))
+        self.status = W.HTML("", layout=W.Layout(**_FULL))
 
         self.progress_bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, layout=W.Layout(width="35%", min_width="160px"))
         self.progress_label = W.HTML("not started", layout=W.Layout(flex="1 1 auto", margin="0 0 0 10px"))
         self.chart = W.Image(value=training_curves_png([], b.epochs), format="png",
-                             layout=W.Layout(width="100%", max_width="960px", height="auto"))
-        self.log = W.HTML(self._log_html(), layout=W.Layout(width="100%"))
+                             layout=W.Layout(max_width="960px", height="auto", **_FULL))
+        self.log = W.HTML(self._log_html(), layout=W.Layout(**_FULL))
 
         self._form = [*self.gpu_checkboxes, self.model_input, self.data_input, self.weights_input, self.epochs_input,
                       self.batch_size_input, self.lr_input, self.image_size_input, self.sync_bn_toggle,
@@ -445,7 +450,10 @@ class TrainingPanel:
 
     # ------------------------------------------------------------------ status area
     def _status(self, level: str, text_html: str) -> None:
-        self.status.value = f"<div style='color:{_COLORS[level]};white-space:normal'>{text_html}</div>"
+        # ipywidgets sets HTML widgets' line-height to one widget row (28px): a status that wraps
+        # (run folder, weights path) reads better at normal text spacing; long paths may break anywhere.
+        self.status.value = (f"<div style='color:{_COLORS[level]};white-space:normal;line-height:1.45;"
+                             f"overflow-wrap:anywhere;padding:3px 0'>{text_html}</div>")
 
     def _show_result(self, r: TrainResult) -> None:
         v = r.value if isinstance(r.value, dict) else {}

@@ -150,10 +150,22 @@ class TensorBoardServer:
                 self.log_path.unlink()
 
     def iframe(self, height: int = 600):
-        """An ``IPython.display.IFrame`` of the server (see :func:`show_tensorboard`)."""
-        from IPython.display import IFrame
+        """An embeddable frame of the server (see :func:`show_tensorboard`).
 
-        return IFrame(embed_url(self.port), width="100%", height=height)
+        Without a proxy the frame's host follows the page's own loopback name: a notebook
+        opened at ``127.0.0.1`` with a frame at ``localhost`` is cross-site to the browser,
+        which then denies TensorBoard its storage and it shows "Data could not be loaded".
+        """
+        from IPython.display import HTML
+
+        src = embed_url(self.port)
+        fid = f"nbddp-tensorboard-{self.port}-{int(time.time() * 1000)}"
+        script = ""
+        if not os.environ.get("TENSORBOARD_PROXY_URL"):
+            script = (f"<script>(function(){{var f=document.getElementById('{fid}');var h=location.hostname;"
+                      f"if(f&&['127.0.0.1','localhost','[::1]'].indexOf(h)>=0){{"
+                      f"f.src=location.protocol.replace('https','http')+'//'+h+':{self.port}/';}}}})();</script>")
+        return HTML(f'<iframe id="{fid}" src="{src}" width="100%" height="{height}" frameborder="0"></iframe>{script}')
 
     def __repr__(self) -> str:
         state = "running" if self.process.poll() is None else f"exited {self.process.returncode}"
@@ -255,7 +267,7 @@ def show_tensorboard(logdir: PathLike = "runs", port: Optional[int] = None, heig
         timeout: seconds to wait for the server.
 
     Returns:
-        An ``IPython.display.IFrame``, or an ``HTML`` message when it could not start.
+        An ``IPython.display.HTML`` frame, or an ``HTML`` message when it could not start.
     """
     from IPython.display import HTML
 
