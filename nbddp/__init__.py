@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-_UI_NAMES = ("TrainingPanel", "show_tensorboard")
+_UI_NAMES = ("TrainingPanel", "show_tensorboard", "show_predictions", "plot_confusion_matrix")
 
 
 def __getattr__(name):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import typing
 from typing import List, Optional
@@ -159,4 +160,9 @@ def _under_launcher(ns: argparse.Namespace, le) -> int:
             print(f"best val_accuracy {value['best_accuracy']:.4f}; exported weights: {value['weights_path']}")
         else:
             print(f"result: {value!r}")
-    return code
+    # Leave without interpreter teardown, as spawned workers do: after a failure the process
+    # group is still up, and gloo's destructor can deadlock at exit, holding up the launcher's
+    # restart. Everything was flushed and the records written above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

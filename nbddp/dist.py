@@ -133,3 +133,16 @@ def check_same(value, what: str) -> None:
         raise DataError(f"ranks disagree on {what} ({per_rank}); each rank must do the same number of "
                         "collective steps: shard with DistributedSampler(drop_last=True), or wrap the loop "
                         "in DDP's join() for uneven inputs")
+
+
+def sync_buffers_from_main(model: torch.nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm running statistics) to every rank.
+
+    DDP broadcasts them at the start of each training forward, but that forward then updates
+    them with each rank's own batch: after an epoch the ranks' statistics differ slightly. Call
+    this before evaluating, so every rank evaluates exactly the model rank 0 saves.
+    """
+    if not is_dist():
+        return
+    for buf in model.buffers():
+        dist.broadcast(buf, src=0)

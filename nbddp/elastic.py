@@ -109,8 +109,16 @@ def init_from_env(le: LauncherEnv, timeout_s: float) -> torch.device:
         torch.set_num_threads(int(threads) if threads else max(1, cores // le.local_world_size))
     os.environ.update(RANK=str(le.rank), WORLD_SIZE=str(le.world_size), LOCAL_RANK=str(le.local_rank),
                       MASTER_ADDR=le.master_addr, MASTER_PORT=str(le.master_port))
-    dist.init_process_group(backend, init_method="env://", rank=le.rank, world_size=le.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT; under srun rank 0 hosts it.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(le.master_addr, le.master_port, le.world_size, is_master=not agent and le.rank == 0,
+                          timeout=timeout, multi_tenant=not agent)
+    # One key space per attempt: after a restart, addresses published by the dead attempt's
+    # ranks may still be in the store, and a rank that read one would dial a process that is
+    # gone ("Connection refused") instead of its new peer.
+    store = dist.PrefixStore(f"nbddp/attempt_{le.restart_count}", store)
+    dist.init_process_group(backend, store=store, rank=le.rank, world_size=le.world_size, timeout=timeout)
     return device
 
 

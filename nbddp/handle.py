@@ -48,6 +48,11 @@ class TrainResult:
     stopped: bool = False
 
     @property
+    def best_accuracy(self) -> Optional[float]:
+        """Best validation accuracy over the epochs (built-in worker), else ``None``."""
+        return self.value.get("best_accuracy") if isinstance(self.value, dict) else None
+
+    @property
     def weights_path(self) -> Optional[Path]:
         """Exported weights of the best epoch (built-in worker), else ``None``."""
         v = self.value.get("weights_path") if isinstance(self.value, dict) else None

@@ -103,8 +103,10 @@ def head_names(model: nn.Module) -> list[str]:
 def freeze_except_head(model: nn.Module) -> list[str]:
     """Make only the classifier head trainable (``requires_grad=False`` everywhere else).
 
-    Call it on the bare model, before ``DistributedDataParallel``. BatchNorm running
-    statistics of the frozen layers still update in ``train()`` mode, as in the reference script.
+    Call it on the bare model, before ``DistributedDataParallel``. ``requires_grad=False``
+    alone would let BatchNorm running statistics keep updating in ``train()`` mode (the
+    reference script's behaviour); the training loop puts frozen BatchNorm layers in eval
+    mode (:func:`nbddp.engine.freeze_bn_statistics`), so they keep what was loaded.
 
     Returns:
         The names of the parameters left trainable.

@@ -33,6 +33,8 @@ def test_resnet34_learns_digits_and_exported_weights_predict_the_same(runs_dir):
     assert [m["epoch"] for m in result.metrics] == list(range(6))
     assert set(result.metrics[0]) >= {"epoch", "train_loss", "val_loss", "val_accuracy", "lr", "seconds"}
     assert all(m["val_images"] == 359 for m in result.metrics), "every val image counted exactly once"
+    # each epoch's distributed evaluation scores exactly the weights rank 0 saved
+    assert result.metrics[result.value["best_epoch"]]["val_accuracy"] == result.value["final_accuracy"]
 
     # Export: plain torchvision state_dict, strict load, safetensors twin, class names.
     export = result.run_dir / "export"
@@ -199,3 +201,9 @@ def test_stop_from_the_notebook_ends_training_cleanly(tree, runs_dir):
     assert load_checkpoint(result.run_dir / "checkpoints" / "last.pt")["epoch"] == done[-1]
     assert (result.run_dir / "export" / "model.safetensors").exists()
     assert survivors(h.pids) == {}
+
+
+def test_ranks_evaluate_rank_0s_batchnorm_statistics(runs_dir):
+    v = spawn_train(f"{WORKERS / 'eval_worker.py'}:buffers_after_sync", nprocs=2, runs_dir=runs_dir, echo=False).value
+    assert v["differed"], "the ranks' statistics differ before the sync (else the test proves nothing)"
+    assert v["equal_after"]

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .. import data as D
 from ..checkpoint import atomic_save, cleanup_temp_files, export_weights, load_checkpoint
 from ..config import TrainConfig
-from ..dist import barrier, check_same
+from ..dist import barrier, check_same, sync_buffers_from_main
 from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, train_one_epoch
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
@@ -247,6 +247,7 @@ def train(ctx, cfg: TrainConfig) -> dict:
                 saved = f"the last checkpoint is epoch {epoch}" if epoch > 0 else "no epoch was completed"
                 print(f"stop requested: leaving epoch {epoch + 1} at step {stats.steps}; {saved}", flush=True)
             break
+        sync_buffers_from_main(model)
         ev = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last)
         scheduler.step()
         record = {"epoch": epoch, "train_loss": stats.loss, "val_loss": ev.loss, "val_accuracy": ev.accuracy,

@@ -25,3 +25,23 @@ def exact_eval(ctx, root):
     n, loader = val_loader(root, ctx.rank, ctx.world_size)
     r = evaluate(seeded_model(n), loader, ctx.device, gather_predictions=True)
     return {"accuracy": r.accuracy, "loss": r.loss, "count": r.count, "predictions": r.predictions}
+
+
+def buffers_after_sync(ctx):
+    """Each rank's BatchNorm statistics drift apart; after the sync all equal rank 0's."""
+    from nbddp.dist import sync_buffers_from_main
+
+    model = seeded_model(3)
+    model.train()
+    torch.manual_seed(ctx.rank)  # a different batch per rank, as after a training step
+    model(torch.randn(4, 3, 32, 32))
+    def gather():
+        out = [torch.empty_like(model.bn1.running_mean) for _ in range(ctx.world_size)]
+        torch.distributed.all_gather(out, model.bn1.running_mean)
+        return out
+
+    before = gather()
+    sync_buffers_from_main(model)
+    after = gather()
+    return {"differed": not torch.equal(before[0], before[1]),
+            "equal_after": all(torch.equal(before[0], g) for g in after)}
