@@ -337,7 +337,9 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     except OSError:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(spec.env)
+    if spec.env:
+        os.environ.clear()  # exactly the launching kernel's environment of this launch
+        os.environ.update(spec.env)
     rank = local_rank  # single-machine launch: global rank == local rank
     run_dir = Path(spec.run_dir)
     redirect_output(run_dir / "logs" / f"rank{rank}.log")

@@ -13,7 +13,7 @@ from nbddp import TrainingInterrupted, WorkerError, spawn_train
 from conftest import EXAMPLES, WORKERS, survivors, wait_for, worker_children
 
 FAULTY = str(WORKERS / "faulty.py")
-WARM = dict(start_method="forkserver", echo=False)
+WARM = dict(start_method="forkserver", echo=False)  # the default, spelled out
 
 
 def port_is_free(port: int) -> bool:
@@ -32,6 +32,14 @@ def test_warm_regression_and_fast_relaunch(runs_dir):
     again = spawn_train(f"{FAULTY}:info", nprocs=2, runs_dir=runs_dir, **WARM)
     assert again.value["env"]["MASTER_PORT"] != first.value.get("port")  # fresh port per launch
     assert again.value["env"]["GLOO_SOCKET_IFNAME"] == "lo"  # the child got this launch's env
+
+
+def test_warm_workers_see_the_environment_of_each_launch(runs_dir, monkeypatch):
+    spawn_train(f"{FAULTY}:info", nprocs=2, runs_dir=runs_dir, **WARM)  # the server is running now
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # nbddp's own value must still win
+    monkeypatch.setenv("NBDDP_TEST_MARKER", "set-after-the-server-started")
+    env = spawn_train(f"{FAULTY}:env_var", "NBDDP_TEST_MARKER", nprocs=2, runs_dir=runs_dir, **WARM).value
+    assert env == "set-after-the-server-started"
 
 
 def test_warm_exception_names_the_rank(runs_dir):

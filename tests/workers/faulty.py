@@ -89,3 +89,7 @@ def sigterm_target(ctx, steps: int = 400):
         ctx.heartbeat(epoch=0, step=step)
         dist.all_reduce(t)
         time.sleep(0.05)
+
+
+def env_var(ctx, name: str):
+    return os.environ.get(name)
