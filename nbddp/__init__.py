@@ -1,8 +1,9 @@
 """nbddp: train PyTorch models with DistributedDataParallel from a Jupyter notebook.
 
-Worker functions live in files and are started with the spawn method, one process per GPU
-(nccl) or N CPU processes (gloo); the notebook gets live progress, one clear error when a rank
-fails, and no process left behind when a cell is interrupted.
+Worker functions live in files and start in fresh interpreters (a forkserver with torch
+preloaded, or spawn; never a fork of the kernel), one process per GPU (nccl) or N CPU processes
+(gloo); the notebook gets live progress, one clear error when a rank fails, and no process left
+behind when a cell is interrupted.
 """
 
 from .config import TrainConfig
