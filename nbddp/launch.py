@@ -250,7 +250,7 @@ def spawn_train(
     snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
     spec = LaunchSpec(spec_target, tuple(args), kwargs, world, backend, tuple(gpus), "127.0.0.1",
                       store.port, str(run_dir), None if warm else os.getpid(), threads, timeout_s, _fault,
-                      env=snapshot)
+                      env=snapshot, kernel=(os.getpid(), start_time(os.getpid())))
     if warm:
         _prepare_forkserver()
     with _patched_env(child_env), _bare_main():

@@ -69,6 +69,7 @@ class LaunchSpec:
     fault: Optional[str] = None  # test-only fault hook, see _inject_fault
     env: dict = field(default_factory=dict)  # set in the child: a forkserver's children do not
                                              # inherit the kernel's environment of the moment
+    kernel: Optional[tuple] = None  # (pid, start time) of the launching process, watched
 
 
 def state_path(run_dir: os.PathLike | str, name: str) -> Path:
@@ -286,11 +287,29 @@ class _Heartbeat(threading.Thread):
         else:
             self._wake.set()  # coalesce: the thread writes it in a moment
 
+    watch: Optional[tuple] = None  # (pid, start time) of the kernel that launched this run
+
     def run(self) -> None:
         while True:
             self._wake.wait(self.interval)
             self._wake.clear()
             self.beat()
+            if self.watch is not None and not _process_alive(*self.watch):
+                # The kernel is gone (killed, restarted). Under a forkserver our parent is the
+                # server, so the parent-death signal alone may not fire: end this rank and its
+                # DataLoader workers (our process group) ourselves, even if the main thread is
+                # blocked in a collective.
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _process_alive(pid: int, started: Optional[int]) -> bool:
+    """True while ``pid`` is the same process (start time) and not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0] not in ("Z", "X") and (started is None or int(fields[19]) == started)
 
 
 def _error_record(exc: BaseException, ctx: Optional[Context], rank: int) -> dict:
@@ -363,14 +382,14 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
         dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s))
 
-    code, _ = run_rank(ctx, init_process_group, spec.target, spec.args, spec.kwargs, spec.fault)
+    code, _ = run_rank(ctx, init_process_group, spec.target, spec.args, spec.kwargs, spec.fault, watch=spec.kernel)
     # os._exit skips interpreter teardown: atexit hooks and non-daemon threads (DataLoader,
     # gloo) can deadlock there after the process group is gone; everything is flushed already.
     os._exit(code)
 
 
 def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs: dict,
-             fault: Optional[str] = None) -> tuple:
+             fault: Optional[str] = None, watch: Optional[tuple] = None) -> tuple:
     """Run one rank's target around heartbeats and error records; shared by every launcher.
 
     Returns:
@@ -378,6 +397,7 @@ def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs:
         error record (type, traceback, epoch, step) was written and the traceback printed.
     """
     beat = _Heartbeat(ctx)
+    beat.watch = watch
     beat.beat()
     beat.start()
     code, value = 0, None
