@@ -290,26 +290,18 @@ class _Heartbeat(threading.Thread):
     watch: Optional[tuple] = None  # (pid, start time) of the kernel that launched this run
 
     def run(self) -> None:
+        from .procs import is_same_process  # here: procs imports this module
+
         while True:
             self._wake.wait(self.interval)
             self._wake.clear()
             self.beat()
-            if self.watch is not None and not _process_alive(*self.watch):
+            if self.watch is not None and not is_same_process(*self.watch):
                 # The kernel is gone (killed, restarted). Under a forkserver our parent is the
                 # server, so the parent-death signal alone may not fire: end this rank and its
                 # DataLoader workers (our process group) ourselves, even if the main thread is
                 # blocked in a collective.
                 os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
-def _process_alive(pid: int, started: Optional[int]) -> bool:
-    """True while ``pid`` is the same process (start time) and not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    fields = stat.rsplit(")", 1)[1].split()
-    return fields[0] not in ("Z", "X") and (started is None or int(fields[19]) == started)
 
 
 def _error_record(exc: BaseException, ctx: Optional[Context], rank: int) -> dict:
