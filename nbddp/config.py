@@ -18,7 +18,8 @@ from typing import Any, Optional, Union
 from .errors import ConfigError
 
 _BOOL_FIELDS = ("scale_lr", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images",
-                "cache_images")
+                "cache_images", "persistent_workers")
+DATA_PIPELINES = ("pil", "tensor")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,15 @@ class TrainConfig:
         resume: ``True`` continues the newest run of this ``name``; a path continues that run.
         check_images: open every image in the kernel before launching (names corrupt files).
         cache_images: decode each image once and keep it in memory (small datasets; the
-            random augmentation still runs every epoch).
+            random augmentation still runs every epoch). For ``data_pipeline="pil"``.
+        data_pipeline: ``"pil"`` (the reference: per-image PIL transforms in DataLoader
+            workers, random crops of the full image) or ``"tensor"`` (decode once into a uint8
+            tensor on the rank's device, then crop, flip and normalise whole batches there: GPU-side
+            augmentation, no loader processes; for datasets that fit in memory, see
+            :mod:`nbddp.tensor_data`).
+        persistent_workers: keep DataLoader workers alive between epochs (faster epoch starts
+            with ``num_workers > 0``). Their random seeds are then drawn once, so a resumed run
+            no longer repeats the augmentation of an uninterrupted one exactly.
         timeout_s: process-group timeout in seconds (a hung collective fails after this).
     """
 
@@ -86,6 +95,8 @@ class TrainConfig:
     resume: Union[bool, str] = False
     check_images: bool = True
     cache_images: bool = False
+    data_pipeline: str = "pil"
+    persistent_workers: bool = False
     timeout_s: float = 300.0
 
     def __post_init__(self):
@@ -139,6 +150,9 @@ class TrainConfig:
                 bad(name, f"must be in {'[' if low_ok else '('}{low}, {high}]")
         if self.crop_scale == 0:
             bad("crop_scale", "must be > 0 (the smallest area fraction the random crop keeps)")
+        if self.data_pipeline not in DATA_PIPELINES:
+            bad("data_pipeline", f"must be one of {DATA_PIPELINES}: 'pil' (per-image transforms, the reference) "
+                "or 'tensor' (decoded once, batches augmented on the device)")
         if not isinstance(self.model, str) or not self.model:
             bad("model", "must be a torchvision classification model name such as 'resnet34'")
         if any(g < 0 for g in self.gpus):

@@ -83,15 +83,49 @@ class EpochStats:
         return self.images / self.seconds if self.seconds > 0 else 0.0
 
 
+def _next_batch(batches):
+    """The next batch, or the exception reading it raised (agreed on before anyone raises)."""
+    try:
+        return next(batches), None
+    except Exception as exc:  # noqa: BLE001 - re-raised after the ranks agree
+        return None, exc
+
+
+def _raise_read_error(error: Optional[BaseException], failed: list, epoch: int, step: int):
+    if error is not None:
+        raise error
+    raise PeerError(f"rank {failed[0]} could not read its batch at epoch {epoch}, step {step}; "
+                    "every rank stopped at this step", rank=failed[0])
+
+
+def _prepare(batch, device, batch_transform, channels_last):
+    x, y = batch
+    x = x.to(device, non_blocking=True)
+    y = y.to(device, non_blocking=True)
+    if batch_transform is not None:
+        x = batch_transform(x)  # batched augmentation on the rank's device (data_pipeline="tensor")
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y
+
+
 def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scaler=None,
                     amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False,
-                    on_step: Optional[Callable[[int, float], None]] = None) -> EpochStats:
+                    on_step: Optional[Callable[[int, float], None]] = None,
+                    batch_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> EpochStats:
     """Train for one pass over ``loader``; every rank leaves at the same step.
 
-    Each step has two tiny agreements besides DDP's own gradient all-reduce: before the
-    forward (a stop request, an unreadable batch; on CPU, via gloo) and after it (the loss,
-    reported as the mean over ranks, and a non-finite flag per rank). So a condition only one
-    rank sees ends every rank at the same step instead of leaving the others waiting.
+    Conditions only one rank sees end every rank at the same step instead of leaving the
+    others waiting in DDP's next all-reduce: a non-finite loss, a stop request from the
+    notebook, a batch that cannot be read (a corrupt image). All of them travel in ONE small
+    all-reduce per step, started right after the forward and waited for after the backward,
+    so it overlaps DDP's gradient all-reduce instead of adding a synchronisation point. To
+    let a read error travel in it, each step reads the *next* batch before the agreement:
+    ranks then stop before the forward that batch would feed, as they must, since DDP's
+    forward (SyncBatchNorm, buffer broadcast) may talk to the other ranks.
+
+    The tensor is ``[loss, stop, nonfinite[world], unreadable_next[world]]``; the loss is
+    reported as the mean over ranks.
     """
     model.train()
     freeze_bn_statistics(model)
@@ -100,69 +134,74 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     loss_sum, steps, images = 0.0, 0, 0
     t0 = time.perf_counter()
     stopped = False
-    group = cpu_group()
+    flag_device = _flag_device(device)
     batches = iter(loader)
+    if ctx is not None:
+        ctx.heartbeat(epoch=epoch, step=0)
+    batch, error = _next_batch(batches)
+    if ctx is not None:
+        ctx.heartbeat(epoch=epoch, step=0, waiting=True)
+    # The first batch has no earlier step to carry its agreement: one up-front all-reduce.
+    first = torch.zeros(1 + world)
+    first[0] = 1.0 if (ctx is not None and ctx.should_stop()) else 0.0
+    first[1 + rank] = 1.0 if error is not None else 0.0
+    if is_dist():
+        dist.all_reduce(first, group=cpu_group())
+    failed = [r for r in range(world) if first[1 + r] > 0]
+    if failed:
+        _raise_read_error(error, failed, epoch, 0)
+    if first[0] > 0 or total_steps == 0:
+        return EpochStats(0.0, 0, 0, time.perf_counter() - t0, bool(first[0] > 0))
+
     for step in range(total_steps):
         if ctx is not None:
             ctx.heartbeat(epoch=epoch, step=step)
             ctx.fault_point(f"step{epoch}.{step}")
-        # A batch that cannot be read (a corrupt image) is one rank's problem. The ranks agree
-        # on it, and on a stop request, BEFORE the forward pass: DDP's forward already talks to
-        # the other ranks, and a rank that skipped it would leave them waiting there.
-        error: Optional[BaseException] = None
-        try:
-            x, y = next(batches)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
-            error = exc
+        x, y = _prepare(batch, device, batch_transform, channels_last)
         if ctx is not None:
-            ctx.heartbeat(epoch=epoch, step=step, waiting=True)  # from here on: collectives
-        pre = torch.zeros(1 + world)  # CPU: no GPU synchronisation for these flags
-        pre[0] = 1.0 if (ctx is not None and ctx.should_stop()) else 0.0
-        pre[1 + rank] = 1.0 if error is not None else 0.0
-        if is_dist():
-            dist.all_reduce(pre, group=group)
-        failed = [r for r in range(world) if pre[1 + r] > 0]
-        if failed:
-            if error is not None:
-                raise error
-            raise PeerError(f"rank {failed[0]} could not read its batch at epoch {epoch}, step {step}; "
-                            "every rank stopped at this step", rank=failed[0])
-        if pre[0] > 0:
-            stopped = True
-            break
-
-        x = x.to(device, non_blocking=True)
-        y = y.to(device, non_blocking=True)
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
+            # From here on this rank may wait for the others (SyncBatchNorm and DDP's buffer
+            # broadcast talk in the forward): a rank that hangs before this point lags behind.
+            ctx.heartbeat(epoch=epoch, step=step, waiting=True)
         amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
         with amp:
             loss = F.cross_entropy(model(x), y)
         if ctx is not None and ctx.fault_flag(f"nan{epoch}.{step}"):
             loss = loss * float("nan")  # test-only: a non-finite loss on this rank alone
 
-        # After the forward, one all-reduce carries the loss (reported as the mean over ranks)
-        # and one non-finite flag per rank, so a NaN on one rank stops all before backward.
-        post = torch.zeros(1 + world, device=_flag_device(device))
-        post[0] = loss.detach().float()
-        post[1 + rank] = 0.0 if torch.isfinite(loss.detach()).all() else 1.0
-        if is_dist():
-            dist.all_reduce(post)
-        bad = [r for r in range(world) if post[1 + r] > 0]
-        if bad:
-            raise NonFiniteLossError(
-                f"loss is {loss.item() if rank in bad else 'non-finite'} on rank(s) {bad} at epoch {epoch}, "
-                f"step {step}: lower the learning rate, check the data, or turn amp off", rank=bad[0])
+        last = step + 1 == total_steps
+        if not last:
+            if ctx is not None:
+                ctx.heartbeat(epoch=epoch, step=step)  # reading data: local work again
+            batch, error = _next_batch(batches)
+            if ctx is not None:
+                ctx.heartbeat(epoch=epoch, step=step, waiting=True)
+        flags = torch.zeros(2 + 2 * world)  # CPU facts first, then one copy to the flag device
+        flags[1] = 1.0 if (ctx is not None and ctx.should_stop()) else 0.0
+        flags[2 + world + rank] = 1.0 if error is not None else 0.0
+        agreed = flags.to(flag_device, non_blocking=True)
+        agreed[0] = loss.detach().float()
+        agreed[2 + rank] = (~torch.isfinite(loss.detach())).float()
+        work = dist.all_reduce(agreed, async_op=True) if is_dist() else None
 
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
             scaler.scale(loss).backward()  # DDP averages the gradients over ranks here
+        else:
+            loss.backward()
+        if work is not None:
+            work.wait()
+        agreed = agreed.tolist()  # the step's one host synchronisation
+        bad = [r for r in range(world) if agreed[2 + r] > 0]
+        if bad:
+            raise NonFiniteLossError(
+                f"loss is {loss.item() if rank in bad else 'non-finite'} on rank(s) {bad} at epoch {epoch}, "
+                f"step {step}: lower the learning rate, check the data, or turn amp off", rank=bad[0])
+        if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
         else:
-            loss.backward()
             optimizer.step()
-        mean_loss = post[0].item() / world
+        mean_loss = agreed[0] / world
         loss_sum += mean_loss
         steps += 1
         images += x.shape[0] * world
@@ -172,6 +211,14 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
                          images_per_s=images / elapsed if elapsed > 0 else 0.0)
         if on_step is not None:
             on_step(step, mean_loss)
+        failed = [r for r in range(world) if agreed[2 + world + r] > 0]
+        if failed:
+            if ctx is not None:
+                ctx.heartbeat(epoch=epoch, step=step + 1)  # the step whose batch failed
+            _raise_read_error(error, failed, epoch, step + 1)
+        if agreed[1] > 0 and not last:
+            stopped = True
+            break
     return EpochStats(loss_sum / max(steps, 1), steps, images, time.perf_counter() - t0, stopped)
 
 
@@ -185,7 +232,8 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model, loader, device, amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False,
-             gather_predictions: bool = False) -> EvalResult:
+             gather_predictions: bool = False,
+             batch_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> EvalResult:
     """Exact distributed evaluation: each image counted once, whatever the set and world sizes.
 
     ``loader`` must use :class:`nbddp.data.ShardSampler` (no padding). Correct counts, summed
@@ -200,10 +248,8 @@ def evaluate(model, loader, device, amp_dtype: Optional[torch.dtype] = None, cha
     indices = list(iter(loader.sampler)) if gather_predictions else None
     error: Optional[BaseException] = None
     try:
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            if channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
+        for batch in loader:
+            x, y = _prepare(batch, device, batch_transform, channels_last)
             amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
             with amp:
                 out = model(x)

@@ -112,13 +112,15 @@ def test_weights_from_another_run_fine_tune_a_different_class_count(tmp_path, tr
     assert "fc.bias: file (3,) vs model (4,)" in log
 
 
-def test_resume_after_a_crash_ends_with_the_same_weights(tree, runs_dir):
-    straight = spawn_train(small_cfg(tree, runs_dir, epochs=3, name="straight"), echo=False)
+@pytest.mark.parametrize("pipeline", ["pil", "tensor"])
+def test_resume_after_a_crash_ends_with_the_same_weights(tree, runs_dir, pipeline):
+    cfg = small_cfg(tree, runs_dir, epochs=3, data_pipeline=pipeline)
+    straight = spawn_train(cfg.replace(name="straight"), echo=False)
     with pytest.raises(WorkerError) as info:
-        spawn_train(small_cfg(tree, runs_dir, epochs=3, name="crashy"), echo=False, _fault="epoch0:0:exit3")
+        spawn_train(cfg.replace(name="crashy"), echo=False, _fault="epoch0:0:exit3")
     crashed_dir = info.value.run_dir
     assert load_checkpoint(crashed_dir / "checkpoints" / "last.pt")["epoch"] == 0
-    resumed = spawn_train(small_cfg(tree, runs_dir, epochs=3, name="crashy", resume=True), echo=False)
+    resumed = spawn_train(cfg.replace(name="crashy", resume=True), echo=False)
     assert resumed.run_dir == crashed_dir
     a = load_checkpoint(straight.run_dir / "checkpoints" / "last.pt")
     b = load_checkpoint(resumed.run_dir / "checkpoints" / "last.pt")

@@ -57,6 +57,8 @@ def preflight(cfg: TrainConfig) -> Optional[Path]:
         if bad:
             listing = "\n".join(f"  {p}: {e}" for p, e in bad)
             raise DataError(f"{len(bad)} image(s) in {cfg.data_path} cannot be read; delete or replace them:\n{listing}")
+    if cfg.data_pipeline == "tensor":
+        _check_cache_fits(cfg, len(samples))
     if cfg.weights:
         check_weights_file(cfg.weights, cfg.model, len(classes))
     else:
@@ -66,6 +68,29 @@ def preflight(cfg: TrainConfig) -> Optional[Path]:
             build_model(cfg.model, len(classes))  # raises ConfigError with close matches
     _check_writable(Path(cfg.runs_dir))
     return find_resume_dir(cfg) if cfg.resume else None
+
+
+def _available_memory() -> Optional[int]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_cache_fits(cfg: TrainConfig, n_images: int) -> None:
+    """The tensor pipeline decodes every image into host memory on every rank first."""
+    from ..tensor_data import cache_bytes
+
+    need = cache_bytes(n_images, cfg.image_size) * cfg.world_size
+    free = _available_memory()
+    if free is not None and need > free // 2:
+        raise ConfigError(
+            f"TrainConfig.data_pipeline='tensor' would keep {need / 2**30:.1f} GiB of decoded images "
+            f"({n_images} images at {cfg.image_size} px, on each of {cfg.world_size} ranks), more than half "
+            f"of the {free / 2**30:.1f} GiB available: use data_pipeline='pil' for this dataset, or a smaller image_size")
 
 
 def _check_writable(folder: Path) -> None:
@@ -119,22 +144,41 @@ def _seed_epoch(seed: int, epoch: int, rank: int) -> None:
 
 
 def _loaders(cfg: TrainConfig, ctx, classes, train_s, val_s):
+    """``(sampler, train_loader, val_loader, train_transform, val_transform)`` for the config.
+
+    The transforms are ``None`` for the PIL pipeline (the loaders apply them per image) and
+    batch transforms run on the device for the tensor pipeline.
+    """
+    cuda = ctx.device.type == "cuda"
+    if cfg.data_pipeline == "tensor":
+        from .. import tensor_data as TD
+
+        workers = TD.decode_workers(ctx.world_size) if cfg.num_workers is None else cfg.num_workers
+        train_cache = TD.TensorCache(train_s, cfg.image_size, ctx.device, workers)
+        val_cache = TD.TensorCache(val_s, cfg.image_size, ctx.device, workers)
+        sampler = DistributedSampler(train_cache, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                     seed=cfg.seed)
+        train_loader = TD.TensorBatches(train_cache, sampler, cfg.batch_size, drop_last=True)
+        val_loader = TD.TensorBatches(val_cache, D.ShardSampler(len(val_cache), ctx.rank, ctx.world_size),
+                                      cfg.batch_size)
+        return (sampler, train_loader, val_loader,
+                TD.BatchAugment(cfg.image_size, cfg.crop_scale, cfg.hflip), TD.CenterCropNormalize(cfg.image_size))
+
     train_tf, val_tf = D.build_transforms(cfg.image_size, cfg.crop_scale, cfg.hflip)
     train_ds = D.ImageListDataset(train_s, train_tf, cache=cfg.cache_images)
     val_ds = D.ImageListDataset(val_s, val_tf, cache=cfg.cache_images)
-    cuda = ctx.device.type == "cuda"
     workers = cfg.num_workers
     if workers is None:
         # On CPU the ranks already use every core for compute; on GPU feed them from the rest.
         workers = 0 if not cuda else max(1, min(8, (os.cpu_count() or 2) // ctx.world_size - 1))
     # DistributedSampler gives each rank a disjoint shard, reshuffled by set_epoch every epoch.
     sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
-    common = dict(num_workers=workers, pin_memory=cuda)
+    common = dict(num_workers=workers, pin_memory=cuda, persistent_workers=cfg.persistent_workers and workers > 0)
     # drop_last: a tiny final batch gives noisy BatchNorm statistics and uneven step counts.
     train_loader = DataLoader(train_ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, **common)
     val_loader = DataLoader(val_ds, batch_size=cfg.batch_size,
                             sampler=D.ShardSampler(len(val_ds), ctx.rank, ctx.world_size), **common)
-    return sampler, train_loader, val_loader
+    return sampler, train_loader, val_loader, None, None
 
 
 def _build(cfg: TrainConfig, ctx, num_classes: int):
@@ -153,7 +197,11 @@ def _build(cfg: TrainConfig, ctx, num_classes: int):
         model = convert_sync_batchnorm(model, ctx.device)
     cuda = ctx.device.type == "cuda"
     model = model.to(ctx.device, memory_format=torch.channels_last if cfg.channels_last and cuda else torch.preserve_format)
-    ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None)
+    # broadcast_buffers=False: DDP would otherwise send rank 0's BatchNorm statistics to every
+    # rank at each forward (a collective per step). Rank 0's statistics evolve the same either
+    # way, and they are what counts: every rank takes them before evaluating and saving
+    # (sync_buffers_from_main). Training uses batch statistics, so the gradients are unchanged.
+    ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None, broadcast_buffers=False)
     lr = cfg.lr * ctx.world_size if cfg.scale_lr else cfg.lr
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -205,7 +253,7 @@ def train(ctx, cfg: TrainConfig) -> dict:
         D.write_class_indices(classes, ctx.run_dir / "class_indices.json")
         print(f"data: {len(classes)} classes, {len(train_s)} train / {len(val_s)} val images; "
               f"{ctx.world_size} x {ctx.device.type} ({ctx.backend})", flush=True)
-    sampler, train_loader, val_loader = _loaders(cfg, ctx, classes, train_s, val_s)
+    sampler, train_loader, val_loader, train_tf, val_tf = _loaders(cfg, ctx, classes, train_s, val_s)
     model, ddp, optimizer, scheduler, scaler, amp_dtype = _build(cfg, ctx, num_classes)
     channels_last = cfg.channels_last and ctx.device.type == "cuda"
 
@@ -239,7 +287,8 @@ def train(ctx, cfg: TrainConfig) -> dict:
                 writer.add_scalar("train_loss_step", loss, _base + step)
 
         stats = train_one_epoch(ddp, optimizer, train_loader, ctx.device, epoch, ctx=ctx, scaler=scaler,
-                                amp_dtype=amp_dtype, channels_last=channels_last, on_step=on_step)
+                                amp_dtype=amp_dtype, channels_last=channels_last, on_step=on_step,
+                                batch_transform=train_tf)
         global_step += stats.steps
         if stats.stopped:
             stopped = True
@@ -248,7 +297,7 @@ def train(ctx, cfg: TrainConfig) -> dict:
                 print(f"stop requested: leaving epoch {epoch + 1} at step {stats.steps}; {saved}", flush=True)
             break
         sync_buffers_from_main(model)
-        ev = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last)
+        ev = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last, batch_transform=val_tf)
         scheduler.step()
         record = {"epoch": epoch, "train_loss": stats.loss, "val_loss": ev.loss, "val_accuracy": ev.accuracy,
                   "val_images": ev.count, "lr": lr, "seconds": stats.seconds, "images_per_s": stats.images_per_s,
@@ -292,7 +341,8 @@ def train(ctx, cfg: TrainConfig) -> dict:
     # Final pass with the best weights: the exported model's own validation predictions.
     best_state = load_checkpoint(ckpt_dir / "best.pt")["model"]
     model.load_state_dict(best_state)
-    final = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last, gather_predictions=True)
+    final = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last, gather_predictions=True,
+                     batch_transform=val_tf)
     if ctx.is_main:
         meta = {"model": cfg.model, "num_classes": num_classes, "image_size": cfg.image_size,
                 "epoch": best_epoch, "val_accuracy": final.accuracy}

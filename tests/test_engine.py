@@ -1,0 +1,48 @@
+"""The training step's one agreement per step (2 real gloo ranks): read errors, stop, losses.
+
+Each step carries the loss, non-finite flags, the stop request and a read error of the *next*
+batch in one all-reduce that overlaps the backward. These tests inject a condition on one rank
+only and check that both ranks leave at the same step with the same weights.
+"""
+
+import pytest
+
+from nbddp import spawn_train
+from conftest import WORKERS
+
+ENGINE = f"{WORKERS / 'engine_worker.py'}:run"
+
+
+def run(runs_dir, **kw):
+    return spawn_train(ENGINE, nprocs=2, runs_dir=runs_dir, echo=False, kwargs=kw).value
+
+
+def test_clean_epoch_takes_every_step_on_every_rank(runs_dir):
+    r0, r1 = run(runs_dir)
+    assert r0["steps"] == r1["steps"] == 8 and not r0["stopped"]
+    assert r0["loss"] == r1["loss"], "the reported loss is the mean over ranks, the same everywhere"
+    assert r0["same_weights"] and r0["read"] == r1["read"] == 8
+
+
+@pytest.mark.parametrize("bad_step", [0, 5])
+def test_unreadable_batch_on_one_rank_stops_both_before_that_step(runs_dir, bad_step):
+    r0, r1 = run(runs_dir, bad_rank=1, bad_step=bad_step)
+    assert r1["error"] == "OSError" and f"cannot read batch {bad_step}" in r1["message"]
+    assert r0["error"] == "PeerError"
+    assert f"rank 1 could not read its batch at epoch 0, step {bad_step}" in r0["message"]
+    # Steps before the bad batch were trained on both ranks, none after it.
+    assert r0["steps"] == r1["steps"] == bad_step
+    assert r0["same_weights"]
+
+
+def test_stop_request_seen_by_one_rank_ends_both_at_the_same_step(runs_dir):
+    r0, r1 = run(runs_dir, stop_rank=0, stop_step=3)
+    assert r0["stopped"] and r1["stopped"]
+    assert r0["steps"] == r1["steps"] == 4, "the step in flight is finished, then both leave"
+    assert r0["same_weights"]
+
+
+def test_stop_before_the_first_step_trains_nothing(runs_dir):
+    r0, r1 = run(runs_dir, stop_rank=1, stop_step=0)
+    assert r0["stopped"] and r1["stopped"]
+    assert r0["steps"] == r1["steps"] == 0

@@ -1,0 +1,67 @@
+"""train_one_epoch on tiny tensors, with a fault on one rank only (tests/test_engine.py)."""
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nbddp.engine import train_one_epoch
+from nbddp.errors import PeerError
+
+
+class Batches:
+    """8 batches of 4; batch ``bad_step`` raises on ``bad_rank``; counts what was read."""
+
+    def __init__(self, rank, bad_rank=None, bad_step=None):
+        self.rank, self.bad_rank, self.bad_step, self.read = rank, bad_rank, bad_step, 0
+
+    def __len__(self):
+        return 8
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.rank)
+        for i in range(8):
+            self.read += 1
+            if self.rank == self.bad_rank and i == self.bad_step:
+                raise OSError(f"cannot read batch {i}")
+            yield torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+class StopAt:
+    """A ctx stand-in whose stop request appears on one rank only, at one step."""
+
+    def __init__(self, ctx, rank, step):
+        self._ctx, self._rank, self._step = ctx, rank, step
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def should_stop(self):
+        return self._ctx.rank == self._rank and (self._ctx.step or 0) >= self._step
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(6, 3)
+
+
+def run(ctx, bad_rank=None, bad_step=None, stop_rank=None, stop_step=None):
+    model = _model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = Batches(ctx.rank, bad_rank, bad_step)
+    run_ctx = StopAt(ctx, stop_rank, stop_step) if stop_rank is not None else ctx
+    steps = [0]
+    out = {"rank": ctx.rank}
+    try:
+        stats = train_one_epoch(ddp, opt, batches, ctx.device, 0, ctx=run_ctx,
+                                on_step=lambda step, loss: steps.__setitem__(0, step + 1))
+        out.update(steps=stats.steps, stopped=stats.stopped, loss=stats.loss)
+    except (OSError, PeerError) as exc:
+        out.update(error=type(exc).__name__, message=str(exc), steps=steps[0])
+    # Every rank must end with the same weights: the same optimizer steps were taken.
+    weights = [torch.zeros_like(model.weight) for _ in range(ctx.world_size)]
+    torch.distributed.all_gather(weights, model.weight.detach())
+    out["same_weights"] = all(torch.equal(w, weights[0]) for w in weights)
+    out["read"] = batches.read
+    gathered = [None] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, out)
+    return gathered
