@@ -148,10 +148,13 @@ class TrainingPanel:
                                      layout=W.Layout(width="auto"))
         amp_note = W.HTML("<i style='color:var(--jp-ui-font-color2,#666)'>applies on GPU only"
                           f"{'; CPU runs ignore it' if not self._gpus else ''}</i>", layout=W.Layout(margin="0 0 0 10px"))
+        self.tensor_toggle = W.Checkbox(value=b.data_pipeline == "tensor", indent=False, layout=W.Layout(width="auto"),
+                                        description="Fast data (decode once, augment batches on the device)")
         self.freeze_toggle.observe(self._apply_freeze_rule, names="value")
         row = dict(align_items="center", flex_flow="row wrap")
         options = W.VBox([W.HBox([self.sync_bn_toggle, self.sync_bn_reason], layout=W.Layout(**row)),
-                          self.freeze_toggle, W.HBox([self.amp_toggle, amp_note], layout=W.Layout(**row))])
+                          self.freeze_toggle, W.HBox([self.amp_toggle, amp_note], layout=W.Layout(**row)),
+                          self.tensor_toggle])
 
         self.train_button = W.Button(description="Train", icon="play", button_style="primary",
                                      layout=W.Layout(width="120px"))
@@ -169,7 +172,7 @@ class TrainingPanel:
 
         self._form = [*self.gpu_checkboxes, self.model_input, self.data_input, self.weights_input, self.epochs_input,
                       self.batch_size_input, self.lr_input, self.image_size_input, self.sync_bn_toggle,
-                      self.freeze_toggle, self.amp_toggle] + ([self.nprocs_input] if self.nprocs_input else [])
+                      self.freeze_toggle, self.amp_toggle, self.tensor_toggle] + ([self.nprocs_input] if self.nprocs_input else [])
         self._apply_freeze_rule()
         self.widget = W.VBox([
             W.HTML("<b style='font-size:1.1em'>nbddp · DistributedDataParallel training</b>"),
@@ -224,7 +227,8 @@ class TrainingPanel:
             model=self.model_input.value.strip(), data_path=data, weights=self.weights_input.value.strip() or None,
             epochs=int(self.epochs_input.value), batch_size=int(self.batch_size_input.value), lr=lr,
             image_size=int(self.image_size_input.value), freeze_layers=bool(self.freeze_toggle.value),
-            sync_bn=bool(self.sync_bn_toggle.value) and not self.freeze_toggle.value, amp=bool(self.amp_toggle.value))
+            sync_bn=bool(self.sync_bn_toggle.value) and not self.freeze_toggle.value, amp=bool(self.amp_toggle.value),
+            data_pipeline="tensor" if self.tensor_toggle.value else "pil")
         if self._gpus:
             chosen = tuple(g.index for g, box in zip(self._gpus, self.gpu_checkboxes) if box.value)
             if not chosen:
