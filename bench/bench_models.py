@@ -34,6 +34,11 @@ def batches(data: str, image_size: int, batch_size: int, rank: int, world: int, 
     ds = ImageFolder(data, transform=tf)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=0)
     loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=True)
+    yield from repeat_epochs(loader, sampler, steps)
+
+
+def repeat_epochs(loader, sampler, steps: int):
+    """``steps`` batches of ``loader``, starting a new shuffled epoch whenever one ends."""
     done, epoch = 0, 0
     while done < steps:
         sampler.set_epoch(epoch)

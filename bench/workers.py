@@ -42,18 +42,7 @@ def nbddp_batches(data: str, image_size: int, batch_size: int, rank: int, world:
         loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=True)
         transform = None
 
-    def gen():
-        done, epoch = 0, 0
-        while True:
-            sampler.set_epoch(epoch)
-            for xy in loader:
-                yield xy
-                done += 1
-                if done == steps:
-                    return
-            epoch += 1
-
-    return gen(), transform
+    return bench_models.repeat_epochs(loader, sampler, steps), transform
 
 
 def train(ctx, model="small_cnn", data="synthetic", image_size=32, batch_size=32, steps=60, warmup=5,

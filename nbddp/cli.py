@@ -19,7 +19,7 @@ import sys
 import typing
 from typing import List, Optional
 
-from .config import TrainConfig
+from .config import DATA_PIPELINES, TrainConfig
 
 
 def _field_parser(value_type):
@@ -37,6 +37,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         t = _field_parser(hints[f.name])
         if f.name == "gpus":
             p.add_argument(flag, default=None, help="GPU ids, e.g. 0,1 ('all' = every GPU; default: all, else CPU)")
+        elif f.name == "data_pipeline":
+            p.add_argument(flag, default=None, choices=DATA_PIPELINES,
+                           help="pil: per-image transforms (reference); tensor: decode once, augment batches on the device")
         elif f.name == "resume":
             p.add_argument(flag, default=None, help="'true' (newest run of --name) or a run folder")
         elif t is bool:

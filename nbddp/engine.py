@@ -138,7 +138,7 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     batches = iter(loader)
     if ctx is not None:
         ctx.heartbeat(epoch=epoch, step=0)
-    batch, error = _next_batch(batches)
+    batch, error = _next_batch(batches) if total_steps else (None, None)
     if ctx is not None:
         ctx.heartbeat(epoch=epoch, step=0, waiting=True)
     # The first batch has no earlier step to carry its agreement: one up-front all-reduce.

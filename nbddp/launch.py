@@ -166,7 +166,7 @@ def spawn_train(
         on_event: called as ``on_event(kind, payload)`` for every ``"line"``, ``"metrics"``,
             ``"progress"`` and ``"end"`` event (see :meth:`RunHandle.subscribe`).
         start_method: ``"forkserver"`` (default, warm: workers fork from a server process
-            that has torch and DDP preloaded, so relaunches reach their first step in ~0.4 s
+            that has torch and DDP preloaded, so relaunches reach their first step in 0.2-0.4 s
             instead of ~3 s; the server is a fresh interpreter, never the kernel, so the kernel
             may use CUDA) or ``"spawn"`` (every worker a fresh interpreter: the reference).
             Both give the same guarantees; ``bench/soak.py`` checks them over 100 cycles.

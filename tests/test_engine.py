@@ -46,3 +46,18 @@ def test_stop_before_the_first_step_trains_nothing(runs_dir):
     r0, r1 = run(runs_dir, stop_rank=1, stop_step=0)
     assert r0["stopped"] and r1["stopped"]
     assert r0["steps"] == r1["steps"] == 0
+
+
+def test_single_process_and_empty_epochs_need_no_process_group():
+    import torch
+
+    from nbddp.engine import train_one_epoch
+
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    empty = train_one_epoch(model, opt, [], torch.device("cpu"), 0)
+    assert (empty.steps, empty.images, empty.stopped) == (0, 0, False)
+    data = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(3)]
+    before = model.weight.detach().clone()
+    stats = train_one_epoch(model, opt, data, torch.device("cpu"), 0)
+    assert (stats.steps, stats.images) == (3, 12) and not torch.equal(before, model.weight)

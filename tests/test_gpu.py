@@ -1,4 +1,4 @@
-"""What only a GPU shows: NCCL, AMP, channels_last. Skipped without CUDA."""
+"""What only a GPU shows: NCCL, AMP, channels_last, the tensor pipeline on the device. Skipped without CUDA."""
 
 import pytest
 import torch
@@ -33,3 +33,26 @@ def test_builtin_worker_amp_and_channels_last(tmp_path, runs_dir, amp, channels_
     result = spawn_train(cfg, echo=False)
     assert result.backend == "nccl"
     assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in result.metrics)
+
+
+@needs_cuda
+def test_batch_augment_on_the_gpu_matches_the_cpu():
+    from nbddp.tensor_data import BatchAugment
+
+    x = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8)
+    cpu = BatchAugment(32, crop_scale=0.2, generator=torch.Generator().manual_seed(3))(x)
+    gpu = BatchAugment(32, crop_scale=0.2, generator=torch.Generator().manual_seed(3))(x.cuda())
+    assert gpu.device.type == "cuda"
+    assert torch.allclose(gpu.cpu(), cpu, atol=1e-4)
+
+
+@needs_cuda
+def test_builtin_worker_tensor_pipeline_on_the_gpu(tmp_path, runs_dir):
+    tree = make_tree(tmp_path / "data", per_class=16)
+    gpus = list(range(min(2, torch.cuda.device_count())))
+    cfg = TrainConfig(data_path=str(tree), model="resnet18", image_size=64, epochs=2, batch_size=4, lr=0.01,
+                      gpus=gpus, amp=True, channels_last=True, data_pipeline="tensor", runs_dir=str(runs_dir))
+    result = spawn_train(cfg, echo=False)
+    assert result.backend == "nccl"
+    assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in result.metrics)
+    assert result.weights_path and result.weights_path.exists()
