@@ -46,13 +46,14 @@ def _sync(device):
 def _model(device, channels_last, ddp_kwargs, compile_model):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from nbddp.dist import no_forward_buffer_sync
     from nbddp.models import build_model
 
     torch.manual_seed(0)
     model = build_model("resnet34", 10).to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **no_forward_buffer_sync(),
               **ddp_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     step_model = torch.compile(ddp) if compile_model else ddp

@@ -7,6 +7,7 @@ when no process group is initialised, so one worker file runs alone or distribut
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator
 
 import torch
@@ -133,6 +134,21 @@ def check_same(value, what: str) -> None:
         raise DataError(f"ranks disagree on {what} ({per_rank}); each rank must do the same number of "
                         "collective steps: shard with DistributedSampler(drop_last=True), or wrap the loop "
                         "in DDP's join() for uneven inputs")
+
+
+def no_forward_buffer_sync() -> dict:
+    """DDP keyword arguments that stop it broadcasting rank 0's buffers at every forward.
+
+    That broadcast is a collective per step. Rank 0's BatchNorm statistics evolve the same
+    without it, and they are what counts: call :func:`sync_buffers_from_main` before
+    evaluating or saving. Training uses batch statistics, so gradients are unchanged. Buffers
+    are still synced once when DDP is built. PyTorch 2.14 renamed the option
+    (``forward_sync_buffers``); older releases know only ``broadcast_buffers``.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
 def sync_buffers_from_main(model: torch.nn.Module) -> None:

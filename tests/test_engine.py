@@ -61,3 +61,23 @@ def test_single_process_and_empty_epochs_need_no_process_group():
     before = model.weight.detach().clone()
     stats = train_one_epoch(model, opt, data, torch.device("cpu"), 0)
     assert (stats.steps, stats.images) == (3, 12) and not torch.equal(before, model.weight)
+
+
+def test_ddp_buffer_option_is_accepted_without_deprecation_warnings():
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from nbddp.dist import no_forward_buffer_sync
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            model = DDP(torch.nn.BatchNorm1d(3), **no_forward_buffer_sync())
+        model(torch.randn(4, 3))
+        assert model.module.running_mean.abs().sum() > 0  # the rank's own statistics
+    finally:
+        dist.destroy_process_group()

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .. import data as D
 from ..checkpoint import atomic_save, cleanup_temp_files, export_weights, load_checkpoint
 from ..config import TrainConfig
-from ..dist import barrier, check_same, sync_buffers_from_main
+from ..dist import barrier, check_same, no_forward_buffer_sync, sync_buffers_from_main
 from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, train_one_epoch
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
@@ -197,11 +197,7 @@ def _build(cfg: TrainConfig, ctx, num_classes: int):
         model = convert_sync_batchnorm(model, ctx.device)
     cuda = ctx.device.type == "cuda"
     model = model.to(ctx.device, memory_format=torch.channels_last if cfg.channels_last and cuda else torch.preserve_format)
-    # broadcast_buffers=False: DDP would otherwise send rank 0's BatchNorm statistics to every
-    # rank at each forward (a collective per step). Rank 0's statistics evolve the same either
-    # way, and they are what counts: every rank takes them before evaluating and saving
-    # (sync_buffers_from_main). Training uses batch statistics, so the gradients are unchanged.
-    ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None, broadcast_buffers=False)
+    ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None, **no_forward_buffer_sync())
     lr = cfg.lr * ctx.world_size if cfg.scale_lr else cfg.lr
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
