@@ -22,7 +22,6 @@ Throughput is also given as achieved TFLOP/s: 3 x 3.6 GFLOP (forward + backward)
 """
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+import bench_models  # noqa: E402
 
 GFLOP_224 = 21.75  # ResNet34 training step per image at 224 px (forward 3.6 GFLOP, x3)
 
@@ -130,32 +131,25 @@ def worker(ctx, image_size, batch, steps, repeats, do_compile, data_root, n_imag
     _, samples = D.scan_class_folders(data_root)
     samples = samples[:n_images]
     t0 = time.perf_counter()
-    cache = TD.TensorCache(samples, image_size, dev, TD.decode_workers(world))
+    workers = D.loader_workers(world, at_least=1)
+    cache = TD.TensorCache(samples, image_size, dev, workers)
     decode_s = time.perf_counter() - t0
     t_sampler = DistributedSampler(cache, num_replicas=world, rank=ctx.rank, seed=0)
     t_loader = TD.TensorBatches(cache, t_sampler, batch, drop_last=True)
     augment = TD.BatchAugment(image_size)
     train_tf, _ = D.build_transforms(image_size)
-    workers = max(1, min(8, (os.cpu_count() or 2) // world - 1))
     p_ds = D.ImageListDataset(samples, train_tf)
     p_sampler = DistributedSampler(p_ds, num_replicas=world, rank=ctx.rank, seed=0)
     p_loader = DataLoader(p_ds, batch_size=batch, sampler=p_sampler, drop_last=True, num_workers=workers,
                           pin_memory=dev.type == "cuda", persistent_workers=True, prefetch_factor=4)
     model_rd, opt_rd, amp_rd, cl_rd = built["+ gradient_as_bucket_view"]
 
-    def loop_over(loader, transform):
+    def loop_over(loader, sampler, transform):
         def run(n):
-            done = 0
-            while done < n:
-                for xb, yb in loader:
-                    xb = xb.to(dev, non_blocking=True)
-                    yb = yb.to(dev, non_blocking=True)
-                    if transform is not None:
-                        xb = transform(xb)
-                    _step(model_rd, opt_rd, xb, yb, amp_rd, cl_rd)
-                    done += 1
-                    if done == n:
-                        return
+            for xb, yb in bench_models.repeat_epochs(loader, sampler, n):
+                xb = xb.to(dev, non_blocking=True)
+                yb = yb.to(dev, non_blocking=True)
+                _step(model_rd, opt_rd, transform(xb) if transform else xb, yb, amp_rd, cl_rd)
         return run
 
     rows = {name: [] for name in built}
@@ -163,8 +157,8 @@ def worker(ctx, image_size, batch, steps, repeats, do_compile, data_root, n_imag
     rows["real data: PIL pipeline (DataLoader workers)"] = []
     runners = {name: (lambda n, m=m: [_step(m[0], m[1], x, y, m[2], m[3]) for _ in range(n)])
                for name, m in built.items()}
-    runners["real data: tensor pipeline (GPU augmentation)"] = loop_over(t_loader, augment)
-    runners["real data: PIL pipeline (DataLoader workers)"] = loop_over(p_loader, None)
+    runners["real data: tensor pipeline (GPU augmentation)"] = loop_over(t_loader, t_sampler, augment)
+    runners["real data: PIL pipeline (DataLoader workers)"] = loop_over(p_loader, p_sampler, None)
     for run in runners.values():  # warm-up: cuDNN autotuning, allocator, loader workers
         run(2)
     for _ in range(repeats):

@@ -315,6 +315,18 @@ class ImageListDataset(Dataset):
         return image, label
 
 
+def resize_size(image_size: int) -> int:
+    """Side the evaluation resize gives the shorter edge before the centre crop (224 -> 256)."""
+    return int(image_size / 0.875)
+
+
+def loader_workers(world_size: int, at_least: int = 0) -> int:
+    """Data-loading processes per rank: the rank's share of the cores, less the rank itself (at most 8)."""
+    from .procs import cpu_cores
+
+    return max(at_least, min(8, cpu_cores() // max(world_size, 1) - 1))
+
+
 def build_transforms(
     image_size: int, crop_scale: float = 0.08, hflip: bool = True
 ) -> tuple[Callable, Callable]:
@@ -327,13 +339,13 @@ def build_transforms(
 
     Returns:
         ``(train_tf, val_tf)``: train is RandomResizedCrop + optional flip; val is
-        Resize(``int(image_size / 0.875)``) + CenterCrop, both ending in ToTensor + Normalize.
+        Resize(``resize_size(image_size)``) + CenterCrop, both ending in ToTensor + Normalize.
     """
     norm = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     train = [T.RandomResizedCrop(image_size, scale=(crop_scale, 1.0))]
     if hflip:
         train.append(T.RandomHorizontalFlip())
-    val = [T.Resize(int(image_size / 0.875)), T.CenterCrop(image_size)]
+    val = [T.Resize(resize_size(image_size)), T.CenterCrop(image_size)]
     return T.Compose(train + norm), T.Compose(val + norm)
 
 

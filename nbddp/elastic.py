@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, TextIO
 import torch
 import torch.distributed as dist
 
+from .procs import cpu_cores
 from .runtime import Context, run_rank
 
 
@@ -105,8 +106,7 @@ def init_from_env(le: LauncherEnv, timeout_s: float) -> torch.device:
     else:
         device, backend = torch.device("cpu"), "gloo"
         threads = os.environ.get("OMP_NUM_THREADS")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(int(threads) if threads else max(1, cores // le.local_world_size))
+        torch.set_num_threads(int(threads) if threads else max(1, cpu_cores() // le.local_world_size))
     os.environ.update(RANK=str(le.rank), WORLD_SIZE=str(le.world_size), LOCAL_RANK=str(le.local_rank),
                       MASTER_ADDR=le.master_addr, MASTER_PORT=str(le.master_port))
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from .config import TrainConfig
 from .errors import ConfigError
 from .gpus import check_gpu_ids
-from .procs import live_workers, start_time
+from .procs import cpu_cores, live_workers, start_time
 from .handle import RunHandle, TrainResult
 from .runtime import STATE_DIR, LaunchSpec, entry, state_path
 from .targets import resolve_target
@@ -87,13 +87,6 @@ def _prepare_forkserver() -> None:
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
         _forkserver_ready = True
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _new_run_dir(runs_dir: Union[str, Path], name: str) -> Path:
@@ -216,7 +209,7 @@ def spawn_train(
         raise ConfigError(f"nprocs={nprocs!r}: must be an integer >= 1")
     backend = "nccl" if gpus else "gloo"
     timeout_s = float(timeout_s or (600.0 if gpus else 120.0))
-    threads = threads_per_proc or max(1, _cores() // world)
+    threads = threads_per_proc or max(1, cpu_cores() // world)
 
     if run_dir is None:
         run_dir = _new_run_dir(runs_dir, name or _default_name(spec_target))

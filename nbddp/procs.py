@@ -16,6 +16,14 @@ from typing import Dict, List, Optional, Union
 from .runtime import STATE_DIR
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on (its CPU affinity: taskset, cgroups), not all the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def start_time(pid: int) -> Optional[int]:
     """The process's start time (field 22 of /proc/<pid>/stat), or None if it is gone."""
     try:

@@ -76,10 +76,15 @@ def state_path(run_dir: os.PathLike | str, name: str) -> Path:
     return Path(run_dir) / STATE_DIR / name
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def _replace_atomically(path: Path, data: bytes) -> None:
+    """Readers see the old file or the new one, never a half-written one (temp file, rename)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(json.dumps(obj))
+    tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    _replace_atomically(path, json.dumps(obj).encode())
 
 
 class RecordFile:
@@ -101,9 +106,7 @@ class RecordFile:
         self.size = max(self.size, len(data))
         data = data.ljust(self.size)
         if self._fd is None:
-            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, self.path)
+            _replace_atomically(self.path, data)
             self._fd = os.open(self.path, os.O_WRONLY)
         else:
             os.pwrite(self._fd, data, 0)

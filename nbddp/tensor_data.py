@@ -25,19 +25,18 @@ Memory: ``N * 3 * S * S`` bytes per rank (the digits at 32 px: 7 MB; 3,670 flowe
 from __future__ import annotations
 
 import math
-import os
 from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .data import IMAGENET_MEAN, IMAGENET_STD, Sample, load_rgb
+from .data import IMAGENET_MEAN, IMAGENET_STD, Sample, load_rgb, resize_size
 
 
-def load_size(image_size: int) -> int:
-    """Side of the cached square: the PIL pipeline's evaluation resize, ``int(size / 0.875)``."""
-    return int(image_size / 0.875)
+# Side of the cached square: the PIL pipeline's evaluation resize, so that the centre crop of
+# the cache is what the PIL pipeline evaluates.
+load_size = resize_size
 
 
 def cache_bytes(n_images: int, image_size: int) -> int:
@@ -105,9 +104,9 @@ class TensorBatches:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        order = torch.as_tensor(list(iter(self.sampler)), dtype=torch.long)
+        order = torch.as_tensor(list(iter(self.sampler)), dtype=torch.long).to(self.cache.labels.device)
         for b in range(len(self)):
-            idx = order[b * self.batch_size:(b + 1) * self.batch_size].to(self.cache.labels.device)
+            idx = order[b * self.batch_size:(b + 1) * self.batch_size]
             yield self.cache.images[idx], self.cache.labels[idx]
 
 
@@ -195,15 +194,6 @@ class BatchAugment(_Normalize):
         grid = F.affine_grid(theta, [n, 3, self.image_size, self.image_size], align_corners=False)
         out = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
         return self.normalize(out)
-
-
-def decode_workers(world_size: int) -> int:
-    """Processes each rank uses to decode the cache: the cores per rank, less the rank itself."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(0, min(8, cores // max(world_size, 1) - 1))
 
 
 __all__ = ["BatchAugment", "CenterCropNormalize", "TensorBatches", "TensorCache", "cache_bytes", "load_size"]

@@ -153,7 +153,7 @@ def _loaders(cfg: TrainConfig, ctx, classes, train_s, val_s):
     if cfg.data_pipeline == "tensor":
         from .. import tensor_data as TD
 
-        workers = TD.decode_workers(ctx.world_size) if cfg.num_workers is None else cfg.num_workers
+        workers = D.loader_workers(ctx.world_size) if cfg.num_workers is None else cfg.num_workers
         train_cache = TD.TensorCache(train_s, cfg.image_size, ctx.device, workers)
         val_cache = TD.TensorCache(val_s, cfg.image_size, ctx.device, workers)
         sampler = DistributedSampler(train_cache, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
@@ -170,7 +170,7 @@ def _loaders(cfg: TrainConfig, ctx, classes, train_s, val_s):
     workers = cfg.num_workers
     if workers is None:
         # On CPU the ranks already use every core for compute; on GPU feed them from the rest.
-        workers = 0 if not cuda else max(1, min(8, (os.cpu_count() or 2) // ctx.world_size - 1))
+        workers = D.loader_workers(ctx.world_size, at_least=1) if cuda else 0
     # DistributedSampler gives each rank a disjoint shard, reshuffled by set_epoch every epoch.
     sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
     common = dict(num_workers=workers, pin_memory=cuda, persistent_workers=cfg.persistent_workers and workers > 0)

@@ -14,7 +14,6 @@ Kernel side only. Two threads touch the panel, and each has its reason:
 from __future__ import annotations
 
 import html
-import os
 import threading
 import time
 from collections import deque
@@ -27,6 +26,7 @@ from ..errors import ConfigError, NbddpError, TrainingInterrupted, WorkerError
 from ..gpus import list_gpus
 from ..handle import RunHandle, TrainResult
 from ..launch import spawn_train
+from ..procs import cpu_cores
 from .charts import training_curves_png
 
 COMMON_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
@@ -44,13 +44,6 @@ _COLORS = {"info": "var(--jp-ui-font-color1, #333)", "ok": "var(--jp-success-col
 _LOG_BOX = ("max-height:180px;min-height:2.5em;overflow-y:auto;"
             "display:flex;flex-direction:column-reverse;"  # keeps the end in view
             "border:1px solid var(--jp-border-color2,#ddd);padding:4px 6px;background:var(--jp-layout-color1,#fff)")
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _duration(seconds: float) -> str:
@@ -113,7 +106,7 @@ class TrainingPanel:
             devices = W.VBox([self.device_note, *self.gpu_checkboxes, refresh])
         else:
             default = b.nprocs if self._given else 2
-            cores = _cores()
+            cores = cpu_cores()
             # 1..cores, unless the config asks for more (oversubscribing works, slowly): keep its value.
             self.nprocs_input = W.BoundedIntText(value=default, min=1, max=max(cores, default), description="CPU processes",
                                                  style=_LABEL, layout=W.Layout(width="220px"))
