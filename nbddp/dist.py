@@ -7,8 +7,9 @@ when no process group is initialised, so one worker file runs alone or distribut
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,26 @@ def is_main() -> bool:
 
 
 _CPU_GROUPS: dict = {}
+_TIMEOUT: Optional[datetime.timedelta] = None  # the default group's, for nbddp's own groups
+
+
+def init_process_group(backend: str, store, rank: int, world_size: int, timeout_s: float,
+                       device: torch.device) -> None:
+    """Initialise the default process group, bound to this rank's device on GPUs.
+
+    On nccl the group is given ``device_id``: NCCL then sets up its communicator here, so a
+    broken set-up (driver, ``/dev/shm``, P2P) fails at init with NCCL's own message instead of
+    inside ``DDP()``, and collectives without a device (``barrier()``) know theirs instead of
+    warning "using the device under current context". Releases that do not accept
+    ``device_id`` get the same group without it. Call ``torch.cuda.set_device`` first.
+    """
+    global _TIMEOUT
+    timeout = datetime.timedelta(seconds=timeout_s)
+    extra = {}
+    if device.type == "cuda" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+        extra["device_id"] = device
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **extra)
+    _TIMEOUT = timeout
 
 
 def cpu_group():
@@ -40,13 +61,14 @@ def cpu_group():
 
     With gloo that is the default group. With nccl a separate gloo group lets ranks agree on
     plain Python facts (stop requested? batch unreadable?) without a GPU synchronisation.
-    Collective on first use: every rank must call it at the same point.
+    Collective on first use: every rank must call it at the same point. It waits as long as
+    the default group (``timeout_s`` of the launch), not torch's 30-minute default.
     """
     if not is_dist() or dist.get_backend() == "gloo":
         return None
     key = id(dist.group.WORLD)
     if key not in _CPU_GROUPS:
-        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo", timeout=_TIMEOUT)
     return _CPU_GROUPS[key]
 
 
@@ -84,8 +106,12 @@ def any_rank(flag: bool) -> bool:
 
 
 def barrier() -> None:
+    """Wait for every rank; on nccl on this rank's own GPU (never a guess from the context)."""
     if is_dist():
-        dist.barrier()
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, TextIO
 import torch
 import torch.distributed as dist
 
+from .dist import init_process_group
 from .procs import cpu_cores
 from .runtime import Context, run_rank
 
@@ -118,7 +119,7 @@ def init_from_env(le: LauncherEnv, timeout_s: float) -> torch.device:
     # ranks may still be in the store, and a rank that read one would dial a process that is
     # gone ("Connection refused") instead of its new peer.
     store = dist.PrefixStore(f"nbddp/attempt_{le.restart_count}", store)
-    dist.init_process_group(backend, store=store, rank=le.rank, world_size=le.world_size, timeout=timeout)
+    init_process_group(backend, store, le.rank, le.world_size, timeout_s, device)
     return device
 
 

@@ -137,7 +137,7 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     flag_device = _flag_device(device)
     batches = iter(loader)
     if ctx is not None:
-        ctx.heartbeat(epoch=epoch, step=0)
+        ctx.heartbeat(epoch=epoch, step=0, phase="train")
     batch, error = _next_batch(batches) if total_steps else (None, None)
     if ctx is not None:
         ctx.heartbeat(epoch=epoch, step=0, waiting=True)
@@ -233,42 +233,54 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(model, loader, device, amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False,
              gather_predictions: bool = False,
-             batch_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> EvalResult:
+             batch_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, ctx=None) -> EvalResult:
     """Exact distributed evaluation: each image counted once, whatever the set and world sizes.
 
     ``loader`` must use :class:`nbddp.data.ShardSampler` (no padding). Correct counts, summed
     losses and image counts are all-reduced, so the accuracy equals a single-process run.
     Pass the bare model (``ddp.module``): evaluation needs no gradient synchronisation.
+    Totals stay on the device until the end: no host synchronisation per batch. With ``ctx``,
+    each batch is a heartbeat of phase ``"eval"``, so a rank hung in validation is named.
     """
     model.eval()
-    correct = torch.zeros((), dtype=torch.float64)
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    count = 0
+    correct = torch.zeros((), dtype=torch.float64, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count, batches = 0, 0
     preds = []
     indices = list(iter(loader.sampler)) if gather_predictions else None
     error: Optional[BaseException] = None
+    step = ctx.step if ctx is not None else None  # the training step every rank left the epoch at
     try:
         for batch in loader:
+            if ctx is not None:
+                ctx.heartbeat(step=batches, phase="eval")
             x, y = _prepare(batch, device, batch_transform, channels_last)
             amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
             with amp:
                 out = model(x)
-            loss_sum += F.cross_entropy(out.float(), y, reduction="sum").double().cpu()
+            loss_sum += F.cross_entropy(out.float(), y, reduction="sum").double()
             p = out.argmax(dim=1)
-            correct += (p == y).sum().double().cpu()
+            correct += (p == y).sum()
             count += y.numel()
+            batches += 1
             if gather_predictions:
-                preds.extend(p.cpu().tolist())
+                preds.append(p)
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
         error = exc
+    if ctx is not None:
+        # Shards differ by a batch, so every rank waits at the same place: the end of evaluation.
+        ctx.step = step
+        ctx.heartbeat(phase="eval-end", waiting=True)
     # Totals and one error flag per rank in one all-reduce: an unreadable validation image
     # on one rank stops every rank here, instead of leaving them waiting in the next step.
     world, rank = get_world_size(), get_rank()
     totals = torch.zeros(3 + world, dtype=torch.float64)
-    totals[0], totals[1], totals[2] = correct, loss_sum, float(count)
+    totals[0], totals[1], totals[2] = correct.cpu(), loss_sum.cpu(), float(count)
     totals[3 + rank] = 1.0 if error is not None else 0.0
     if is_dist():
         dist.all_reduce(totals, group=cpu_group())
+    if ctx is not None:
+        ctx.heartbeat(phase="eval-end")
     failed = [r for r in range(world) if totals[3 + r] > 0]
     if error is not None:
         raise error
@@ -277,10 +289,10 @@ def evaluate(model, loader, device, amp_dtype: Optional[torch.dtype] = None, cha
     n = int(totals[2].item())
     gathered = None
     if gather_predictions:
-        mine = list(zip(indices, preds))
+        mine = list(zip(indices, torch.cat(preds).tolist() if preds else []))
         if is_dist():
             parts = [None] * get_world_size()
-            dist.all_gather_object(parts, mine)
+            dist.all_gather_object(parts, mine, group=cpu_group())
             gathered = sorted(p for part in parts for p in part)
         else:
             gathered = sorted(mine)

@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import signal
+import stat
 import sys
 import threading
 import time
@@ -21,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from .errors import TrainingInterrupted
-from .report import RankEnd, build_worker_error, collect
-from .runtime import STATE_DIR, LaunchSpec, state_path
+from .report import RankEnd, build_worker_error, collect, position
+from .runtime import STATE_DIR, LaunchSpec, state_path, write_json_atomic
 
 
 @dataclass
@@ -62,6 +63,39 @@ class TrainResult:
         return (f"TrainResult(run_dir={str(self.run_dir)!r}, world_size={self.world_size}, "
                 f"backend={self.backend!r}, seconds={self.seconds:.1f}, metrics=[{len(self.metrics)} records], "
                 f"stopped={self.stopped})")
+
+
+class _StringsOnly(pickle.Unpickler):
+    def find_class(self, module, name):  # a traceback is a plain str: no object is ever built
+        raise pickle.UnpicklingError(f"refusing {module}.{name} in a torch error file")
+
+
+def _read_traceback_file(path: str) -> Optional[str]:
+    """The traceback string torch's spawn wrapper pickled, if the file is ours and holds one.
+
+    The file sits in the shared temp folder: only a regular file owned by this user is read,
+    and nothing but a string is unpickled.
+    """
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        with open(path, "rb") as f:
+            text = _StringsOnly(f).load()
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+        return None
+    return text if isinstance(text, str) else None
+
+
+def exception_from_traceback(text: str) -> tuple:
+    """``(type name, message)`` from a formatted traceback's closing lines."""
+    lines = text.rstrip().splitlines()
+    last_frame = max((i for i, ln in enumerate(lines) if ln.startswith("  ")), default=-1)
+    tail = "\n".join(lines[last_frame + 1:]) or (lines[-1] if lines else "")
+    kind, sep, message = tail.partition(": ")
+    if not sep or " " in kind.strip():
+        return "Exception", tail.strip()
+    return kind.strip().rpartition(".")[2], message.strip()
 
 
 class _LineTail:
@@ -203,6 +237,8 @@ class RunHandle:
             for rank, p in enumerate(self._ctx.processes):
                 if rank not in self._ends and p.exitcode is not None:  # exitcode reaps the child
                     self._ends[rank] = RankEnd(rank, p.pid, p.exitcode, now, self._shutdown is not None)
+                    if p.exitcode != 0:
+                        self._adopt_torch_error_file(rank)
             failed = [e for e in self._ends.values() if e.exitcode != 0 and not e.by_launcher]
             if failed and self._shutdown is None:
                 self._begin_shutdown("failure")
@@ -226,13 +262,9 @@ class RunHandle:
         if records or len(beats) < self.world_size or any(b.get("state") != "running" for b in beats.values()):
             return None
 
-        def where(b: dict) -> tuple:
-            return (b.get("epoch") if b.get("epoch") is not None else -1,
-                    b.get("step") if b.get("step") is not None else -1, bool(b.get("waiting")))
-
-        lead = max(where(b) for b in beats.values())
+        lead = max(position(b) for b in beats.values())
         for rank, b in sorted(beats.items()):
-            if where(b) < lead and now - b.get("progress_time", now) > self.stall_timeout_s:
+            if position(b) < lead and now - b.get("progress_time", now) > self.stall_timeout_s:
                 return rank
         return None
 
@@ -304,7 +336,38 @@ class RunHandle:
             if rank not in self._ends:
                 self._ends[rank] = RankEnd(rank, p.pid, p.exitcode, now, True)
 
+    def _adopt_torch_error_file(self, rank: int) -> None:
+        """A failure before nbddp's own error handling (torch's ``_wrap`` caught it) becomes a record.
+
+        torch writes such a traceback to a ``pytorch-errorfile-*.pickle`` in the temp folder,
+        which only its own ``join()`` reads. nbddp turns it into the rank's error record (unless
+        the rank wrote one itself), so the notebook quotes the original exception.
+        """
+        files = self._torch_error_files()
+        path = files[rank] if rank < len(files) else None
+        record_path = state_path(self.run_dir, f"error.rank{rank}.json")
+        if not path or record_path.exists():
+            return
+        text = _read_traceback_file(path)
+        if text is None:
+            return
+        kind, message = exception_from_traceback(text)
+        with contextlib.suppress(OSError):
+            write_json_atomic(record_path, {
+                "rank": rank, "pid": self.pids[rank], "time": time.time(), "type": kind, "message": message,
+                "traceback": text, "epoch": None, "step": None, "secondary": False, "root_rank": None})
+
+    def _torch_error_files(self) -> List[Optional[str]]:
+        return list(getattr(self._ctx, "error_files", None) or [])
+
+    def _remove_torch_error_files(self) -> None:
+        for path in self._torch_error_files():
+            if path:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
     def _finish(self) -> None:
+        self._remove_torch_error_files()
         self._read_streams()
         seconds = time.time() - self.started_at
         reason = self._shutdown["reason"] if self._shutdown else None

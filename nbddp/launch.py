@@ -153,8 +153,9 @@ def spawn_train(
         threads_per_proc: intra-op threads per rank (default: cores divided among the ranks).
         grace_s: seconds each shutdown stage waits (stop request, then SIGTERM, then SIGKILL).
         stall_timeout_s: a rank that lags behind the others without progress for this long is
-            declared hung and the run is stopped, naming it (default: ``timeout_s``). Progress
-            is what the worker reports through ``ctx.heartbeat``/``ctx.log``/``ctx.progress``.
+            declared hung and the run is stopped, naming it (default: ``timeout_s`` on CPU,
+            ``0.75 * timeout_s`` on GPUs, before NCCL's watchdog aborts the waiting ranks).
+            Progress is what the worker reports through ``ctx.heartbeat``/``ctx.log``/``ctx.progress``.
         echo: print rank 0's output live, prefixed with ``[rank0]``.
         on_event: called as ``on_event(kind, payload)`` for every ``"line"``, ``"metrics"``,
             ``"progress"`` and ``"end"`` event (see :meth:`RunHandle.subscribe`).
@@ -248,8 +249,11 @@ def spawn_train(
         _prepare_forkserver()
     with _patched_env(child_env), _bare_main():
         ctx = mp.start_processes(entry, args=(spec,), nprocs=world, join=False, start_method=start_method)
-    handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s,
-                       stall_timeout_s=timeout_s if stall_timeout_s is None else stall_timeout_s)
+    if stall_timeout_s is None:
+        # NCCL's watchdog aborts the ranks that wait longer than timeout_s, which would leave
+        # only their SIGABRTs to read; nbddp names the hung rank well before that.
+        stall_timeout_s = 0.75 * timeout_s if backend == "nccl" else timeout_s
+    handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s)
     if on_event is not None:
         handle.subscribe(on_event)
     handle._update_launch_record(target=spec_target, world_size=world, backend=backend, gpus=gpus,

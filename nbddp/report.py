@@ -62,23 +62,52 @@ def tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, dict], beats: Dict[int, dict]) -> int:
-    """Pick the rank that caused a failure (see the module docstring for the rules)."""
+_PHASES = {"train": 0, "eval": 1, "eval-end": 2}
+# NCCL's watchdog ends a rank that waited in a collective past the timeout with SIGABRT, after
+# logging this: the rank was waiting for another one, so its death is a consequence.
+_WATCHDOG_MARKERS = ("watchdog caught collective operation timeout", "watchdog thread terminated")
+
+
+def position(beat: dict) -> tuple:
+    """How far a rank got, comparable between ranks: (epoch, phase, step, waiting).
+
+    Evaluation comes after the epoch's training steps, and its end (where ranks with shards
+    of different sizes wait for each other) after every evaluation step; ``waiting`` (about to
+    wait for the others in a collective) comes after the local work of the same step.
+    """
+    epoch, step = beat.get("epoch"), beat.get("step")
+    return (epoch if epoch is not None else -1, _PHASES.get(beat.get("phase") or "train", 0),
+            step if step is not None else -1, bool(beat.get("waiting")))
+
+
+def aborted_by_watchdog(end: Optional[RankEnd], log_path: Path) -> bool:
+    """True if the rank died of SIGABRT after NCCL's watchdog timed out its wait."""
+    if end is None or end.exitcode != -signal.SIGABRT:
+        return False
+    text = tail(log_path, 200).lower()
+    return any(m in text for m in _WATCHDOG_MARKERS)
+
+
+def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, dict], beats: Dict[int, dict],
+                    consequences: frozenset = frozenset()) -> int:
+    """Pick the rank that caused a failure (see the module docstring for the rules).
+
+    ``consequences``: ranks whose death is known to be secondary (NCCL's watchdog abort).
+    """
     for rec in sorted(records.values(), key=lambda r: r["time"]):
         if rec.get("root_rank") is not None and not rec.get("secondary"):
             return int(rec["root_rank"])
     primary = [r for r in records.values() if not r.get("secondary")]
     if primary:
         return min(primary, key=lambda r: r["time"])["rank"]
-    died = [e for e in ends.values() if not e.by_launcher and e.exitcode not in (0, None) and e.rank not in records]
+    died = [e for e in ends.values() if not e.by_launcher and e.exitcode not in (0, None)
+            and e.rank not in records and e.rank not in consequences]
     if died:
         return min(died, key=lambda e: e.seen_at).rank
     if beats:
         def staleness(b: dict):
-            # Least progress first (epoch, step), then the oldest progress time.
-            return (b.get("epoch") if b.get("epoch") is not None else -1,
-                    b.get("step") if b.get("step") is not None else -1,
-                    bool(b.get("waiting")), b.get("progress_time", 0.0))
+            # Least progress first (epoch, phase, step), then the oldest progress time.
+            return (*position(b), b.get("progress_time", 0.0))
         stuck = [b for r, b in beats.items() if r not in records or records[r].get("secondary")]
         if stuck and len(records) < len(beats):
             return min(stuck, key=staleness)["rank"]
@@ -97,7 +126,9 @@ def collect(run_dir: Path, world_size: int):
 def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int) -> WorkerError:
     """Compose the one exception the notebook shows for a failed run."""
     records, beats = collect(run_dir, world_size)
-    root = find_root_cause(ends, records, beats)
+    logs = {r: Path(run_dir) / "logs" / f"rank{r}.log" for r in range(world_size)}
+    watchdog = frozenset(r for r in range(world_size) if aborted_by_watchdog(ends.get(r), logs[r]))
+    root = find_root_cause(ends, records, beats, watchdog)
     rec, end, beat = records.get(root), ends.get(root), beats.get(root, {})
     log_path = Path(run_dir) / "logs" / f"rank{root}.log"
     epoch = (rec or beat).get("epoch") if (rec or beat) else None
@@ -110,6 +141,9 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int)
         headline = f"rank {root} raised {rec['type']}: {rec['message']}"
         if rec.get("root_rank") is not None and rec["rank"] != root:
             headline = f"rank {root}: {rec['type']}: {rec['message']}"
+    elif root in watchdog:
+        headline = (f"rank {root} timed out waiting in a collective and NCCL's watchdog aborted it; "
+                    "no rank was found behind it")
     elif end and not end.by_launcher and sig:
         hint = " — possibly out of memory (check `dmesg`, lower batch_size)" if sig == "SIGKILL" else ""
         headline = f"rank {root} was killed by {sig}{hint}"
@@ -129,6 +163,8 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int)
         o_rec, o_end = records.get(r), ends.get(r)
         if o_rec:
             others.append(f"rank {r}: {o_rec['type']}: {o_rec['message'].splitlines()[0][:160] if o_rec['message'] else ''}")
+        elif r in watchdog:
+            others.append(f"rank {r}: aborted by NCCL's watchdog while waiting for rank {root}")
         elif o_end and o_end.by_launcher:
             others.append(f"rank {r}: stopped by nbddp after rank {root} failed")
         elif o_end:

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -47,7 +48,54 @@ _SECONDARY_MARKERS = (  # compared in lower case
     "econnrefused",
     "nccl communicator was aborted",
     "process group has been destroyed",
+    "ncclremoteerror",
+    "remote process exiting",
 )
+# Errors of this rank's own set-up or hardware: causes, even when they come as a DistError
+# (NCCL reports a broken /dev/shm, P2P or CUDA set-up as DistBackendError).
+_PRIMARY_MARKERS = (
+    "ncclunhandledcudaerror",
+    "ncclinternalerror",
+    "ncclinvalidusage",
+    "ncclinvalidargument",
+    "/dev/shm",
+    "cuda error",
+    "cuda failure",
+    "out of memory",
+    "no nvidia driver",
+    "invalid device ordinal",
+    "busy or unavailable",
+    "not compiled with cuda",
+)
+
+
+def is_secondary(exc: BaseException, during_init: bool = False) -> bool:
+    """True for an error this rank got because another rank failed (a consequence, not a cause).
+
+    Communication errors that say a peer vanished or never came are consequences; so is any
+    other ``DistError`` once training runs. At set-up, a ``DistBackendError`` is NCCL (or gloo)
+    failing on this rank's own system — shared memory, P2P, the network interface — and a
+    cause, unless it says it timed out waiting for the others.
+    """
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if any(m in text for m in _PRIMARY_MARKERS):
+        return False
+    if any(m in text for m in _SECONDARY_MARKERS):
+        return True
+    if during_init and isinstance(exc, getattr(dist, "DistBackendError", ())):
+        return False
+    return isinstance(exc, getattr(dist, "DistError", ()))
+
+
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """``warnings`` output as one line, ``Category: message (file:line)``.
+
+    Python's default adds the source line below, which reaches the notebook as an orphaned
+    line of someone else's code (``  return func(*args, **kwargs)``) once the head has scrolled
+    by or was filtered; one line per warning is whole wherever it is shown.
+    """
+    text = " ".join(str(message).split())
+    return f"{category.__name__}: {text} ({os.path.basename(filename)}:{lineno})\n"
 
 
 @dataclass(frozen=True)
@@ -141,6 +189,7 @@ class Context:
         self.is_main = rank == 0
         self.epoch: Optional[int] = None
         self.step: Optional[int] = None
+        self.phase = "train"
         self.waiting = False
         self._progress_time = time.time()
         self._stop_checked = 0.0
@@ -153,20 +202,25 @@ class Context:
         (self.run_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
 
     # -- progress and metrics ---------------------------------------------------------
-    def heartbeat(self, epoch: Optional[int] = None, step: Optional[int] = None, waiting: bool = False) -> None:
+    def heartbeat(self, epoch: Optional[int] = None, step: Optional[int] = None, waiting: bool = False,
+                  phase: Optional[str] = None) -> None:
         """Record that this rank made progress (cheap; call it once per step).
 
         Args:
             epoch: current epoch.
-            step: current step.
+            step: current step (of the phase).
             waiting: this rank is about to wait for the others in a collective. A rank that
                 hangs before reaching the collective is then told apart from the ranks that
                 wait for it at the same step.
+            phase: ``"train"``, ``"eval"`` or ``"eval-end"``: evaluation comes after the
+                epoch's training steps, so a rank hung in validation lags behind the others too.
         """
         if epoch is not None:
             self.epoch = epoch
         if step is not None:
             self.step = step
+        if phase is not None:
+            self.phase = phase
         self.waiting = waiting
         self._progress_time = time.time()
         if self._beat is not None:
@@ -311,7 +365,7 @@ class _Heartbeat(threading.Thread):
     def beat(self) -> None:
         c = self.ctx
         record = {"rank": c.rank, "pid": os.getpid(), "state": self.state, "epoch": c.epoch, "step": c.step,
-                  "waiting": c.waiting, "progress_time": c._progress_time, "beat_time": time.time()}
+                  "phase": c.phase, "waiting": c.waiting, "progress_time": c._progress_time, "beat_time": time.time()}
         with self._lock:
             try:
                 self.file.write(record)
@@ -342,9 +396,8 @@ class _Heartbeat(threading.Thread):
                 os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def _error_record(exc: BaseException, ctx: Optional[Context], rank: int) -> dict:
-    text = f"{type(exc).__name__}: {exc}"
-    secondary = isinstance(exc, getattr(dist, "DistError", ())) or any(m in text.lower() for m in _SECONDARY_MARKERS)
+def _error_record(exc: BaseException, ctx: Optional[Context], rank: int, during_init: bool = False) -> dict:
+    secondary = is_secondary(exc, during_init)
     return {
         "rank": rank,
         "pid": os.getpid(),
@@ -390,27 +443,29 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
         os.environ.clear()  # exactly the launching kernel's environment of this launch
         os.environ.update(spec.env)
     rank = local_rank  # single-machine launch: global rank == local rank
+    _inject_fault(spec.fault, rank, "entry")
     run_dir = Path(spec.run_dir)
     redirect_output(run_dir / "logs" / f"rank{rank}.log")
+    warnings.formatwarning = one_line_warning  # rank 0's log is echoed into the cell line by line
 
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size),
         "LOCAL_WORLD_SIZE": str(spec.world_size), "NBDDP_RUN_DIR": str(run_dir),
     })
     torch.set_num_threads(spec.threads)
-    if spec.backend == "nccl":
-        torch.cuda.set_device(local_rank)  # CUDA_VISIBLE_DEVICES holds exactly the chosen GPUs
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-
+    # No CUDA call here: device set-up runs inside run_rank's error handling, so "invalid
+    # device ordinal" or "no NVIDIA driver" reach the notebook as this rank's error.
+    device = torch.device("cuda", local_rank) if spec.backend == "nccl" else torch.device("cpu")
     ctx = Context(rank, local_rank, spec.world_size, device, spec.backend, run_dir, spec.fault)
 
     def init_process_group():
+        from .dist import init_process_group as init_group
+
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # CUDA_VISIBLE_DEVICES holds exactly the chosen GPUs
         store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
-        dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
-                                timeout=datetime.timedelta(seconds=spec.timeout_s))
+        init_group(spec.backend, store, rank, spec.world_size, spec.timeout_s, device)
 
     code, _ = run_rank(ctx, init_process_group, spec.target, spec.args, spec.kwargs, spec.fault, watch=spec.kernel)
     # os._exit skips interpreter teardown: atexit hooks and non-daemon threads (DataLoader,
@@ -446,8 +501,9 @@ def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs:
         beat.state = "done"
     except BaseException as exc:  # noqa: BLE001 - every failure must become a record
         code = 1
+        during_init = beat.state == "starting"
         beat.state = "failed"
-        record = _error_record(exc, ctx, ctx.rank)
+        record = _error_record(exc, ctx, ctx.rank, during_init=during_init)
         try:
             write_json_atomic(state_path(ctx.run_dir, f"error.rank{ctx.rank}.json"), record)
         except OSError:

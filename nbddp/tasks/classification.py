@@ -293,7 +293,7 @@ def train(ctx, cfg: TrainConfig) -> dict:
                 print(f"stop requested: leaving epoch {epoch + 1} at step {stats.steps}; {saved}", flush=True)
             break
         sync_buffers_from_main(model)
-        ev = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last, batch_transform=val_tf)
+        ev = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last, batch_transform=val_tf, ctx=ctx)
         scheduler.step()
         record = {"epoch": epoch, "train_loss": stats.loss, "val_loss": ev.loss, "val_accuracy": ev.accuracy,
                   "val_images": ev.count, "lr": lr, "seconds": stats.seconds, "images_per_s": stats.images_per_s,
@@ -338,7 +338,7 @@ def train(ctx, cfg: TrainConfig) -> dict:
     best_state = load_checkpoint(ckpt_dir / "best.pt")["model"]
     model.load_state_dict(best_state)
     final = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last, gather_predictions=True,
-                     batch_transform=val_tf)
+                     batch_transform=val_tf, ctx=ctx)
     if ctx.is_main:
         meta = {"model": cfg.model, "num_classes": num_classes, "image_size": cfg.image_size,
                 "epoch": best_epoch, "val_accuracy": final.accuracy}

@@ -45,3 +45,46 @@ def buffers_after_sync(ctx):
     after = gather()
     return {"differed": not torch.equal(before[0], before[1]),
             "equal_after": all(torch.equal(before[0], g) for g in after)}
+
+
+class _HangOn:
+    """A loader that hangs (in Python) at its first batch on one rank."""
+
+    def __init__(self, loader, hang: bool):
+        self.loader, self.hang, self.sampler = loader, hang, loader.sampler
+
+    def __iter__(self):
+        for batch in self.loader:
+            while self.hang:
+                import time
+
+                time.sleep(0.5)
+            yield batch
+
+
+def hang_in_eval(ctx, root, rank: int = 1):
+    """Both ranks evaluate with heartbeats; ``rank`` hangs in its first validation batch."""
+    n, loader = val_loader(root, ctx.rank, ctx.world_size)
+    ctx.heartbeat(epoch=0, step=5)  # as after an epoch's training steps
+    evaluate(seeded_model(n), _HangOn(loader, ctx.rank == rank), ctx.device, ctx=ctx)
+    return "not reached"
+
+
+def warn_once(ctx):
+    """A warning from the worker's own code and one raised through a wrapper frame."""
+    import functools
+    import warnings
+
+    def wrapped(func):
+        @functools.wraps(func)
+        def inner(*args, **kwargs):
+            return func(*args, **kwargs)
+        return inner
+
+    @wrapped
+    def deprecated():
+        warnings.warn("old API, use the new one", FutureWarning, stacklevel=2)
+
+    warnings.warn("a worker warning\nwith a second line", UserWarning)
+    deprecated()
+    return 1
