@@ -64,6 +64,7 @@ _PRIMARY_MARKERS = (
     "out of memory",
     "no nvidia driver",
     "invalid device ordinal",
+    "no cuda gpus are available",
     "busy or unavailable",
     "not compiled with cuda",
 )

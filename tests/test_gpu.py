@@ -1,42 +1,148 @@
-"""What only a GPU shows: NCCL, AMP, channels_last, the tensor pipeline on the device. Skipped without CUDA."""
+"""What only a GPU shows: NCCL, AMP, channels_last, the tensor pipeline on the device.
+
+GPU ids come from ``nbddp.list_gpus()`` (NVML or nvidia-smi), as a user's would, and this
+process never initialises CUDA before the test that checks the kernel stays CUDA-free.
+Every test skips without a GPU; the 2-GPU ones skip on a machine with one.
+"""
+
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
-import torch
 
-from nbddp import TrainConfig, spawn_train
+from nbddp import TrainConfig, WorkerError, spawn_train
 from nbddp.gpus import list_gpus
-from conftest import EXAMPLES, make_tree
+from conftest import EXAMPLES, WORKERS, make_tree, survivors, wait_for
 
 pytestmark = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPUS = [g.index for g in list_gpus()]
+needs_gpu = pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU")
+needs_2_gpus = pytest.mark.skipif(len(GPUS) < 2, reason="needs 2 NVIDIA GPUs")
+GPU_WORKER = f"{WORKERS / 'gpu_worker.py'}"
+FAULTY = f"{WORKERS / 'faulty.py'}"
 
 
-@needs_cuda
+def small_config(tmp_path, runs_dir, **kw):
+    tree = make_tree(tmp_path / "data", per_class=16)
+    base = dict(data_path=str(tree), model="resnet18", image_size=64, epochs=2, batch_size=4, lr=0.01,
+                gpus=GPUS[:1], amp=True, channels_last=True, runs_dir=str(runs_dir))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def no_device_warning(run_dir: Path):
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank*.log"))
+    assert "using the device under current context" not in logs
+    assert "return func(*args, **kwargs)" not in logs
+
+
+@needs_gpu
+def test_builtin_gpu_run_keeps_this_process_cuda_free(tmp_path, runs_dir):
+    """AMP + channels_last + tensor pipeline on GPU 0; export and prediction in this process."""
+    import torch
+
+    from nbddp import load_model, predict
+
+    cfg = small_config(tmp_path, runs_dir, data_pipeline="tensor")
+    result = spawn_train(cfg, echo=False)
+    assert result.backend == "nccl"
+    assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in result.metrics)
+    assert result.weights_path and result.weights_path.exists()
+    model, classes = load_model(result.run_dir)
+    preds = predict(model, [str(next((tmp_path / "data" / "a").iterdir()))])
+    assert preds[0].label in classes
+    no_device_warning(result.run_dir)
+    assert not torch.cuda.is_initialized(), "the launching process initialised CUDA"
+
+
+@needs_gpu
 def test_gpu_listing_without_cuda_in_this_process_matches_torch():
-    assert [g.index for g in list_gpus()] == list(range(torch.cuda.device_count()))
+    import torch
+
+    assert len(GPUS) == torch.cuda.device_count()
 
 
-@needs_cuda
+@needs_gpu
+def test_amp_is_bf16_on_this_gpu_only_if_it_has_bf16_units():
+    import torch
+
+    from nbddp.engine import autocast_dtype
+
+    major, _ = torch.cuda.get_device_capability(0)
+    assert autocast_dtype(torch.device("cuda", 0)) == (torch.bfloat16 if major >= 8 else torch.float16)
+
+
+@needs_gpu
 def test_linear_regression_on_nccl(runs_dir):
-    result = spawn_train(f"{EXAMPLES}/linear_regression.py:train", gpus=[0], runs_dir=runs_dir, echo=False)
+    result = spawn_train(f"{EXAMPLES}/linear_regression.py:train", gpus=GPUS[:1], runs_dir=runs_dir, echo=False)
     assert result.backend == "nccl"
     assert [v for (v,) in result.value["w"]] == pytest.approx([2.0, 3.0], abs=1e-3)
 
 
-@needs_cuda
-@pytest.mark.parametrize("amp, channels_last", [(True, False), (True, True), (False, True)])
-def test_builtin_worker_amp_and_channels_last(tmp_path, runs_dir, amp, channels_last):
-    tree = make_tree(tmp_path / "data", per_class=16)
-    gpus = list(range(min(2, torch.cuda.device_count())))
-    cfg = TrainConfig(data_path=str(tree), model="resnet18", image_size=64, epochs=2, batch_size=4,
-                      lr=0.01, gpus=gpus, amp=amp, channels_last=channels_last, runs_dir=str(runs_dir))
-    result = spawn_train(cfg, echo=False)
+@needs_gpu
+def test_custom_worker_with_nccl_collectives(runs_dir):
+    gpus = GPUS[:2]
+    n = len(gpus)
+    result = spawn_train(f"{GPU_WORKER}:collectives", gpus=gpus, runs_dir=runs_dir, echo=False)
+    v = result.value
+    assert v["backend"] == "nccl" and v["device"] == "cuda:0"
+    assert v["sum"] == [n * (n + 1) / 2] * 3
+    assert v["gathered"] == list(range(n)) and v["broadcast"] == "from rank 0"
+    assert v["mean"] == pytest.approx((n - 1) / 2) and v["any"] is True
+    assert v["cpu_sum"] == n * (n - 1) / 2
+    no_device_warning(result.run_dir)
+
+
+@needs_gpu
+def test_cuda_start_up_failure_shows_cudas_own_message(runs_dir):
+    before = set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*"))
+    with pytest.raises(WorkerError) as info:
+        spawn_train(f"{EXAMPLES}/linear_regression.py:train", gpus=GPUS[:1], runs_dir=runs_dir, echo=False,
+                    env={"CUDA_VISIBLE_DEVICES": "99"})
+    err = info.value
+    assert err.rank == 0 and err.exc_type in ("RuntimeError", "AcceleratorError"), str(err)
+    assert "CUDA" in str(err) or "cuda" in str(err)
+    assert "without a Python exception" not in str(err)
+    assert set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*")) <= before
+
+
+@needs_gpu
+@pytest.mark.parametrize("amp, channels_last", [(True, False), (False, True)])
+def test_builtin_worker_amp_and_channels_last_pil_pipeline(tmp_path, runs_dir, amp, channels_last):
+    import torch
+
+    result = spawn_train(small_config(tmp_path, runs_dir, amp=amp, channels_last=channels_last, num_workers=2),
+                         echo=False)
     assert result.backend == "nccl"
     assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in result.metrics)
 
 
-@needs_cuda
+@needs_gpu
+def test_resume_on_gpu_continues_from_the_last_epoch(tmp_path, runs_dir):
+    first = spawn_train(small_config(tmp_path, runs_dir, epochs=1, data_pipeline="tensor"), echo=False)
+    resumed = spawn_train(small_config(tmp_path, runs_dir, epochs=2, data_pipeline="tensor",
+                                       resume=str(first.run_dir)), echo=False)
+    assert resumed.run_dir == first.run_dir
+    assert [m["epoch"] for m in resumed.metrics] == [1]
+    assert resumed.weights_path and resumed.weights_path.exists()
+
+
+@needs_gpu
+def test_stop_on_gpu_keeps_the_result_and_the_weights(tmp_path, runs_dir):
+    cfg = small_config(tmp_path, runs_dir, epochs=200, data_pipeline="tensor")
+    h = spawn_train(cfg, block=False, echo=False)
+    assert wait_for(lambda: len(h.metrics) >= 1, timeout=180), "no epoch finished"
+    h.stop()
+    result = h.wait()
+    assert result.stopped and result.weights_path and result.weights_path.exists()
+    assert survivors(h.pids) == {}
+
+
+@needs_gpu
 def test_batch_augment_on_the_gpu_matches_the_cpu():
+    import torch
+
     from nbddp.tensor_data import BatchAugment
 
     x = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8)
@@ -46,13 +152,33 @@ def test_batch_augment_on_the_gpu_matches_the_cpu():
     assert torch.allclose(gpu.cpu(), cpu, atol=1e-4)
 
 
-@needs_cuda
-def test_builtin_worker_tensor_pipeline_on_the_gpu(tmp_path, runs_dir):
-    tree = make_tree(tmp_path / "data", per_class=16)
-    gpus = list(range(min(2, torch.cuda.device_count())))
-    cfg = TrainConfig(data_path=str(tree), model="resnet18", image_size=64, epochs=2, batch_size=4, lr=0.01,
-                      gpus=gpus, amp=True, channels_last=True, data_pipeline="tensor", runs_dir=str(runs_dir))
-    result = spawn_train(cfg, echo=False)
-    assert result.backend == "nccl"
-    assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in result.metrics)
-    assert result.weights_path and result.weights_path.exists()
+@needs_2_gpus
+def test_sync_bn_on_two_gpus_equals_one_process_on_the_whole_batch(runs_dir):
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(WORKERS))
+    import gpu_worker
+
+    reference = gpu_worker.bn_model()
+    x, y = gpu_worker.global_batch()
+    gpu_worker.sgd_step(reference, x, y)
+    result = spawn_train(f"{GPU_WORKER}:sync_bn_step", gpus=GPUS[:2], runs_dir=runs_dir, echo=False)
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(result.value[k].to(v.dtype), v, atol=1e-4, rtol=1e-4, msg=k)
+
+
+@needs_2_gpus
+def test_killed_rank_on_gpus_is_named(runs_dir):
+    with pytest.raises(WorkerError) as info:
+        spawn_train(f"{FAULTY}:kill_self", gpus=GPUS[:2], runs_dir=runs_dir, echo=False)
+    assert info.value.rank == 1 and info.value.signal == "SIGKILL", str(info.value)
+
+
+@needs_2_gpus
+def test_hung_rank_on_gpus_is_named_before_nccls_watchdog(runs_dir):
+    with pytest.raises(WorkerError) as info:
+        spawn_train(f"{FAULTY}:hang_in_python", gpus=GPUS[:2], runs_dir=runs_dir, echo=False,
+                    timeout_s=60, stall_timeout_s=5, grace_s=2)
+    assert info.value.rank == 1 and "stopped making progress" in str(info.value), str(info.value)
