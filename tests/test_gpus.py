@@ -1,10 +1,12 @@
 """GPU discovery in the kernel with NVML and nvidia-smi stubbed: odd fields, no driver,
-CUDA_VISIBLE_DEVICES as users set it."""
+CUDA_VISIBLE_DEVICES as users set it, and the tensor pipeline's GPU-memory preflight."""
 
 import pytest
 
 from nbddp import ConfigError, TrainConfig, spawn_train
 from nbddp.gpus import GPUInfo, check_gpu_ids, cuda_visible_devices, gpu_setup_problem, list_gpus
+from nbddp.tasks import classification
+from nbddp.tensor_data import cache_bytes
 from conftest import WORKERS
 from fake_gpu import H100, hide_nvidia_smi, install_fake_nvidia_smi, install_fake_nvml
 
@@ -173,3 +175,26 @@ def test_the_panel_shows_gpus_whose_fields_are_unknown(tmp_path, monkeypatch):
     panel = TrainingPanel(TrainConfig(runs_dir=str(tmp_path / "runs")))
     assert [b.description for b in panel.gpu_checkboxes][1] == f"GPU 1: {A100} · ?/? GiB free · ? busy"
     panel._refresh_gpus()
+
+
+# ------------------------------------------------------------------------------ tensor pipeline on GPUs
+def tensor_cfg(tree, runs_dir, gpus):
+    return TrainConfig(data_path=str(tree), model="resnet18", image_size=224, epochs=1, batch_size=4, gpus=gpus,
+                       runs_dir=str(runs_dir), data_pipeline="tensor")
+
+
+def test_tensor_cache_larger_than_a_gpu_can_hold_is_refused(tree, runs_dir, tmp_path, monkeypatch):
+    per_gpu = cache_bytes(36, 224)  # the tree's 36 images, kept whole on every GPU rank
+    tight_mib = per_gpu // 2**20  # free memory smaller than twice the cache
+    install_fake_nvidia_smi(tmp_path, monkeypatch, gpus=[H100, (A100, UUID[1], 40960, tight_mib, 0)])
+    size = f"{per_gpu / 2**20:.1f} MiB"
+    with pytest.raises(ConfigError, match=(rf"data_pipeline='tensor' would keep {size} of decoded images on each GPU "
+                                           rf"\(36 images at 224 px\).*\(GPU 1 has {tight_mib}\.0 MiB free\).*"
+                                           "use data_pipeline='pil'.*smaller image_size.*more free memory")):
+        spawn_train(tensor_cfg(tree, runs_dir, [0, 1]), echo=False)
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())
+
+
+def test_tensor_cache_that_fits_the_gpus_passes_the_preflight(tree, runs_dir, tmp_path, monkeypatch):
+    install_fake_nvidia_smi(tmp_path, monkeypatch, gpus=[H100, (A100, UUID[1], "[N/A]", "[N/A]", "[N/A]")])
+    assert classification.preflight(tensor_cfg(tree, runs_dir, [0, 1])) is None  # unknown free memory: no refusal
