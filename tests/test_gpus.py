@@ -2,11 +2,12 @@
 CUDA_VISIBLE_DEVICES as users set it, and the tensor pipeline's GPU-memory preflight."""
 
 import pytest
+import torch
 
 from nbddp import ConfigError, TrainConfig, spawn_train
 from nbddp.gpus import GPUInfo, check_gpu_ids, cuda_visible_devices, gpu_setup_problem, list_gpus
 from nbddp.tasks import classification
-from nbddp.tensor_data import cache_bytes
+from nbddp.tensor_data import BatchAugment, cache_bytes
 from conftest import WORKERS
 from fake_gpu import H100, hide_nvidia_smi, install_fake_nvidia_smi, install_fake_nvml
 
@@ -198,3 +199,25 @@ def test_tensor_cache_larger_than_a_gpu_can_hold_is_refused(tree, runs_dir, tmp_
 def test_tensor_cache_that_fits_the_gpus_passes_the_preflight(tree, runs_dir, tmp_path, monkeypatch):
     install_fake_nvidia_smi(tmp_path, monkeypatch, gpus=[H100, (A100, UUID[1], "[N/A]", "[N/A]", "[N/A]")])
     assert classification.preflight(tensor_cfg(tree, runs_dir, [0, 1])) is None  # unknown free memory: no refusal
+
+
+# ------------------------------------------------------------------------------ the batch augmentation's generator
+def test_batch_augment_draws_on_the_cpu_exactly_as_before():
+    # Recorded before generators could live on a GPU: the CPU stream must not change.
+    aug = BatchAugment(16, crop_scale=0.2, generator=torch.Generator().manual_seed(7))
+    assert aug.boxes(5, 40).tolist() == [[0.0, 2.0, 36.0, 28.0], [0.0, 3.0, 38.0, 37.0], [0.0, 1.0, 38.0, 38.0],
+                                         [1.0, 2.0, 39.0, 31.0], [0.0, 6.0, 39.0, 32.0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batch_augment_with_a_cuda_generator_draws_on_the_gpu():
+    x = torch.randint(0, 256, (8, 3, 40, 40), dtype=torch.uint8).cuda()
+    outs = [BatchAugment(32, crop_scale=0.2, generator=torch.Generator(device="cuda").manual_seed(3))(x)
+            for _ in range(2)]
+    assert outs[0].device.type == "cuda" and outs[0].shape == (8, 3, 32, 32)
+    assert torch.equal(outs[0], outs[1])
+    boxes = BatchAugment(32, generator=torch.Generator(device="cuda").manual_seed(3)).boxes(64, 40)
+    assert boxes.device.type == "cuda"
+    top, left, h, w = boxes.cpu().unbind(1)
+    assert bool(((top + h <= 40) & (left + w <= 40) & (h >= 1) & (w >= 1)).all())
