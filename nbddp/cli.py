@@ -98,10 +98,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if launcher is not None and ns.command in ("train", "run"):
             return _under_launcher(ns, launcher)
         if ns.command == "gpus":
-            from .gpus import list_gpus
+            from .gpus import gpu_setup_problem, list_gpus
 
             gpus = list_gpus()
-            print("\n".join(g.label() for g in gpus) or "no GPU found: training runs on CPU processes")
+            print("\n".join(g.label() for g in gpus) or gpu_setup_problem()
+                  or "no GPU found: training runs on CPU processes")
             return 0
         if ns.command == "run":
             gpus = [int(x) for x in ns.gpus.split(",")] if ns.gpus else None

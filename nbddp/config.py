@@ -49,7 +49,9 @@ class TrainConfig:
         crop_scale: smallest area fraction kept by the random resized crop.
         hflip: random horizontal flips (turn off for digits and text).
         nprocs: number of CPU processes when ``gpus`` is empty.
-        gpus: GPU ids, one process each (rank r runs on ``gpus[r]``).
+        gpus: GPU ids as ``list_gpus()`` and ``nvidia-smi`` show them, one process each (rank r runs
+            on ``gpus[r]``; workers get ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and the kernel's own
+            ``CUDA_VISIBLE_DEVICES`` words for these GPUs).
         runs_dir: folder that holds one sub-folder per run.
         name: short name appended to the run folder.
         resume: ``True`` continues the newest run of this ``name``; a path continues that run.

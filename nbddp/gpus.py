@@ -4,8 +4,17 @@ A kernel that initialised CUDA can no longer fork, and holds a CUDA context (hun
 GPU memory) for as long as it lives. So the kernel asks NVML (``nvidia-ml-py``) or, failing
 that, ``nvidia-smi``; ``torch.cuda`` is never touched here.
 
-Indices are NVML's (PCI bus order). Workers are started with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
-so ``gpus=[2]`` means the same card in ``nvidia-smi``, in the panel and in the worker.
+GPU ids are NVML's indices, the ``GPU`` column of ``nvidia-smi`` (PCI bus order). Workers are
+started with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, the order NVML uses, so ``gpus=[2]`` means the
+same card in ``nvidia-smi``, in the panel and in the worker.
+
+The kernel's own ``CUDA_VISIBLE_DEVICES`` (set by the user, SLURM or a container) limits the
+GPUs listed, and a launch passes the user's own words for the chosen GPUs on to the workers
+(an index, a ``GPU-…`` UUID or a ``MIG-…`` instance), never a bare index that could name a GPU
+outside an allocation. Index words are read as CUDA reads them in the worker: in PCI bus order.
+
+Listing never raises: a field the driver cannot give (``[N/A]``, ``[Not Supported]``, an NVML
+error) is ``None``, and a machine without a driver has no GPUs.
 """
 
 from __future__ import annotations
@@ -14,60 +23,120 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 
 
 @dataclass(frozen=True)
 class GPUInfo:
+    """One GPU (or the one MIG instance) this kernel may use.
+
+    Attributes:
+        index: the id ``gpus=[...]`` takes: NVML's index, as in ``nvidia-smi`` (for a MIG
+            instance, its GPU's index).
+        name: product name, e.g. ``"NVIDIA H100 80GB HBM3"`` (a MIG instance adds its profile).
+        memory_total_mib: memory in MiB, ``None`` where the driver does not say.
+        memory_free_mib: free memory in MiB now, ``None`` where the driver does not say.
+        utilization_pct: busy percentage now, ``None`` where not supported (e.g. MIG).
+        uuid: ``"GPU-…"``, or ``"MIG-…"`` for a MIG instance; ``None`` where unknown.
+    """
+
     index: int
     name: str
-    memory_total_mib: int
-    memory_free_mib: int
+    memory_total_mib: Optional[int]
+    memory_free_mib: Optional[int]
     utilization_pct: Optional[int]
+    uuid: Optional[str] = None
 
     def label(self) -> str:
         util = "?" if self.utilization_pct is None else f"{self.utilization_pct}%"
-        return (f"GPU {self.index}: {self.name} · {self.memory_free_mib / 1024:.1f}/"
-                f"{self.memory_total_mib / 1024:.1f} GiB free · {util} busy")
+        return (f"GPU {self.index}: {self.name} · {_gib(self.memory_free_mib)}/"
+                f"{_gib(self.memory_total_mib)} GiB free · {util} busy")
 
 
-def _visible_filter() -> Optional[List[int]]:
-    """The kernel's own CUDA_VISIBLE_DEVICES, if it restricts the GPUs by index."""
-    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if raw is None:
-        return None
-    try:
-        return [int(x) for x in raw.split(",") if x.strip() != ""]
-    except ValueError:
-        return None  # UUIDs or MIG names: show everything, let CUDA resolve them
+def _gib(mib: Optional[int]) -> str:
+    return "?" if mib is None else f"{mib / 1024:.1f}"
 
 
-def _from_nvml() -> Optional[List[GPUInfo]]:
+# ------------------------------------------------------------------------------ reading the driver
+def _nvml_text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml_device(pynvml, handle, index: int, util: bool = True) -> GPUInfo:
+    """One device's fields; a field NVML refuses is None, the others stay."""
+    def field(read):
+        try:
+            return read()
+        except Exception:  # noqa: BLE001 - NVMLError_NotSupported, _Unknown, _GpuIsLost...: unknown
+            return None
+
+    name = field(lambda: _nvml_text(pynvml.nvmlDeviceGetName(handle))) or "NVIDIA GPU"
+    uuid = field(lambda: _nvml_text(pynvml.nvmlDeviceGetUUID(handle)))
+    mem = field(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
+    total = field(lambda: int(mem.total) // 2**20) if mem is not None else None
+    free = field(lambda: int(mem.free) // 2**20) if mem is not None else None
+    busy = field(lambda: int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)) if util else None
+    return GPUInfo(index, name, total, free, busy, uuid)
+
+
+def _from_nvml(with_mig: bool) -> Optional[Tuple[List[GPUInfo], List[GPUInfo]]]:
+    """``(GPUs, MIG instances)`` from NVML, or None where NVML is missing or has no driver."""
     try:
         import pynvml  # provided by nvidia-ml-py
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver: no GPUs
+    except Exception:  # noqa: BLE001 - no driver (NVMLError_LibraryNotFound, _DriverNotLoaded): no GPUs
         return None
     try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        try:
+            count = int(pynvml.nvmlDeviceGetCount())
+        except Exception:  # noqa: BLE001 - a driver that cannot count: let nvidia-smi try
+            return None
+        gpus, migs = [], []
+        for i in range(count):
             try:
-                util = int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
-            except Exception:  # noqa: BLE001 - not supported on some cards / MIG
-                util = None
-            out.append(GPUInfo(i, name.decode() if isinstance(name, bytes) else name,
-                               mem.total // 2**20, mem.free // 2**20, util))
-        return out
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            except Exception:  # noqa: BLE001 - no permission (outside this cgroup) or lost: not usable
+                continue
+            gpus.append(_nvml_device(pynvml, handle, i))
+            if with_mig:
+                migs += _nvml_mig_instances(pynvml, handle, i)
+        return gpus, migs
     finally:
-        pynvml.nvmlShutdown()
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - nothing to release
+            pass
+
+
+def _nvml_mig_instances(pynvml, handle, index: int) -> List[GPUInfo]:
+    try:
+        slots = int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+    except Exception:  # noqa: BLE001 - no MIG support on this GPU
+        return []
+    out = []
+    for j in range(slots):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+        except Exception:  # noqa: BLE001 - NVMLError_NotFound: an empty slot
+            continue
+        # NVML has no utilisation for a MIG instance; its memory is the instance's slice.
+        out.append(_nvml_device(pynvml, mig, index, util=False))
+    return out
+
+
+_SMI_FIELDS = "index,uuid,memory.total,memory.free,utilization.gpu,name"
+
+
+def _smi_number(text: str) -> Optional[int]:
+    try:
+        return int(float(text))
+    except ValueError:
+        return None  # "[N/A]", "[Not Supported]", "N/A": the driver does not say
 
 
 def _from_nvidia_smi() -> Optional[List[GPUInfo]]:
@@ -76,41 +145,155 @@ def _from_nvidia_smi() -> Optional[List[GPUInfo]]:
         return None
     try:
         text = subprocess.run(
-            [exe, "--query-gpu=index,name,memory.total,memory.free,utilization.gpu",
-             "--format=csv,noheader,nounits"],
+            [exe, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return None
+        return None  # no driver: nvidia-smi exits non-zero ("couldn't communicate with the NVIDIA driver")
     out = []
     for line in text.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 5:
+        parts = [p.strip() for p in line.split(",", 5)]  # the name comes last: it may hold a comma
+        if len(parts) != 6 or not parts[0].isdigit():
             continue
-        util = int(parts[4]) if parts[4].isdigit() else None
-        out.append(GPUInfo(int(parts[0]), parts[1], int(float(parts[2])), int(float(parts[3])), util))
+        uuid = parts[1] if parts[1].startswith("GPU-") else None
+        total, free, util = (_smi_number(p) for p in parts[2:5])
+        out.append(GPUInfo(int(parts[0]), parts[5], total, free, util, uuid))
     return out
 
 
+# ------------------------------------------------------------------------------ CUDA_VISIBLE_DEVICES
+def _mig_refusal(raw: str, words: List[str]) -> Optional[str]:
+    words = [w for w in words if w]
+    migs = [w for w in words if w.startswith("MIG-")]
+    if not migs or len(words) == 1:
+        return None
+    return (f"CUDA_VISIBLE_DEVICES={raw!r} names {len(words)} devices, {len(migs)} of them MIG instances, but CUDA "
+            "gives a process one MIG instance only, so nbddp's processes could not each have their own. Set "
+            f"CUDA_VISIBLE_DEVICES to one MIG instance (e.g. os.environ['CUDA_VISIBLE_DEVICES'] = {migs[0]!r} before "
+            "the launch) and train on it with gpus=[its GPU id], or run one process per instance "
+            "(one notebook or `python -m nbddp` each).")
+
+
+def _resolve(raw: Optional[str], gpus: List[GPUInfo], migs: List[GPUInfo],
+             nvml: bool) -> Tuple[List[Tuple[GPUInfo, str]], Optional[str]]:
+    """The visible GPUs, each with the word that names it in ``CUDA_VISIBLE_DEVICES``, and why none.
+
+    Read as CUDA reads the variable: words in order, separated by commas; an index counts in PCI
+    bus order (workers get ``CUDA_DEVICE_ORDER=PCI_BUS_ID``); a ``GPU-``/``MIG-`` word may be a
+    unique prefix of the UUID; the first word that names no device hides it and every later one.
+    """
+    if raw is None:
+        return [(g, str(g.index)) for g in gpus], None
+    words = [w.strip() for w in raw.split(",")]
+    refusal = _mig_refusal(raw, words)
+    if refusal:
+        return [], refusal
+    named = [w for w in words if w]
+    if len(named) == 1 and named[0].startswith("MIG-"):
+        word = named[0]
+        match = [m for m in migs if m.uuid and m.uuid.startswith(word)]
+        if not match and word.startswith("MIG-GPU-"):
+            # The R450 form MIG-GPU-<uuid>/<gpu instance>/<compute instance> names its GPU.
+            gpu_uuid, _, rest = word[len("MIG-"):].partition("/")
+            match = [GPUInfo(g.index, f"{g.name} MIG {rest}", None, None, None, word)
+                     for g in gpus if g.uuid and g.uuid.startswith(gpu_uuid)]
+        if len(match) == 1:
+            return [(match[0], word)], None
+        how = ("`nvidia-smi -L` lists the MIG instances" if nvml else
+               "nbddp finds MIG instances through NVML: pip install nvidia-ml-py")
+        return [], f"CUDA_VISIBLE_DEVICES={raw!r}: no MIG instance {word!r} found here; {how}."
+    out: List[Tuple[GPUInfo, str]] = []
+    for word in words:
+        if word.isdigit():
+            found = [g for g in gpus if g.index == int(word)]
+        elif word.startswith("GPU-"):
+            found = [g for g in gpus if g.uuid and g.uuid.startswith(word)]
+        else:
+            found = []  # "-1", "", a MIG word among others, a typo: CUDA stops here
+        if len(found) != 1 or any(found[0] is g for g, _ in out):
+            break
+        out.append((found[0], word))
+    return out, None
+
+
+def _visible() -> Tuple[List[Tuple[GPUInfo, str]], Optional[str]]:
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    with_mig = raw is not None and "MIG-" in raw  # MIG instances are looked up only when named
+    nvml = _from_nvml(with_mig)
+    if nvml is not None:
+        gpus, migs = nvml
+    else:
+        gpus, migs = _from_nvidia_smi() or [], []
+    return _resolve(raw, gpus, migs, nvml is not None)
+
+
 def list_gpus() -> List[GPUInfo]:
-    """The GPUs this kernel may use, with name, memory and utilisation (empty without GPUs)."""
-    gpus = _from_nvml()
-    if gpus is None:
-        gpus = _from_nvidia_smi() or []
-    allowed = _visible_filter()
-    if allowed is not None:
-        gpus = [g for g in gpus if g.index in allowed]
-    return gpus
+    """The GPUs this kernel may use, with name, memory and utilisation (empty without GPUs).
+
+    Ids are ``nvidia-smi``'s; the kernel's ``CUDA_VISIBLE_DEVICES`` limits the list and its order
+    (index words count in PCI bus order, as in the workers, which nbddp starts with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``). With one MIG instance in ``CUDA_VISIBLE_DEVICES`` the list
+    holds that instance under its GPU's id. Never raises and never initialises CUDA.
+    """
+    return [g for g, _ in _visible()[0]]
+
+
+def gpu_setup_problem() -> Optional[str]:
+    """Why the kernel's ``CUDA_VISIBLE_DEVICES`` leaves nbddp no GPU (e.g. several MIG instances), or None."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None or "MIG-" not in raw:
+        return None
+    return _visible()[1]
+
+
+def _check(ids: Sequence[int], available: List[GPUInfo], problem: Optional[str]) -> None:
+    if problem is not None and ids:
+        raise ConfigError(f"gpus={list(ids)}: {problem}")
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (this kernel's CUDA_VISIBLE_DEVICES={raw!r} shows only these)" if raw is not None else ""
+    listing = "\n".join("  " + g.label() for g in available)
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"gpus={list(ids)} lists a GPU twice; each process needs its own GPU. GPUs here{where}:\n{listing}")
+    known = {g.index for g in available}
+    missing = [i for i in ids if i not in known]
+    if missing and not available:
+        raise ConfigError(
+            f"gpus={list(ids)}: no GPU found (neither NVML nor nvidia-smi sees one: no NVIDIA driver here"
+            f"{', or CUDA_VISIBLE_DEVICES=' + repr(raw) + ' hides them' if raw is not None else ''}); "
+            "use nprocs=N to train on CPU processes.")
+    if missing:
+        raise ConfigError(f"gpus={list(ids)}: no GPU with id {missing}; choose ids from the list. GPUs here{where}:\n{listing}")
 
 
 def check_gpu_ids(ids: Sequence[int], available: Optional[Sequence[GPUInfo]] = None) -> None:
-    """Refuse out-of-range or repeated GPU ids, listing the GPUs there are."""
-    available = list_gpus() if available is None else list(available)
-    listing = "\n".join("  " + g.label() for g in available) or "  (none: no NVIDIA driver or GPU found)"
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"gpus={list(ids)} lists a GPU twice; each process needs its own GPU. GPUs here:\n{listing}")
-    known = {g.index for g in available}
-    missing = [i for i in ids if i not in known]
-    if missing:
-        fix = "use nprocs=N to train on CPU processes" if not available else "choose ids from the list"
-        raise ConfigError(f"gpus={list(ids)}: no GPU with id {missing}; {fix}. GPUs here:\n{listing}")
+    """Refuse out-of-range or repeated GPU ids, listing the GPUs there are.
+
+    Args:
+        ids: the ids asked for (``gpus=[...]``).
+        available: the GPUs to check against (default: :func:`list_gpus`).
+
+    Raises:
+        ConfigError: an id twice, an id not listed, or no GPU at all (with the reason).
+    """
+    if available is None:
+        visible, problem = _visible()
+        _check(ids, [g for g, _ in visible], problem)
+    else:
+        _check(ids, list(available), None)
+
+
+def cuda_visible_devices(ids: Sequence[int]) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value that gives rank r the GPU ``ids[r]`` as its ``cuda:r``.
+
+    Each GPU is named by the kernel's own word for it (index, ``GPU-…`` UUID or ``MIG-…``
+    instance) where the kernel has ``CUDA_VISIBLE_DEVICES``, else by its index. Index words are
+    read in PCI bus order: set this value together with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+
+    Raises:
+        ConfigError: as :func:`check_gpu_ids`; also for several MIG instances (CUDA gives a
+            process one).
+    """
+    visible, problem = _visible()
+    _check(ids, [g for g, _ in visible], problem)
+    word = {g.index: w for g, w in visible}
+    return ",".join(word[i] for i in ids)

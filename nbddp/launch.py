@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from .config import TrainConfig
 from .errors import ConfigError
-from .gpus import check_gpu_ids
+from .gpus import cuda_visible_devices
 from .procs import cpu_cores, live_workers, start_time
 from .handle import RunHandle, TrainResult
 from .runtime import STATE_DIR, LaunchSpec, entry, state_path
@@ -203,8 +203,9 @@ def spawn_train(
     gpus = list(gpus or [])
     if gpus and nprocs not in (None, len(gpus)):
         raise ConfigError(f"nprocs={nprocs} but gpus={gpus}: one process per GPU; drop nprocs")
-    if gpus:
-        check_gpu_ids(gpus)
+    # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
+    # that could escape an allocation. Refuses unknown or repeated ids, listing the GPUs.
+    visible_devices = cuda_visible_devices(gpus) if gpus else None
     world = len(gpus) if gpus else (nprocs or 1)
     if not isinstance(world, int) or world < 1:
         raise ConfigError(f"nprocs={nprocs!r}: must be an integer >= 1")
@@ -233,7 +234,7 @@ def spawn_train(
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
     }
     if gpus:
-        child_env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)))
+        child_env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=visible_devices)
     elif "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         child_env["GLOO_SOCKET_IFNAME"] = "lo"  # CPU ranks talk over loopback, not the LAN
     child_env.update(env or {})

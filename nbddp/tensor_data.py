@@ -149,31 +149,35 @@ class BatchAugment(_Normalize):
         image_size: output side.
         crop_scale: smallest area fraction kept.
         hflip: flip half the images horizontally.
-        generator: random source (default: torch's global generator, seeded by the worker).
+        generator: random source (default: torch's global CPU generator, seeded by the worker). A
+            CUDA generator draws on its own device, so the boxes never pass through the CPU; its
+            stream differs from a CPU generator's with the same seed.
     """
 
     def __init__(self, image_size: int, crop_scale: float = 0.08, hflip: bool = True,
                  generator: Optional[torch.Generator] = None):
         super().__init__()
         self.image_size, self.crop_scale, self.hflip, self.generator = image_size, crop_scale, hflip, generator
+        # torch.rand(generator=g) needs its tensor on g's device: draw where the generator lives.
+        self._device = torch.device("cpu") if generator is None else generator.device
 
     def boxes(self, n: int, side: int) -> torch.Tensor:
-        """``[n, 4]`` crop boxes ``(top, left, height, width)`` in pixels of a ``side`` square (CPU)."""
+        """``[n, 4]`` crop boxes ``(top, left, height, width)`` in pixels of a ``side`` square (on the generator's device)."""
         tries = 10
-        g = self.generator
-        area = side * side * (self.crop_scale + (1 - self.crop_scale) * torch.rand(n, tries, generator=g))
-        log_ratio = math.log(3 / 4) + (math.log(4 / 3) - math.log(3 / 4)) * torch.rand(n, tries, generator=g)
+        g, dev = self.generator, self._device
+        area = side * side * (self.crop_scale + (1 - self.crop_scale) * torch.rand(n, tries, generator=g, device=dev))
+        log_ratio = math.log(3 / 4) + (math.log(4 / 3) - math.log(3 / 4)) * torch.rand(n, tries, generator=g, device=dev)
         ratio = torch.exp(log_ratio)
         w = torch.sqrt(area * ratio).round()
         h = torch.sqrt(area / ratio).round()
         ok = (w > 0) & (h > 0) & (w <= side) & (h <= side)
-        first = torch.where(ok.any(1), ok.float().argmax(1), torch.full((n,), -1))
-        rows = torch.arange(n)
+        first = torch.where(ok.any(1), ok.float().argmax(1), torch.full((n,), -1, device=dev))
+        rows = torch.arange(n, device=dev)
         pick = first.clamp(min=0)
-        w = torch.where(first >= 0, w[rows, pick], torch.full((n,), float(side)))
-        h = torch.where(first >= 0, h[rows, pick], torch.full((n,), float(side)))
-        top = torch.floor(torch.rand(n, generator=g) * (side - h + 1))
-        left = torch.floor(torch.rand(n, generator=g) * (side - w + 1))
+        w = torch.where(first >= 0, w[rows, pick], torch.full((n,), float(side), device=dev))
+        h = torch.where(first >= 0, h[rows, pick], torch.full((n,), float(side), device=dev))
+        top = torch.floor(torch.rand(n, generator=g, device=dev) * (side - h + 1))
+        left = torch.floor(torch.rand(n, generator=g, device=dev) * (side - w + 1))
         return torch.stack([top, left, h, w], 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,11 +185,13 @@ class BatchAugment(_Normalize):
         if side != side_w:
             raise ValueError(f"BatchAugment needs square images, got {tuple(x.shape)}")
         top, left, h, w = self.boxes(n, side).unbind(1)
-        flip = (torch.rand(n, generator=self.generator) < 0.5) if self.hflip else torch.zeros(n, dtype=torch.bool)
+        dev = self._device
+        flip = ((torch.rand(n, generator=self.generator, device=dev) < 0.5) if self.hflip
+                else torch.zeros(n, dtype=torch.bool, device=dev))
         # affine_grid maps output coordinates in [-1, 1] to input coordinates in [-1, 1]
         # (align_corners=False: -1 and 1 are the outer pixel edges): scale by the box size,
         # shift to the box centre, and mirror x for flipped images.
-        theta = torch.zeros(n, 2, 3)
+        theta = torch.zeros(n, 2, 3, device=dev)
         theta[:, 0, 0] = (w / side) * torch.where(flip, -1.0, 1.0)
         theta[:, 1, 1] = h / side
         theta[:, 0, 2] = (2 * left + w) / side - 1

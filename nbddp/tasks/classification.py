@@ -81,16 +81,40 @@ def _available_memory() -> Optional[int]:
 
 
 def _check_cache_fits(cfg: TrainConfig, n_images: int) -> None:
-    """The tensor pipeline decodes every image into host memory on every rank first."""
+    """The tensor pipeline decodes every image into host memory on every rank, then keeps it on each rank's device."""
     from ..tensor_data import cache_bytes
 
-    need = cache_bytes(n_images, cfg.image_size) * cfg.world_size
+    per_rank = cache_bytes(n_images, cfg.image_size)
+    need = per_rank * cfg.world_size
     free = _available_memory()
     if free is not None and need > free // 2:
         raise ConfigError(
             f"TrainConfig.data_pipeline='tensor' would keep {need / 2**30:.1f} GiB of decoded images "
             f"({n_images} images at {cfg.image_size} px, on each of {cfg.world_size} ranks), more than half "
             f"of the {free / 2**30:.1f} GiB available: use data_pipeline='pil' for this dataset, or a smaller image_size")
+    if cfg.gpus:
+        _check_cache_fits_gpus(cfg, n_images, per_rank)
+
+
+def _check_cache_fits_gpus(cfg: TrainConfig, n_images: int, per_rank: int) -> None:
+    # Every GPU rank holds the whole cache (train and validation) next to the model, its
+    # gradients, optimizer state and activations: half the free memory is the cache's share.
+    # Free memory comes from NVML / nvidia-smi: the kernel never initialises CUDA.
+    from ..gpus import list_gpus
+
+    free = {g.index: g.memory_free_mib for g in list_gpus()}
+    short = [(i, free[i]) for i in cfg.gpus if free.get(i) is not None and per_rank > free[i] * 2**20 // 2]
+    if short:
+        which = ", ".join(f"GPU {i} has {_size(mib * 2**20)} free" for i, mib in short)
+        raise ConfigError(
+            f"TrainConfig.data_pipeline='tensor' would keep {_size(per_rank)} of decoded images on each "
+            f"GPU ({n_images} images at {cfg.image_size} px), more than half of the free memory ({which}), "
+            "leaving too little for training: use data_pipeline='pil' for this dataset, a smaller image_size, "
+            "or GPUs with more free memory (nvidia-smi shows what holds it)")
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.1f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
 
 
 def _check_writable(folder: Path) -> None:

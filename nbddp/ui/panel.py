@@ -23,7 +23,7 @@ import ipywidgets as W
 
 from ..config import TrainConfig
 from ..errors import ConfigError, NbddpError, TrainingInterrupted, WorkerError
-from ..gpus import list_gpus
+from ..gpus import gpu_setup_problem, list_gpus
 from ..handle import RunHandle, TrainResult
 from ..launch import spawn_train
 from ..procs import cpu_cores
@@ -110,8 +110,11 @@ class TrainingPanel:
             # 1..cores, unless the config asks for more (oversubscribing works, slowly): keep its value.
             self.nprocs_input = W.BoundedIntText(value=default, min=1, max=max(cores, default), description="CPU processes",
                                                  style=_LABEL, layout=W.Layout(width="220px"))
+            # Several MIG instances in CUDA_VISIBLE_DEVICES list no GPU: say why, not just "none".
+            problem = gpu_setup_problem()
+            why = f" ({html.escape(problem)})" if problem else ""
             self.device_note = W.HTML(
-                f"<span style='color:var(--jp-ui-font-color2,#666)'>No GPU found: training runs on CPU "
+                f"<span style='color:var(--jp-ui-font-color2,#666)'>No GPU found{why}: training runs on CPU "
                 f"processes with gloo ({cores} cores here).</span>", layout=W.Layout(margin="0 0 0 12px"))
             devices = W.HBox([self.nprocs_input, self.device_note], layout=W.Layout(align_items="center",
                                                                                    flex_flow="row wrap"))
