@@ -124,7 +124,8 @@ def test_resume_on_gpu_continues_from_the_last_epoch(tmp_path, runs_dir):
     resumed = spawn_train(small_config(tmp_path, runs_dir, epochs=2, data_pipeline="tensor",
                                        resume=str(first.run_dir)), echo=False)
     assert resumed.run_dir == first.run_dir
-    assert [m["epoch"] for m in resumed.metrics] == [1]
+    assert [m["epoch"] for m in resumed.metrics] == [0, 1]  # the run folder's whole history
+    assert "resumed from" in (resumed.run_dir / "logs" / "rank0.log").read_text()
     assert resumed.weights_path and resumed.weights_path.exists()
 
 

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from nbddp import WorkerError, spawn_train
 from nbddp.report import RankEnd, build_worker_error
 from nbddp.runtime import is_secondary, one_line_warning
-from conftest import WORKERS, make_tree, survivors
+from conftest import EXAMPLES, WORKERS, make_tree, survivors
+from fake_gpu import install_fake_nvidia_smi
 
 EVAL = f"{WORKERS / 'eval_worker.py'}"
 
@@ -40,6 +41,20 @@ def test_failure_before_nbddp_error_handling_is_quoted_and_its_torch_error_file_
     assert all(not os.path.exists(p) for p in h._ctx.error_files if p)
     assert _torch_error_files() <= before
     assert survivors(h.pids) == {}
+
+
+def test_cuda_failure_at_worker_start_names_rank_0_and_quotes_cuda(tmp_path, runs_dir, monkeypatch):
+    """nbddp believes a GPU exists (a fake nvidia-smi); the worker's CUDA start-up fails for real."""
+    install_fake_nvidia_smi(tmp_path, monkeypatch)
+    before = _torch_error_files()
+    with pytest.raises(WorkerError) as info:
+        spawn_train(f"{EXAMPLES}/linear_regression.py:train", gpus=[0], runs_dir=runs_dir, echo=False)
+    err = info.value
+    cuda_message = ("Found no NVIDIA driver" if torch.version.cuda else "Torch not compiled with CUDA enabled")
+    assert err.rank == 0 and cuda_message in str(err), str(err)
+    assert f"rank 0 raised {err.exc_type}: " in str(err) and err.exc_type in ("RuntimeError", "AssertionError")
+    assert "without a Python exception" not in str(err)
+    assert _torch_error_files() <= before
 
 
 @pytest.mark.parametrize("message, during_init, secondary", [
