@@ -32,9 +32,24 @@ BUILTIN_TARGET = "nbddp.tasks.classification:train"
 
 
 def _free_store(timeout_s: float) -> dist.TCPStore:
-    """A TCPStore owned by the kernel on a free loopback port (port 0: the OS picks)."""
-    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    """A TCPStore owned by the kernel, listening on a free port of 127.0.0.1 only.
+
+    ``TCPStore("127.0.0.1", 0, is_master=True)`` listens on every interface whatever the host
+    says, so anyone on the server's network could write into a run's rendezvous. nbddp binds
+    the socket itself and hands it over (``master_listen_fd``); the store then owns it.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], None, True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the listening socket when it goes
+    return store
 
 
 @contextlib.contextmanager
@@ -235,8 +250,12 @@ def spawn_train(
     }
     if gpus:
         child_env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=visible_devices)
-    elif "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
-        child_env["GLOO_SOCKET_IFNAME"] = "lo"  # CPU ranks talk over loopback, not the LAN
+    # Every rank is on this machine: gloo pairs and NCCL's bootstrap listen on loopback, never
+    # on an address the server's network can reach (unless the user chose an interface).
+    if os.path.exists("/sys/class/net/lo"):
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if var not in os.environ:
+                child_env[var] = "lo"
     child_env.update(env or {})
     warm = start_method == "forkserver"
     # The kernel's whole environment as of this launch, with nbddp's variables on top: a

@@ -93,3 +93,13 @@ def sigterm_target(ctx, steps: int = 400):
 
 def env_var(ctx, name: str):
     return os.environ.get(name)
+
+
+def barrier_then_wait_for_file(ctx, path: str):
+    """Every rank joins the group, then waits until the test creates ``path``."""
+    dist.barrier()
+    ctx.heartbeat(epoch=0, step=1)
+    while not os.path.exists(path):
+        time.sleep(0.1)
+    dist.barrier()
+    return "done"
