@@ -7,7 +7,7 @@ behind when a cell is interrupted.
 """
 
 from .config import TrainConfig
-from .errors import ConfigError, DataError, NbddpError, TrainingInterrupted, WeightsError, WorkerError
+from .errors import ConfigError, DataError, NbddpError, RunAbandoned, TrainingInterrupted, WeightsError, WorkerError
 from .export import export_run
 from .gpus import GPUInfo, list_gpus
 from .inference import Prediction, load_model, predict
@@ -39,6 +39,7 @@ __all__ = [
     "WeightsError",
     "WorkerError",
     "TrainingInterrupted",
+    "RunAbandoned",
 ]
 
 

@@ -72,6 +72,14 @@ class TrainingInterrupted(NbddpError):
         self.run_dir = run_dir
 
 
+class RunAbandoned(NbddpError):
+    """nbddp could not go on watching a run (its folder vanished, say); every worker was ended."""
+
+    def __init__(self, message: str, run_dir=None):
+        super().__init__(message)
+        self.run_dir = run_dir
+
+
 class PeerError(NbddpError):
     """Raised on the healthy ranks when another rank hit an error they all agreed to stop on.
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from .errors import TrainingInterrupted
+from .errors import RunAbandoned, TrainingInterrupted
 from .report import RankEnd, build_worker_error, collect, position
 from .runtime import STATE_DIR, LaunchSpec, state_path, write_json_atomic
 
@@ -182,11 +182,36 @@ class RunHandle:
     def _start_background(self) -> None:
         def loop():
             while not self._done.is_set():
-                self.poll()
+                try:
+                    self.poll()
+                except Exception as exc:  # noqa: BLE001 - the run must reach an end state
+                    self._abandon(exc)
+                    return
                 time.sleep(0.1)
 
         self._thread = threading.Thread(target=loop, name="nbddp-monitor", daemon=True)
         self._thread.start()
+
+    def _abandon(self, exc: BaseException) -> None:
+        """Watching failed (run folder gone, disk unreadable): end every worker, end the run.
+
+        A background run must always end, or ``running`` stays True and ``wait()`` never
+        returns. The workers are killed and reaped; the outcome names what went wrong.
+        """
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._kill_all(signal.SIGKILL)
+            self._reap_all()
+            self._outcome = RunAbandoned(
+                f"nbddp could not watch the run in {self.run_dir} ({type(exc).__name__}: {exc}); "
+                f"all {self.world_size} workers were stopped and reaped. Check that the run folder "
+                "still exists and is writable, then launch again.", run_dir=self.run_dir)
+            self._outcome.__cause__ = exc
+            self._store = None
+            self._remove_torch_error_files()
+            self._done.set()
+        self._emit("end", self._outcome)
 
     def _wait_done(self, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.time() + timeout
@@ -198,7 +223,11 @@ class RunHandle:
             return
         try:
             while not self._done.is_set():
-                self.poll()
+                try:
+                    self.poll()
+                except Exception as exc:  # noqa: BLE001 - never return with workers left running
+                    self._abandon(exc)
+                    return
                 if deadline is not None and time.time() > deadline:
                     return
                 time.sleep(0.05)
@@ -399,10 +428,12 @@ class RunHandle:
         self._emit("end", outcome)
 
     def _update_launch_record(self, **fields) -> None:
+        """Best effort: a run whose folder vanished must still end (the workers are ours anyway)."""
         path = self.run_dir / STATE_DIR / "launch.json"
         try:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
             rec = {}
         rec.update(fields)
-        path.write_text(json.dumps(rec, indent=1))
+        with contextlib.suppress(OSError):
+            write_json_atomic(path, rec)

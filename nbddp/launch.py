@@ -11,8 +11,10 @@ import contextlib
 import datetime
 import os
 import pickle
+import signal
 import socket
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Union
@@ -267,23 +269,62 @@ def spawn_train(
                       env=snapshot, kernel=(os.getpid(), start_time(os.getpid())))
     if warm:
         _prepare_forkserver()
-    with _patched_env(child_env), _bare_main():
-        ctx = mp.start_processes(entry, args=(spec,), nprocs=world, join=False, start_method=start_method)
     if stall_timeout_s is None:
         # NCCL's watchdog aborts the ranks that wait longer than timeout_s, which would leave
         # only their SIGABRTs to read; nbddp names the hung rank well before that.
         stall_timeout_s = 0.75 * timeout_s if backend == "nccl" else timeout_s
-    handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s)
-    if on_event is not None:
-        handle.subscribe(on_event)
-    handle._update_launch_record(target=spec_target, world_size=world, backend=backend, gpus=gpus,
-                                 pids=handle.pids, start_times=[start_time(p) for p in handle.pids],
-                                 parent_pid=os.getpid(), port=store.port,
-                                 host=socket.gethostname(), started=handle.started_at)
-    if not block:
-        handle._start_background()
-        return handle
-    return handle.wait()
+    # From the first worker on, an Interrupt must not leave a process nobody knows of (a cold
+    # start waits seconds for the forkserver): it is held back until the handle owns the
+    # processes and the launch record names them, then handled like any other.
+    with _interrupts_held() as interrupted:
+        with _patched_env(child_env), _bare_main():
+            ctx = mp.start_processes(entry, args=(spec,), nprocs=world, join=False, start_method=start_method)
+        try:
+            handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s)
+            if on_event is not None:
+                handle.subscribe(on_event)
+            handle._update_launch_record(target=spec_target, world_size=world, backend=backend, gpus=gpus,
+                                         pids=handle.pids, start_times=[start_time(p) for p in handle.pids],
+                                         parent_pid=os.getpid(), port=store.port,
+                                         host=socket.gethostname(), started=handle.started_at)
+        except BaseException:
+            _kill_started(ctx)
+            raise
+        if not block and not interrupted:
+            handle._start_background()
+    if interrupted:
+        handle._interrupted()  # staged stop, every worker reaped; raises TrainingInterrupted
+    return handle if not block else handle.wait()
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """Hold SIGINT (Jupyter's Interrupt, Ctrl-C) back for the body; the list says if one came.
+
+    Only the main thread can set signal handlers; elsewhere the body runs as it is.
+    """
+    came: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+def _kill_started(ctx) -> None:
+    """End and reap the processes of a launch that failed before its handle took them over."""
+    for p in ctx.processes:
+        try:
+            if os.getpgid(p.pid) == p.pid:  # a worker that already leads its own group
+                os.killpg(p.pid, signal.SIGKILL)
+            else:
+                os.kill(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.join(timeout=10)
 
 
 def _default_name(spec: str) -> str:

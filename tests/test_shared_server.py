@@ -1,10 +1,13 @@
 """A GPU server is shared: what nbddp opens must be reachable from this machine only."""
 
 import os
+import signal
 import socket
 
-from nbddp import spawn_train
-from conftest import WORKERS, wait_for
+import pytest
+
+from nbddp import NbddpError, spawn_train
+from conftest import WORKERS, proc_state, survivors, wait_for
 
 FAULTY = f"{WORKERS / 'faulty.py'}"
 
@@ -64,3 +67,107 @@ def test_store_and_workers_listen_on_loopback_only(tmp_path, runs_dir):
     finally:
         go.write_text("go")
         h.wait(timeout=60)
+
+
+def test_a_background_run_whose_folder_vanishes_still_ends(tmp_path, runs_dir):
+    import shutil
+
+    go = tmp_path / "go"
+    h = spawn_train(f"{FAULTY}:barrier_then_wait_for_file", str(go), nprocs=2, runs_dir=runs_dir, block=False,
+                    echo=False, grace_s=1)
+    assert wait_for(lambda: (h.run_dir / ".nbddp" / "launch.json").exists(), 30)
+    shutil.rmtree(h.run_dir)
+    h.stop(wait=False)
+    assert wait_for(lambda: not h.running, 60), "the run never reached an end state"
+    assert survivors(h.pids) == {}
+    with pytest.raises(NbddpError):
+        h.wait(timeout=1)
+
+
+def test_a_monitor_that_breaks_ends_the_run_and_its_workers(tmp_path, runs_dir, monkeypatch):
+    from nbddp import RunAbandoned
+    from nbddp.handle import RunHandle
+
+    go = tmp_path / "go"
+    h = spawn_train(f"{FAULTY}:barrier_then_wait_for_file", str(go), nprocs=2, runs_dir=runs_dir, block=False,
+                    echo=False)
+    monkeypatch.setattr(RunHandle, "_read_streams", lambda self: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    assert wait_for(lambda: not h.running, 30), "the run never reached an end state"
+    with pytest.raises(RunAbandoned, match="could not watch the run"):
+        h.wait(timeout=1)
+    assert survivors(h.pids) == {}
+
+
+_COLD_LAUNCH = """
+import sys, time
+sys.path.insert(0, {root!r})
+import nbddp
+print("launching", flush=True)
+try:
+    nbddp.spawn_train({target!r}, {go!r}, nprocs=2, runs_dir={runs!r}, echo=False, grace_s=1)
+except nbddp.TrainingInterrupted as exc:
+    print("TrainingInterrupted:", exc, flush=True)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+print("alive", flush=True)
+time.sleep(120)  # the kernel lives on after the interrupted cell
+"""
+
+
+@pytest.mark.parametrize("delay", [0.05, 1.0, 3.0])
+def test_an_interrupt_at_any_moment_of_a_cold_launch_leaves_no_worker(tmp_path, delay):
+    """A fresh process calls spawn_train (forkserver start included), gets SIGINT ``delay`` s later, lives on."""
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from conftest import ROOT
+
+    marker = uuid.uuid4().hex
+    code = _COLD_LAUNCH.format(root=str(ROOT), target=f"{FAULTY}:barrier_then_wait_for_file",
+                               go=str(tmp_path / "go"), runs=str(tmp_path / "runs"))
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "NBDDP_TEST_MARKER": marker},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout.readline().startswith("launching")
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("alive"):
+                break
+        out = "".join(lines)
+        assert "alive" in out, out
+        assert "KeyboardInterrupt" not in out or not (tmp_path / "runs").exists(), (
+            f"a bare KeyboardInterrupt after the run folder was made: {out}")
+        assert wait_for(lambda: not launch_workers(marker, proc.pid), timeout=10), (
+            f"workers of the launch remain: {launch_workers(marker, proc.pid)}; output: {out}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def launch_workers(marker: str, launcher: int):
+    """Live or zombie processes carrying the marker, but the launcher and its multiprocessing helpers.
+
+    The forkserver and the resource tracker are the launcher's own children and stay for the
+    next launch; workers are the forkserver's children (or the launcher's, under spawn).
+    """
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == launcher:
+            continue
+        try:
+            env = open(f"/proc/{entry}/environ", "rb").read()
+            cmd = open(f"/proc/{entry}/cmdline", "rb").read()
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if f"NBDDP_TEST_MARKER={marker}".encode() not in env or proc_state(int(entry)) is None:
+            continue
+        if ppid == launcher and (b"forkserver import main" in cmd or b"resource_tracker" in cmd):
+            continue
+        found.append(int(entry))
+    return found
