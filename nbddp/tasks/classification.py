@@ -50,7 +50,9 @@ def preflight(cfg: TrainConfig) -> Optional[Path]:
             f"TrainConfig.num_classes={cfg.num_classes} but {cfg.data_path} has {len(classes)} class "
             f"folders ({', '.join(classes[:12])}{'...' if len(classes) > 12 else ''}). Set num_classes=None "
             "to use the folders, or point data_path at the right folder.")
-    train, _ = D.split_samples(samples, cfg.val_fraction, cfg.seed)
+    D.check_class_names(cfg.data_path, classes)
+    train, val = D.split_samples(samples, cfg.val_fraction, cfg.seed)
+    D.check_val_split(cfg.data_path, len(val), len(classes))
     D.check_batch_fits(len(train), cfg.world_size, cfg.batch_size)
     if cfg.check_images:
         bad = D.check_images([p for p, _ in samples])
@@ -66,8 +68,52 @@ def preflight(cfg: TrainConfig) -> Optional[Path]:
 
         if cfg.model not in classification_model_names():
             build_model(cfg.model, len(classes))  # raises ConfigError with close matches
+    _check_batch_norm_batch(cfg, len(classes))
     _check_writable(Path(cfg.runs_dir))
     return find_resume_dir(cfg) if cfg.resume else None
+
+
+def _check_batch_norm_batch(cfg: TrainConfig, num_classes: int) -> None:
+    """Refuse ``batch_size=1`` where a BatchNorm layer in training would see one value per channel.
+
+    BatchNorm in training mode normalises each channel over the batch and the feature map; with
+    one image and a 1x1 map (a ResNet's last stage at a small ``image_size``) that is a single
+    value and the worker fails with "Expected more than 1 value per channel". The model is run
+    on the meta device, which computes shapes only, to find the smallest count. (The training
+    loaders drop the last partial batch, so only ``batch_size=1`` can give a one-image batch.)
+    """
+    if cfg.batch_size > 1 or cfg.freeze_layers or (cfg.sync_bn and cfg.world_size > 1):
+        return  # frozen BatchNorm runs in eval mode; synchronised BatchNorm counts every rank's batch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, num_classes)
+    except Exception:  # noqa: BLE001 - the worker builds it again and reports any failure there
+        return
+    counts: list = []
+
+    def count(module, inputs):
+        x = inputs[0]
+        counts.append((x.numel() // x.shape[1], name_of[module]))
+
+    name_of = {m: n for n, m in model.named_modules() if isinstance(m, _BatchNorm)}
+    hooks = [m.register_forward_pre_hook(count) for m in name_of]
+    try:
+        with torch.no_grad():
+            model.train()(torch.empty(1, 3, cfg.image_size, cfg.image_size, device="meta"))
+    except Exception:  # noqa: BLE001 - a model the meta device cannot run: nothing to conclude
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+    single = [name for n, name in counts if n <= 1]
+    if single:
+        raise ConfigError(
+            f"TrainConfig.batch_size=1: {cfg.model} has BatchNorm layers, and at image_size={cfg.image_size} one "
+            f"image gives {single[0]!r}{f' and {len(single) - 1} more' if len(single) > 1 else ''} a single value "
+            "per channel to normalise, which fails in training. Use batch_size >= 2, a larger image_size, or "
+            "freeze_layers=True (frozen BatchNorm keeps its statistics).")
 
 
 def _available_memory() -> Optional[int]:
