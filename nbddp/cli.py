@@ -165,6 +165,53 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
 
 
+def _checkpoints_in(folder) -> List[str]:
+    return sorted(p.name for p in folder.glob("*.pt")) if folder.is_dir() else []
+
+
+def _launcher_started() -> Optional[float]:
+    """When the process that started this one (torchrun's agent) started, as a Unix time."""
+    try:
+        ticks = int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _check_may_continue(run_dir, cfg: TrainConfig, le) -> None:
+    """Refuse to start over a run folder that holds checkpoints, unless this run continues it.
+
+    It continues it when asked to (``--resume true``, or ``--resume`` naming this folder), or when
+    this is a launcher restart of the same run. torchrun also restarts after a refusal, so a
+    restart counts only if the checkpoint was written after this torchrun started; srun
+    requeues keep the job id, which names the default run folder.
+    """
+    from pathlib import Path
+
+    if cfg.resume is True:
+        return
+    if isinstance(cfg.resume, str):
+        asked = Path(cfg.resume)
+        asked = asked.parent.parent if asked.name == "last.pt" else asked
+        if asked.resolve() == run_dir.resolve():
+            return
+        raise ConfigError(f"--resume {cfg.resume} and --run-dir {run_dir} name two different runs, and {run_dir} "
+                          "already holds checkpoints; give one of them")
+    last = run_dir / "checkpoints" / "last.pt"
+    if le.restart_count and le.kind == "torchrun":
+        started = _launcher_started()
+        if started is None or not last.exists() or last.stat().st_mtime >= started:
+            return
+    elif le.restart_count:
+        return
+    found = ", ".join(_checkpoints_in(run_dir / "checkpoints"))
+    raise ConfigError(
+        f"{run_dir} already holds checkpoints ({found}) of an earlier run; training again would start from "
+        f"epoch 0 and overwrite them. To continue that run, add --resume true; to train anew, choose a new "
+        "folder with --run-dir (or move the old one away).")
+
+
 def _under_launcher(ns: argparse.Namespace, le) -> int:
     """One rank of a torchrun/srun job: same worker, same run folder layout as spawn_train."""
     from pathlib import Path
@@ -182,8 +229,10 @@ def _under_launcher(ns: argparse.Namespace, le) -> int:
         cfg = build_config(ns).replace(gpus=(), nprocs=le.world_size)
         run_dir = Path(ns.run_dir) if ns.run_dir else (
             Path(cfg.runs_dir) / f"{cfg.name}-{le.job_id}" if le.job_id else None)
-        if run_dir is not None and (run_dir / CKPT_DIR / "last.pt").exists() and (le.restart_count or cfg.resume):
-            # A launcher restart (or an explicit resume) continues from the last checkpoint.
+        if run_dir is not None and _checkpoints_in(run_dir / CKPT_DIR):
+            # A launcher restart of this run, or an explicit resume, continues from the last
+            # checkpoint; anything else would train from epoch 0 over it.
+            _check_may_continue(run_dir, cfg, le)
             cfg = cfg.replace(resume=str(run_dir))
         resumed = preflight(cfg)  # every rank checks the same inputs, so all fail together
         target, args, kwargs = BUILTIN_TARGET, (cfg,), {}
