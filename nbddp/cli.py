@@ -19,7 +19,8 @@ import sys
 import typing
 from typing import List, Optional
 
-from .config import DATA_PIPELINES, TrainConfig
+from .config import DATA_PIPELINES, TrainConfig, read_config_file
+from .errors import ConfigError
 
 
 def _field_parser(value_type):
@@ -54,21 +55,59 @@ def build_config(ns: argparse.Namespace) -> TrainConfig:
     """The config file (if any) with every given flag applied on top."""
     from .gpus import list_gpus
 
-    base = TrainConfig.load(ns.config).to_dict() if ns.config else {}
+    # The file's fields are read raw and validated once the flags are on top, so a flag can
+    # correct a field the file got wrong.
+    base = read_config_file(ns.config) if ns.config else {}
     for f in dataclasses.fields(TrainConfig):
         v = getattr(ns, f.name, None)
         if v is not None:
             base[f.name] = v
     gpus = base.get("gpus")
     if isinstance(gpus, str):
-        base["gpus"] = [g.index for g in list_gpus()] if gpus == "all" else [int(x) for x in gpus.split(",") if x]
+        base["gpus"] = [g.index for g in list_gpus()] if gpus == "all" else parse_gpus(gpus)
     elif "gpus" not in base or ns.config is None and ns.gpus is None:
         base["gpus"] = [g.index for g in list_gpus()]
     if isinstance(base.get("resume"), str) and base["resume"].lower() in ("true", "false"):
         base["resume"] = base["resume"].lower() == "true"
     if base.get("num_classes") in ("None", ""):
         base["num_classes"] = None
-    return TrainConfig.from_dict(base)
+    try:
+        return TrainConfig.from_dict(base)
+    except ConfigError as exc:
+        if ns.config:
+            raise ConfigError(f"{exc} (config: {ns.config} with the flags given on top)") from None
+        raise
+
+
+def parse_gpus(text: str) -> List[int]:
+    """``"0,2"`` -> ``[0, 2]``; ``""`` -> ``[]``.
+
+    Raises:
+        ConfigError: naming the word that is not a GPU id.
+    """
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in words if not w.isdigit()]
+    if bad:
+        raise ConfigError(f"--gpus {text!r}: {', '.join(map(repr, bad))} is not a GPU id; give ids as "
+                          "`nvidia-smi` lists them, separated by commas (--gpus 0,1), or 'all'")
+    return [int(w) for w in words]
+
+
+def parse_kwargs(text: str) -> dict:
+    """The ``--kwargs`` JSON object.
+
+    Raises:
+        ConfigError: the text is not JSON, or not a JSON object, with where it fails.
+    """
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--kwargs {text!r} is not valid JSON ({exc}); pass an object in single quotes, "
+                          """e.g. --kwargs '{"steps": 100, "lr": 0.1}'""") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--kwargs {text!r} is a JSON {type(value).__name__}; pass an object of keyword "
+                          """arguments, e.g. --kwargs '{"steps": 100}'""")
+    return value
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -105,8 +144,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   or "no GPU found: training runs on CPU processes")
             return 0
         if ns.command == "run":
-            gpus = [int(x) for x in ns.gpus.split(",")] if ns.gpus else None
-            result = spawn_train(ns.target, nprocs=ns.nprocs, gpus=gpus, kwargs=json.loads(ns.kwargs))
+            gpus = parse_gpus(ns.gpus) if ns.gpus else None
+            result = spawn_train(ns.target, nprocs=ns.nprocs, gpus=gpus, kwargs=parse_kwargs(ns.kwargs))
             print(f"result: {result.value!r}\nrun folder: {result.run_dir}")
             return 0
         cfg = build_config(ns)
@@ -126,6 +165,53 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
 
 
+def _checkpoints_in(folder) -> List[str]:
+    return sorted(p.name for p in folder.glob("*.pt")) if folder.is_dir() else []
+
+
+def _launcher_started() -> Optional[float]:
+    """When the process that started this one (torchrun's agent) started, as a Unix time."""
+    try:
+        ticks = int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _check_may_continue(run_dir, cfg: TrainConfig, le) -> None:
+    """Refuse to start over a run folder that holds checkpoints, unless this run continues it.
+
+    It continues it when asked to (``--resume true``, or ``--resume`` naming this folder), or when
+    this is a launcher restart of the same run. torchrun also restarts after a refusal, so a
+    restart counts only if the checkpoint was written after this torchrun started; srun
+    requeues keep the job id, which names the default run folder.
+    """
+    from pathlib import Path
+
+    if cfg.resume is True:
+        return
+    if isinstance(cfg.resume, str):
+        asked = Path(cfg.resume)
+        asked = asked.parent.parent if asked.name == "last.pt" else asked
+        if asked.resolve() == run_dir.resolve():
+            return
+        raise ConfigError(f"--resume {cfg.resume} and --run-dir {run_dir} name two different runs, and {run_dir} "
+                          "already holds checkpoints; give one of them")
+    last = run_dir / "checkpoints" / "last.pt"
+    if le.restart_count and le.kind == "torchrun":
+        started = _launcher_started()
+        if started is None or not last.exists() or last.stat().st_mtime >= started:
+            return
+    elif le.restart_count:
+        return
+    found = ", ".join(_checkpoints_in(run_dir / "checkpoints"))
+    raise ConfigError(
+        f"{run_dir} already holds checkpoints ({found}) of an earlier run; training again would start from "
+        f"epoch 0 and overwrite them. To continue that run, add --resume true; to train anew, choose a new "
+        "folder with --run-dir (or move the old one away).")
+
+
 def _under_launcher(ns: argparse.Namespace, le) -> int:
     """One rank of a torchrun/srun job: same worker, same run folder layout as spawn_train."""
     from pathlib import Path
@@ -135,7 +221,7 @@ def _under_launcher(ns: argparse.Namespace, le) -> int:
     from .targets import resolve_target
 
     if ns.command == "run":
-        target, args, kwargs, cfg = resolve_target(ns.target), (), json.loads(ns.kwargs), None
+        target, args, kwargs, cfg = resolve_target(ns.target), (), parse_kwargs(ns.kwargs), None
         name, runs_dir, timeout = Path(ns.target.rpartition(":")[0]).stem, "runs", 600.0
     else:
         from .tasks.classification import CKPT_DIR, preflight
@@ -143,8 +229,10 @@ def _under_launcher(ns: argparse.Namespace, le) -> int:
         cfg = build_config(ns).replace(gpus=(), nprocs=le.world_size)
         run_dir = Path(ns.run_dir) if ns.run_dir else (
             Path(cfg.runs_dir) / f"{cfg.name}-{le.job_id}" if le.job_id else None)
-        if run_dir is not None and (run_dir / CKPT_DIR / "last.pt").exists() and (le.restart_count or cfg.resume):
-            # A launcher restart (or an explicit resume) continues from the last checkpoint.
+        if run_dir is not None and _checkpoints_in(run_dir / CKPT_DIR):
+            # A launcher restart of this run, or an explicit resume, continues from the last
+            # checkpoint; anything else would train from epoch 0 over it.
+            _check_may_continue(run_dir, cfg, le)
             cfg = cfg.replace(resume=str(run_dir))
         resumed = preflight(cfg)  # every rank checks the same inputs, so all fail together
         target, args, kwargs = BUILTIN_TARGET, (cfg,), {}

@@ -3,16 +3,24 @@
 Kernel side, text only: nothing here starts a process. The commands run ``python -m nbddp``,
 which reads the launcher's environment (:mod:`nbddp.elastic`), so the worker, the config and
 the run folder layout stay the same as under ``spawn_train``.
+
+The text is meant to be pasted into a shell or submitted to Slurm, so every value in it is
+quoted with ``shlex`` (a path such as ``my runs`` stays one argument, ``$(...)`` stays text), values
+are passed as ``--flag=value`` (a path starting with ``-`` is not taken for a flag), and the
+few values that cannot be quoted (``#SBATCH`` lines are read by Slurm, not by the shell) are
+checked against a safe set of characters.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
-from typing import List, Optional
+from typing import Any, List, Optional
 
-from .config import TrainConfig
+from .config import NAME_RULE, TrainConfig, name_problem
+from .errors import ConfigError
 
 _LAUNCH_FIELDS = {"gpus", "nprocs", "resume"}  # decided by the launcher, not the config
 
@@ -29,13 +37,32 @@ def cli_flags(cfg: TrainConfig) -> List[str]:
         if isinstance(v, bool):
             flags.append(flag if v else "--no-" + f.name.replace("_", "-"))
         else:
-            flags += [flag, str(v)]
+            flags.append(f"{flag}={v}")
     return flags
 
 
 def _train_args(cfg: TrainConfig, config_path, run_dir: Optional[str]) -> List[str]:
-    args = ["-m", "nbddp", "train"] + (["--config", os.fspath(config_path)] if config_path else cli_flags(cfg))
-    return args + (["--run-dir", run_dir] if run_dir else [])
+    args = ["-m", "nbddp", "train"] + ([f"--config={os.fspath(config_path)}"] if config_path else cli_flags(cfg))
+    return args + ([f"--run-dir={run_dir}"] if run_dir else [])
+
+
+def _check_int(where: str, name: str, value: Any, low: int, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{where}({name}={value!r}): must be an integer >= {low}"
+                          + (" (or None for the config's process count)" if none_ok else ""))
+
+
+# What an ``#SBATCH`` value may hold: Slurm reads these lines itself, and a newline would start
+# a line of shell script.
+_SBATCH_VALUE = re.compile(r"[A-Za-z0-9._:,+=@%/-]+\Z")
+
+
+def _check_sbatch_value(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not _SBATCH_VALUE.match(value):
+        raise ConfigError(f"sbatch_script({name}={value!r}): use letters, digits and ._:,+=@%/- only "
+                          "(no spaces or line breaks: the value is written into an #SBATCH line)")
 
 
 def torchrun_command(cfg: TrainConfig, nnodes: int = 1, nproc_per_node: Optional[int] = None,
@@ -59,6 +86,14 @@ def torchrun_command(cfg: TrainConfig, nnodes: int = 1, nproc_per_node: Optional
     Example:
         >>> print(cfg.torchrun_command(nnodes=2, nproc_per_node=4, rdzv_endpoint="gpu01:29400"))
     """
+    _check_int("torchrun_command", "nnodes", nnodes, 1)
+    _check_int("torchrun_command", "nproc_per_node", nproc_per_node, 1, none_ok=True)
+    _check_int("torchrun_command", "max_restarts", max_restarts, 0)
+    if not isinstance(rdzv_endpoint, str) or not rdzv_endpoint or any(c.isspace() for c in rdzv_endpoint):
+        raise ConfigError(f"torchrun_command(rdzv_endpoint={rdzv_endpoint!r}): give host:port of one node "
+                          "that every node can reach, e.g. 'gpu01:29400'")
+    if run_id is not None and name_problem(run_id):
+        raise ConfigError(f"torchrun_command(run_id={run_id!r}): {NAME_RULE.replace('it names', 'it is part of')}")
     nproc = nproc_per_node or cfg.world_size
     default_dir = f"{cfg.runs_dir}/{cfg.name}" + (f"-{run_id}" if run_id else "")
     run_id = run_id or cfg.name
@@ -78,7 +113,16 @@ def sbatch_script(cfg: TrainConfig, nodes: int = 1, gpus_per_node: Optional[int]
     nbddp reads ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` and the first host of the
     node list; the port is derived from the job id. Submit with ``sbatch train.sbatch``.
     """
+    _check_int("sbatch_script", "nodes", nodes, 1)
+    _check_int("sbatch_script", "gpus_per_node", gpus_per_node, 1, none_ok=True)
+    _check_int("sbatch_script", "cpus_per_task", cpus_per_task, 1)
+    _check_sbatch_value("time", time)
+    if partition is not None:
+        _check_sbatch_value("partition", partition)
     g = gpus_per_node or cfg.world_size
+    # The run folder ends with the job id, which only the shell knows: the quoted prefix and
+    # the quoted variable make one word.
+    run_dir = f"--run-dir={cfg.runs_dir}/{cfg.name}-"
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={cfg.name}",
@@ -96,7 +140,7 @@ def sbatch_script(cfg: TrainConfig, nodes: int = 1, gpus_per_node: Optional[int]
         "# Every task derives the same rendezvous port from the job id.",
         "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
         f"export OMP_NUM_THREADS={max(1, cpus_per_task // 2)}",
-        "srun " + shlex.join([python] + _train_args(cfg, config_path, None)) + f" --run-dir {cfg.runs_dir}/{cfg.name}-$SLURM_JOB_ID",
+        "srun " + shlex.join([python] + _train_args(cfg, config_path, None)) + f" {shlex.quote(run_dir)}\"$SLURM_JOB_ID\"",
         "",
     ]
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -20,6 +21,41 @@ from .errors import ConfigError
 _BOOL_FIELDS = ("scale_lr", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images",
                 "cache_images", "persistent_workers")
 DATA_PIPELINES = ("pil", "tensor")
+
+#: Run names go into folder names, ``#SBATCH --job-name`` lines and shell commands, so they are
+#: kept to characters that mean nothing to a shell, a path or Slurm: ASCII letters, digits and
+#: ``._-``, not starting with ``.`` (hidden) or ``-`` (read as an option).
+NAME_MAX = 64
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
+NAME_RULE = (f"must be 1-{NAME_MAX} characters of ASCII letters, digits and ._- (not starting with "
+             "'.' or '-'), since it names the run folder and goes into generated shell commands")
+
+#: Smallest process-group timeout accepted: every rank must start (spawn, import torch) and reach
+#: the rendezvous within it, which takes seconds on a cold start.
+MIN_TIMEOUT_S = 5.0
+
+
+def name_problem(name: Any) -> Optional[str]:
+    """Why ``name`` cannot name a run (see :data:`NAME_RULE`), or ``None`` when it can."""
+    if not isinstance(name, str) or not 1 <= len(name) <= NAME_MAX or not _NAME_RE.match(name):
+        return NAME_RULE
+    return None
+
+
+def utf8_problem(path: str) -> Optional[str]:
+    """Why ``path`` cannot be written to logs, JSON and TensorBoard as text, or ``None``.
+
+    A name read from the disk whose bytes are not UTF-8 arrives as a string with surrogate
+    escapes (``'\\udcff'``); it opens fine but fails in the worker the first time it is written
+    to a UTF-8 file.
+    """
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = os.fsencode(path)
+        return (f"is not valid UTF-8 (byte {raw[exc.start:exc.start + 1]!r} near {path[:exc.start][-20:]!r}); "
+                "rename the folder or file to a UTF-8 name (convmv or a file manager can)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -124,6 +160,10 @@ class TrainConfig:
                 bad(name, "must be True or False (a string such as 'False' is not a bool)")
         if not isinstance(self.resume, (bool, str)):
             bad("resume", "must be True/False or the path of a run folder")
+        for name in ("data_path", "runs_dir", "weights", "resume"):
+            v = getattr(self, name)
+            if isinstance(v, str) and utf8_problem(v):
+                bad(name, utf8_problem(v))
         ints = {"image_size": 8, "epochs": 1, "batch_size": 1, "nprocs": 1, "seed": 0}
         for name, low in ints.items():
             v = getattr(self, name)
@@ -150,6 +190,9 @@ class TrainConfig:
                 bad(name, "must be a finite number")
             if v < low or (v == low and not low_ok) or v > high:
                 bad(name, f"must be in {'[' if low_ok else '('}{low}, {high}]")
+        if self.timeout_s < MIN_TIMEOUT_S:
+            bad("timeout_s", f"must be at least {MIN_TIMEOUT_S:g} seconds: every rank has to start and reach the "
+                "process group within it (a smaller value fails at start-up with a connection error)")
         if self.crop_scale == 0:
             bad("crop_scale", "must be > 0 (the smallest area fraction the random crop keeps)")
         if self.data_pipeline not in DATA_PIPELINES:
@@ -167,8 +210,8 @@ class TrainConfig:
                 "is refused while freeze_layers=True: frozen BatchNorm layers keep their statistics, "
                 "so there is nothing to synchronise. Turn one of them off.",
             )
-        if not self.name or any(c in self.name for c in "/\\") or self.name.startswith("."):
-            bad("name", "must be a plain folder-name fragment (no slashes, not hidden)")
+        if name_problem(self.name):
+            bad("name", f"{NAME_RULE}; e.g. name='digits-resnet34'")
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -223,13 +266,35 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "TrainConfig":
-        """Read a ``config.json`` (or a run folder that holds one)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config file at {path}; pass a run folder or its config.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        """Read a ``config.json`` (or a run folder that holds one); errors name the file."""
+        data = read_config_file(path)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{_config_file(path)}: {exc}. Correct the file") from None
+
+
+def _config_file(path: Union[str, Path]) -> Path:
+    path = Path(path)
+    return path / "config.json" if path.is_dir() else path
+
+
+def read_config_file(path: Union[str, Path]) -> dict:
+    """The fields stored in a ``config.json`` (or a run folder that holds one), not yet validated.
+
+    Raises:
+        ConfigError: the file is missing, not JSON, or not a JSON object.
+    """
+    path = _config_file(path)
+    if not path.is_file():
+        raise ConfigError(f"no config file at {path}; pass a run folder or its config.json")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"cannot read {path} ({exc}); pass a config.json that nbddp wrote") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} holds a JSON {type(data).__name__}, not an object of TrainConfig fields")
+    return data
 
 
 __all__ = ["TrainConfig"]

@@ -415,6 +415,49 @@ def check_batch_fits(n_train: int, world_size: int, batch_size: int) -> int:
     return share // batch_size
 
 
+def check_val_split(root: PathLike, n_val: int, n_classes: int) -> None:
+    """Refuse a split with no validation image: accuracy could not be measured.
+
+    Without it every epoch would report accuracy 0.0 and the "best" weights exported would be
+    chosen on nothing. :func:`split_samples` puts a class's only image in training, so this
+    happens when every class holds a single image.
+
+    Raises:
+        DataError: naming the folder and the fix.
+    """
+    if n_val == 0:
+        raise DataError(
+            f"{root}: the train/validation split leaves no validation image ({n_classes} classes with a single "
+            "image each; an image cannot be in both splits), so accuracy could not be measured. Add images so "
+            "that each class has at least 2 images."
+        )
+
+
+def check_class_names(root: PathLike, classes: Sequence[str]) -> None:
+    """Refuse class folder names that are not valid UTF-8.
+
+    A class name becomes a label in ``class_indices.json``, the export and every prediction; a
+    name whose bytes are not UTF-8 arrives as a string with surrogate escapes that cannot be
+    written or printed as text.
+
+    Raises:
+        DataError: naming the folders (as bytes) and the fix.
+    """
+    bad = []
+    for name in classes:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            bad.append(os.fsencode(name))
+    if bad:
+        listing = ", ".join(repr(b) for b in bad[:8]) + (" ..." if len(bad) > 8 else "")
+        raise DataError(
+            f"{len(bad)} class folder(s) in {root} have names that are not valid UTF-8: {listing}. Class names "
+            "become labels in class_indices.json and in predictions; rename the folders to UTF-8 names "
+            "(convmv -f <old encoding> -t utf-8 does it for a whole tree)."
+        )
+
+
 # ---------------------------------------------------------------------------- class names
 def class_indices(classes: Sequence[str]) -> dict[str, str]:
     """``{"0": name0, "1": name1, ...}``, the reference script's ``class_indices.json``."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .config import TrainConfig
+from .config import MIN_TIMEOUT_S, NAME_RULE, TrainConfig, name_problem
 from .errors import ConfigError
 from .gpus import cuda_visible_devices
 from .procs import cpu_cores, live_workers, start_time
@@ -131,6 +131,19 @@ def _check_picklable(args: tuple, kwargs: dict) -> None:
             ) from exc
 
 
+def _check_launch_args(nprocs: Any, timeout_s: Any, name: Any) -> None:
+    """Refuse counts and names that would otherwise be replaced by defaults or fail in a worker."""
+    if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
+        raise ConfigError(f"nprocs={nprocs!r}: must be an integer >= 1 (the number of CPU processes), "
+                          "or None with gpus=[...]")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s >= MIN_TIMEOUT_S):  # `not >=` also catches NaN
+        raise ConfigError(f"timeout_s={timeout_s!r}: must be at least {MIN_TIMEOUT_S:g} seconds, since every "
+                          "rank has to start and reach the process group within it; None takes the default")
+    if name is not None and name_problem(name):
+        raise ConfigError(f"name={name!r}: {NAME_RULE}")
+
+
 def spawn_train(
     target: Union[str, Callable[..., Any], TrainConfig],
     *args: Any,
@@ -196,6 +209,7 @@ def spawn_train(
         >>> result.value, result.run_dir
     """
     kwargs = dict(kwargs or {})
+    _check_launch_args(nprocs, timeout_s, name)
     if start_method not in ("spawn", "forkserver"):
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")

@@ -103,3 +103,95 @@ def test_hidden_folders_and_notebook_checkpoints_are_not_classes(tree, runs_dir)
     from nbddp.tasks.classification import preflight
 
     assert preflight(cfg_for(tree, runs_dir, num_classes=3)) is None  # 3 classes, not 4
+
+
+# ------------------------------------------------------------------ small inputs, clear answers
+def test_zero_processes_refused(runs_dir, capsys):
+    for n in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError, match=rf"nprocs={n!r}: must be an integer >= 1"):
+            spawn_train(f"{FAULTY}:info", nprocs=n, runs_dir=runs_dir)
+    from nbddp import cli
+
+    assert cli.main(["run", f"{FAULTY}:info", "--nprocs", "0"]) == 2
+    assert "nprocs=0: must be an integer >= 1" in capsys.readouterr().err
+    assert nothing_started(runs_dir)
+
+
+def test_timeout_below_the_minimum_refused(tree, runs_dir):
+    with pytest.raises(ConfigError, match=r"TrainConfig\.timeout_s=0\.001: must be at least 5 seconds"):
+        cfg_for(tree, runs_dir, timeout_s=0.001)
+    for t in (0, 0.5, -3, float("nan")):
+        with pytest.raises(ConfigError, match=r"timeout_s=.*: must be .*seconds"):
+            spawn_train(f"{FAULTY}:info", nprocs=2, timeout_s=t, runs_dir=runs_dir)
+    assert nothing_started(runs_dir)
+
+
+def test_batch_of_one_image_under_batchnorm_refused(tree, runs_dir):
+    from nbddp.tasks.classification import preflight
+
+    # resnet18 at 32 px ends on a 1x1 map: one image gives BatchNorm one value per channel.
+    with pytest.raises(ConfigError, match=r"(?s)batch_size=1.*BatchNorm.*batch_size >= 2"):
+        spawn_train(cfg_for(tree, runs_dir, batch_size=1, nprocs=1), echo=False)
+    assert nothing_started(runs_dir)
+    # frozen BatchNorm layers run in eval mode: a batch of one is fine there
+    assert preflight(cfg_for(tree, runs_dir, batch_size=1, nprocs=1, freeze_layers=True)) is None
+
+
+def test_last_partial_batch_is_dropped_not_a_one_image_batch(tree, runs_dir):
+    from nbddp.data import check_batch_fits, scan_class_folders, split_samples
+
+    train, _ = split_samples(scan_class_folders(tree)[1], 0.2, 0)
+    # 30 train images, 2 ranks: 15 each; batches of 7 leave one image, which is dropped
+    assert (len(train), check_batch_fits(len(train), 2, 7)) == (30, 2)
+
+
+def test_split_without_validation_images_refused(tmp_path, runs_dir):
+    from nbddp import DataError
+    from conftest import make_tree
+
+    one = make_tree(tmp_path / "one", per_class=1)  # a single image per class: all go to training
+    with pytest.raises(DataError, match=r"(?s)no validation image.*at least 2 images"):
+        spawn_train(cfg_for(one, runs_dir, batch_size=3, nprocs=1), echo=False)
+    assert nothing_started(runs_dir)
+
+
+def test_names_that_are_not_utf8_refused(tree, runs_dir, tmp_path):
+    from nbddp import DataError
+
+    raw = os.fsencode(str(tmp_path)) + b"/data-\xff"
+    os.rename(os.fsencode(str(tree)), raw)
+    with pytest.raises(ConfigError, match=r"TrainConfig\.data_path=.*not valid UTF-8.*rename"):
+        cfg_for(os.fsdecode(raw), runs_dir)
+    # a class folder becomes a label in class_indices.json and in every prediction
+    os.rename(raw, os.fsencode(str(tree)))
+    os.rename(os.fsencode(str(tree / "a")), os.fsencode(str(tree)) + b"/caf\xe9")
+    with pytest.raises(DataError, match=r"(?s)class folder.*not valid UTF-8: b'caf\\xe9'.*rename"):
+        spawn_train(cfg_for(tree, runs_dir), echo=False)
+    assert nothing_started(runs_dir)
+
+
+def test_cli_bad_kwargs_and_gpu_ids_get_a_message_not_a_traceback(runs_dir, capsys):
+    from nbddp import cli
+
+    cases = [(["run", f"{FAULTY}:info", "--kwargs", "{bad"], "--kwargs '{bad' is not valid JSON"),
+             (["run", f"{FAULTY}:info", "--kwargs", "[1, 2]"], "is a JSON list; pass an object"),
+             (["run", f"{FAULTY}:info", "--gpus", "0,a"], "'a' is not a GPU id"),
+             (["train", "--gpus", "0,a"], "'a' is not a GPU id")]
+    for argv, message in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert nothing_started(runs_dir)
+
+
+def test_cluster_command_counts_checked():
+    cfg = TrainConfig()
+    for kwargs, field in [({"nnodes": 0}, "nnodes=0"), ({"nproc_per_node": 0}, "nproc_per_node=0"),
+                          ({"max_restarts": -1}, "max_restarts=-1"), ({"run_id": "a b"}, "run_id='a b'"),
+                          ({"rdzv_endpoint": ""}, "rdzv_endpoint=''")]:
+        with pytest.raises(ConfigError, match=rf"torchrun_command\({field}\)"):
+            cfg.torchrun_command(**kwargs)
+    for kwargs, field in [({"nodes": 0}, "nodes=0"), ({"gpus_per_node": 0}, "gpus_per_node=0"),
+                          ({"cpus_per_task": 0}, "cpus_per_task=0")]:
+        with pytest.raises(ConfigError, match=rf"sbatch_script\({field}\)"):
+            cfg.sbatch_script(**kwargs)

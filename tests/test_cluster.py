@@ -105,8 +105,8 @@ def test_commands_for_the_cluster(tree, runs_dir):
     cmd = cfg.torchrun_command(nnodes=2, nproc_per_node=4, rdzv_endpoint="gpu01:29400", max_restarts=3)
     assert cmd.startswith("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=gpu01:29400")
     assert "--max-restarts=3" in cmd and "-m nbddp train" in cmd and "--sync-bn" in cmd
-    assert cmd.endswith(f"--run-dir {runs_dir}/c")
-    assert "--config runs/x/config.json" in cfg.torchrun_command(config_path=Path("runs/x/config.json"))
+    assert cmd.endswith(f"--run-dir={runs_dir}/c")
+    assert "--config=runs/x/config.json" in cfg.torchrun_command(config_path=Path("runs/x/config.json"))
     script = cfg.sbatch_script(nodes=2, gpus_per_node=4, partition="gpu")
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=4" in script
     assert "srun python -m nbddp train" in script and "$SLURM_JOB_ID" in script

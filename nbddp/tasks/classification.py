@@ -10,10 +10,13 @@ once (no sampler padding), and checkpoints hold plain values that load with
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import errno
 import json
 import os
 import random
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +31,7 @@ from ..dist import barrier, check_same, no_forward_buffer_sync, sync_buffers_fro
 from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, train_one_epoch
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
+from ..runtime import STATE_DIR
 from ..sync_bn import convert_sync_batchnorm
 
 CKPT_DIR = "checkpoints"
@@ -50,7 +54,9 @@ def preflight(cfg: TrainConfig) -> Optional[Path]:
             f"TrainConfig.num_classes={cfg.num_classes} but {cfg.data_path} has {len(classes)} class "
             f"folders ({', '.join(classes[:12])}{'...' if len(classes) > 12 else ''}). Set num_classes=None "
             "to use the folders, or point data_path at the right folder.")
-    train, _ = D.split_samples(samples, cfg.val_fraction, cfg.seed)
+    D.check_class_names(cfg.data_path, classes)
+    train, val = D.split_samples(samples, cfg.val_fraction, cfg.seed)
+    D.check_val_split(cfg.data_path, len(val), len(classes))
     D.check_batch_fits(len(train), cfg.world_size, cfg.batch_size)
     if cfg.check_images:
         bad = D.check_images([p for p, _ in samples])
@@ -66,8 +72,52 @@ def preflight(cfg: TrainConfig) -> Optional[Path]:
 
         if cfg.model not in classification_model_names():
             build_model(cfg.model, len(classes))  # raises ConfigError with close matches
+    _check_batch_norm_batch(cfg, len(classes))
     _check_writable(Path(cfg.runs_dir))
-    return find_resume_dir(cfg) if cfg.resume else None
+    return find_resume_dir(cfg, classes) if cfg.resume else None
+
+
+def _check_batch_norm_batch(cfg: TrainConfig, num_classes: int) -> None:
+    """Refuse ``batch_size=1`` where a BatchNorm layer in training would see one value per channel.
+
+    BatchNorm in training mode normalises each channel over the batch and the feature map; with
+    one image and a 1x1 map (a ResNet's last stage at a small ``image_size``) that is a single
+    value and the worker fails with "Expected more than 1 value per channel". The model is run
+    on the meta device, which computes shapes only, to find the smallest count. (The training
+    loaders drop the last partial batch, so only ``batch_size=1`` can give a one-image batch.)
+    """
+    if cfg.batch_size > 1 or cfg.freeze_layers or (cfg.sync_bn and cfg.world_size > 1):
+        return  # frozen BatchNorm runs in eval mode; synchronised BatchNorm counts every rank's batch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, num_classes)
+    except Exception:  # noqa: BLE001 - the worker builds it again and reports any failure there
+        return
+    counts: list = []
+
+    def count(module, inputs):
+        x = inputs[0]
+        counts.append((x.numel() // x.shape[1], name_of[module]))
+
+    name_of = {m: n for n, m in model.named_modules() if isinstance(m, _BatchNorm)}
+    hooks = [m.register_forward_pre_hook(count) for m in name_of]
+    try:
+        with torch.no_grad():
+            model.train()(torch.empty(1, 3, cfg.image_size, cfg.image_size, device="meta"))
+    except Exception:  # noqa: BLE001 - a model the meta device cannot run: nothing to conclude
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+    single = [name for n, name in counts if n <= 1]
+    if single:
+        raise ConfigError(
+            f"TrainConfig.batch_size=1: {cfg.model} has BatchNorm layers, and at image_size={cfg.image_size} one "
+            f"image gives {single[0]!r}{f' and {len(single) - 1} more' if len(single) > 1 else ''} a single value "
+            "per channel to normalise, which fails in training. Use batch_size >= 2, a larger image_size, or "
+            "freeze_layers=True (frozen BatchNorm keeps its statistics).")
 
 
 def _available_memory() -> Optional[int]:
@@ -127,26 +177,111 @@ def _check_writable(folder: Path) -> None:
         raise ConfigError(f"TrainConfig.runs_dir={str(folder)!r} is not writable ({exc}); choose another folder") from exc
 
 
-def find_resume_dir(cfg: TrainConfig) -> Path:
-    """The run folder ``cfg.resume`` points at, checked to hold a loadable last checkpoint."""
+#: Folder names ``spawn_train`` gives runs: ``<YYYYmmdd-HHMMSS>-<name>``, then ``-2``, ``-3``... for
+#: runs of the same name started in the same second.
+_STAMPED_RUN = re.compile(r"(\d{8}-\d{6})-(.+?)(?:-(\d+))?\Z")
+
+
+def _recorded_name(run_dir: Path) -> Optional[str]:
+    try:
+        name = json.loads((run_dir / "config.json").read_text(encoding="utf-8")).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _is_run_of(run_dir: Path, name: str) -> bool:
+    """The run's own config names it ``name``; without a config, its folder name must match exactly."""
+    recorded = _recorded_name(run_dir)
+    if recorded is not None:
+        return recorded == name
+    return re.fullmatch(r"\d{8}-\d{6}-" + re.escape(name) + r"(-\d+)?", run_dir.name) is not None
+
+
+def _run_started(run_dir: Path) -> tuple:
+    """Sort key: when the run was last launched, from its own records, newest last.
+
+    The launch record's ``started`` (spawn_train), else the time config.json was written (every
+    launch writes it, torchrun/srun ones too), else the time stamp in the folder name; the
+    same-second counter ``-N`` breaks ties. Folder times are not used: copying, exporting or
+    writing a file into a run changes them.
+    """
+    m = _STAMPED_RUN.match(run_dir.name)
+    counter = int(m.group(3)) if m and m.group(3) else 1
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):
+        record = json.loads((run_dir / STATE_DIR / "launch.json").read_text())
+        return (float(record["started"]), counter, run_dir.name)
+    with contextlib.suppress(OSError):
+        return ((run_dir / "config.json").stat().st_mtime, counter, run_dir.name)
+    if m:
+        with contextlib.suppress(ValueError):
+            return (datetime.datetime.strptime(m.group(1), "%Y%m%d-%H%M%S").timestamp(), counter, run_dir.name)
+    return ((run_dir / CKPT_DIR / "last.pt").stat().st_mtime, counter, run_dir.name)
+
+
+def _newest_run(cfg: TrainConfig) -> Path:
+    runs_dir = Path(cfg.runs_dir)
+    # Listing, not glob: a name is matched as text, never as a pattern.
+    folders = [p for p in runs_dir.iterdir() if p.is_dir()] if runs_dir.is_dir() else []
+    candidates = [p for p in folders if (p / CKPT_DIR / "last.pt").is_file() and _is_run_of(p, cfg.name)]
+    if not candidates:
+        raise ConfigError(
+            f"TrainConfig.resume=True but no run named {cfg.name!r} with a checkpoint is in {cfg.runs_dir}; "
+            "pass the run folder as resume='runs/<run>' or start without resume")
+    return max(candidates, key=_run_started)
+
+
+def _check_same_run(run_dir: Path, ckpt: dict, cfg: TrainConfig, classes: Optional[list]) -> None:
+    """Refuse to continue a checkpoint with another model or other classes: it would mix two runs."""
+    trained = ckpt.get("config", {}).get("model")
+    if trained not in (None, cfg.model):
+        raise ConfigError(f"cannot resume {run_dir}: it trained {trained!r}, the config says {cfg.model!r}. "
+                          f"Set model={trained!r} to continue it, or start a new run (resume=False)")
+    old = ckpt.get("classes")
+    if classes is None or not isinstance(old, (list, tuple)) or list(old) == list(classes):
+        return
+    old, new = list(old), list(classes)
+    parts = [f"{len(old)} classes in the checkpoint, {len(new)} in {cfg.data_path}" if len(old) != len(new)
+             else f"{len(old)} classes in both"]
+    missing = [c for c in old if c not in new]
+    added = [c for c in new if c not in old]
+    if missing:
+        parts.append(f"missing from data_path: {', '.join(map(repr, missing))}")
+    if added:
+        parts.append(f"new in data_path: {', '.join(map(repr, added))}")
+    if not missing and not added:
+        parts.append(f"in another order ({old} then, {new} now)")
+    was = ckpt.get("config", {}).get("data_path")
+    raise ConfigError(
+        f"cannot resume {run_dir}: its checkpoint was trained on other classes ({'; '.join(parts)}), so its "
+        f"outputs would mean other things. Point data_path at the data it was trained on"
+        f"{f' ({was!r})' if was else ''}, or start a new run (resume=False).")
+
+
+def find_resume_dir(cfg: TrainConfig, classes: Optional[list] = None) -> Path:
+    """The run folder ``cfg.resume`` points at, checked to hold a loadable last checkpoint.
+
+    Args:
+        cfg: the config; ``resume=True`` takes the newest run named exactly ``cfg.name`` in
+            ``cfg.runs_dir`` (by recorded start, see :func:`_run_started`), a path takes that run.
+        classes: the class names found in ``cfg.data_path``; when given, a checkpoint trained on
+            other classes is refused.
+
+    Raises:
+        ConfigError: no such run, no checkpoint, or a checkpoint of another model or other classes.
+        WeightsError: the checkpoint is truncated, corrupt or not weights-only safe.
+    """
     if isinstance(cfg.resume, str):
         run_dir = Path(cfg.resume)
         if run_dir.name == "last.pt":
             run_dir = run_dir.parent.parent
     else:
-        candidates = sorted(Path(cfg.runs_dir).glob(f"*-{cfg.name}"), key=lambda p: p.stat().st_mtime)
-        candidates = [c for c in candidates if (c / CKPT_DIR / "last.pt").exists()]
-        if not candidates:
-            raise ConfigError(
-                f"TrainConfig.resume=True but no run named {cfg.name!r} with a checkpoint is in {cfg.runs_dir}; "
-                "pass the run folder as resume='runs/<run>' or start without resume")
-        run_dir = candidates[-1]
+        run_dir = _newest_run(cfg)
     last = run_dir / CKPT_DIR / "last.pt"
     if not last.exists():
         raise ConfigError(f"TrainConfig.resume={cfg.resume!r}: no checkpoint at {last}; nothing to resume")
     ckpt = load_checkpoint(last)  # weights-only: a tampered or truncated file is refused here
-    if ckpt.get("config", {}).get("model") not in (None, cfg.model):
-        raise ConfigError(f"cannot resume {run_dir}: it trained {ckpt['config']['model']!r}, the config says {cfg.model!r}")
+    _check_same_run(run_dir, ckpt, cfg, classes)
     return run_dir.resolve()
 
 
