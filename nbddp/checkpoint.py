@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, WeightsError
+from .paths import pseudo_filesystem, special_file_kind
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -365,7 +366,8 @@ def resolve_weights_path(path: PathLike) -> Path:
     :data:`WEIGHTS_SEARCH_ORDER` found inside a folder (a run folder or an export folder).
 
     Raises:
-        WeightsError: nothing exists at ``path``, or a folder holds none of the candidates.
+        WeightsError: nothing exists at ``path``, it is a FIFO, socket or device or lies on a
+            pseudo-filesystem (``/proc``), or a folder holds none of the candidates.
     """
     path = Path(path)
     if not path.exists():
@@ -373,6 +375,19 @@ def resolve_weights_path(path: PathLike) -> Path:
             f"weights file not found: {path}. {_nearby_files_hint(path)} Pass a .safetensors / "
             ".pth file, a run folder or an export folder."
         )
+    st = path.stat()
+    # Refused before anything opens them: a FIFO waits for a writer forever, /dev/zero and
+    # /proc files never end or are no files at all.
+    special = special_file_kind(st)
+    if special:
+        raise WeightsError(
+            f"{path} is {special}, not a weights file: reading it could wait or run forever. Pass a "
+            ".safetensors / .pth file, a run folder or an export folder.")
+    kind = pseudo_filesystem(path, st)
+    if kind is not None:
+        raise WeightsError(
+            f"{path} is on the {kind} pseudo-filesystem (the kernel's view of processes and devices), "
+            "not a weights file. Pass a .safetensors / .pth file, a run folder or an export folder.")
     if not path.is_dir():
         return path
     for candidate in WEIGHTS_SEARCH_ORDER:
