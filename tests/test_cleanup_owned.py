@@ -121,6 +121,9 @@ def test_real_workers_carry_the_marker(runs_dir):
         try:
             assert wait_for(lambda: all((handle.run_dir / "logs" / f"rank{r}.log").exists() for r in (0, 1)))
             assert wait_for(lambda: sorted(live_workers(handle.run_dir)) == sorted(handle.pids)), method
+            if method == "spawn":  # marked from birth, before the log is open
+                marker = f"NBDDP_RUN_DIR={handle.run_dir}".encode()
+                assert all(marker in open(f"/proc/{p}/environ", "rb").read().split(b"\0") for p in handle.pids)
         finally:
             handle.stop()
         assert all(proc_state(p) is None for p in handle.pids)
