@@ -20,8 +20,10 @@ import enum
 import errno
 import json
 import os
+import hashlib
 import pickle
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Mapping, Optional, Sequence, Union
 
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, WeightsError
+from .paths import pseudo_filesystem, special_file_kind
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -363,7 +366,8 @@ def resolve_weights_path(path: PathLike) -> Path:
     :data:`WEIGHTS_SEARCH_ORDER` found inside a folder (a run folder or an export folder).
 
     Raises:
-        WeightsError: nothing exists at ``path``, or a folder holds none of the candidates.
+        WeightsError: nothing exists at ``path``, it is a FIFO, socket or device or lies on a
+            pseudo-filesystem (``/proc``), or a folder holds none of the candidates.
     """
     path = Path(path)
     if not path.exists():
@@ -371,6 +375,19 @@ def resolve_weights_path(path: PathLike) -> Path:
             f"weights file not found: {path}. {_nearby_files_hint(path)} Pass a .safetensors / "
             ".pth file, a run folder or an export folder."
         )
+    st = path.stat()
+    # Refused before anything opens them: a FIFO waits for a writer forever, /dev/zero and
+    # /proc files never end or are no files at all.
+    special = special_file_kind(st)
+    if special:
+        raise WeightsError(
+            f"{path} is {special}, not a weights file: reading it could wait or run forever. Pass a "
+            ".safetensors / .pth file, a run folder or an export folder.")
+    kind = pseudo_filesystem(path, st)
+    if kind is not None:
+        raise WeightsError(
+            f"{path} is on the {kind} pseudo-filesystem (the kernel's view of processes and devices), "
+            "not a weights file. Pass a .safetensors / .pth file, a run folder or an export folder.")
     if not path.is_dir():
         return path
     for candidate in WEIGHTS_SEARCH_ORDER:
@@ -467,13 +484,72 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
 
 
+#: The files of an export folder; ``meta.json`` lists the others with their SHA-256.
+EXPORT_FILES = ("model.pth", "model.safetensors", "class_indices.json", "meta.json")
+# What else an export folder may hold and a new export may drop: Jupyter's autosave copies.
+_REPLACEABLE = {".ipynb_checkpoints"}
+
+
+def file_digest(path: PathLike) -> str:
+    """SHA-256 of a file's bytes, as hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _export_target(out_dir: Path) -> Path:
+    """The real folder to replace, after refusing one that holds more than an export."""
+    target = Path(os.path.realpath(out_dir))  # a link to a folder: replace the folder, keep the link
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"export folder {out_dir} is a file; pass a folder path (it is created if needed)")
+    if target.is_dir():
+        foreign = sorted(e.name for e in os.scandir(target)
+                         if e.name not in EXPORT_FILES and e.name not in _REPLACEABLE and _TMP_MARK not in e.name)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise ConfigError(
+                f"export folder {out_dir} holds files that are not part of an export ({shown}); an export "
+                "replaces its folder as a whole, so nbddp will not write there. Export into an empty or "
+                f"new folder, e.g. {str(Path(out_dir) / 'export')!r}.")
+    return target
+
+
+def _remove_stale_export_dirs(target: Path) -> None:
+    # Left by an export that died between its writes and its swap (killed, power loss).
+    for stale in target.parent.glob(f".{target.name}{_TMP_MARK}*"):
+        if stale.is_dir() and not stale.is_symlink() and not _temp_writer_alive(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _swap_in(new: Path, target: Path) -> None:
+    """Put the complete folder ``new`` at ``target``; a previous ``target`` goes away whole.
+
+    Two renames in one parent folder: at every moment ``target`` is the old export, nothing,
+    or the new export, never a mix of their files.
+    """
+    if not target.exists():
+        os.rename(new, target)
+    else:
+        old = new.with_name(new.name + "-old")
+        os.rename(target, old)
+        try:
+            os.rename(new, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(target.parent)
+
+
 def export_weights(
     state_dict: Mapping[str, Any],
     out_dir: PathLike,
     classes: Union[Sequence[str], Mapping[Any, Any]],
     extra: Optional[Mapping[str, Any]] = None,
 ) -> dict[str, Path]:
-    """Write a model's weights for inference and for later fine-tuning, each file atomically.
+    """Write a model's weights for inference and for later fine-tuning, as one whole folder.
 
     Files written in ``out_dir``:
 
@@ -481,8 +557,12 @@ def export_weights(
     * ``model.safetensors``: the same tensors in safetensors format.
     * ``class_indices.json``: ``{"0": "classname", ...}``, the reference script's format.
     * ``meta.json`` (only with ``extra``): ``extra`` as JSON (model name, image_size...), with
-      ``num_classes`` filled in from ``classes`` when missing. Written last, so its presence
-      means the export is complete.
+      ``num_classes`` filled in from ``classes`` when missing, and ``files``: the SHA-256 of
+      each other file, which :func:`nbddp.load_model` checks.
+
+    The files are written into a temporary sibling folder that then replaces ``out_dir`` whole,
+    so a failure (disk full, an interrupt) leaves the previous export untouched and never a mix
+    of two exports. For that reason ``out_dir`` may hold nothing but an export.
 
     Args:
         state_dict: the model's state_dict (from a bare or DDP-wrapped model), or a checkpoint
@@ -494,39 +574,53 @@ def export_weights(
     Returns:
         ``{"pth": ..., "safetensors": ..., "class_indices": ..., "meta": ...}`` (no ``"meta"``
         without ``extra``).
+
+    Raises:
+        ConfigError: ``out_dir`` is a file, or holds files that are not part of an export.
     """
-    from safetensors.torch import save as safetensors_bytes
+    from safetensors import torch as safetensors_torch
 
     out_dir = Path(out_dir)
     names = _class_names(classes)
     tensors = _export_tensors(state_dict)
-    paths = {
-        "pth": atomic_save(tensors, out_dir / "model.pth"),
-        "safetensors": _atomic_write(
-            out_dir / "model.safetensors",
-            # "format": "pt" is what other safetensors readers (transformers...) expect.
-            lambda f: f.write(safetensors_bytes(tensors, metadata={"format": "pt"})),
-        ),
-        "class_indices": atomic_write_text(
-            json.dumps({str(i): n for i, n in enumerate(names)}, indent=4) + "\n",
-            out_dir / "class_indices.json",
-        ),
-    }
+    target = _export_target(out_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_export_dirs(target)
+    # mkdir (not mkdtemp) so the folder gets the umask's usual permissions, not 0o700.
+    work = target.with_name(f".{target.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    os.mkdir(work)
+    try:
+        atomic_save(tensors, work / "model.pth")
+        # "format": "pt" is what other safetensors readers (transformers...) expect. Looked up
+        # at call time so tests can make this write fail.
+        _atomic_write(work / "model.safetensors",
+                      lambda f: f.write(safetensors_torch.save(tensors, metadata={"format": "pt"})))
+        atomic_write_text(json.dumps({str(i): n for i, n in enumerate(names)}, indent=4) + "\n",
+                          work / "class_indices.json")
+        if extra is not None:
+            meta = to_plain(dict(extra))
+            meta.setdefault("num_classes", len(names))
+            meta["files"] = {n: file_digest(work / n) for n in EXPORT_FILES if n != "meta.json"}
+            atomic_write_text(json.dumps(meta, indent=2, default=_json_default) + "\n", work / "meta.json")
+        _swap_in(work, target)
+    except BaseException:  # KeyboardInterrupt too: the old export stays, no half folder remains
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    keys = {"pth": "model.pth", "safetensors": "model.safetensors", "class_indices": "class_indices.json"}
     if extra is not None:
-        meta = to_plain(dict(extra))
-        meta.setdefault("num_classes", len(names))
-        text = json.dumps(meta, indent=2, default=_json_default) + "\n"
-        paths["meta"] = atomic_write_text(text, out_dir / "meta.json")
-    return paths
+        keys["meta"] = "meta.json"
+    return {k: out_dir / n for k, n in keys.items()}
 
 
 __all__ = [
+    "EXPORT_FILES",
     "WEIGHTS_SEARCH_ORDER",
     "WRAPPER_PREFIXES",
     "atomic_save",
     "atomic_write_text",
     "cleanup_temp_files",
     "export_weights",
+    "file_digest",
     "extract_state_dict",
     "load_checkpoint",
     "load_state_dict_file",

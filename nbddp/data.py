@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import stat
 import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -34,6 +35,7 @@ from torch.utils.data import Dataset, Sampler
 from torchvision import transforms as T
 
 from .errors import DataError
+from .paths import pseudo_filesystem, special_file_kind
 
 PathLike = Union[str, os.PathLike]
 Sample = tuple[str, int]
@@ -62,6 +64,17 @@ def is_image_file(name: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- scanning
+def _refuse_pseudo(path: Path, what: str, st: os.stat_result) -> None:
+    kind = pseudo_filesystem(path, st)
+    if kind is not None:
+        raise DataError(
+            f"{what} {path} is on the {kind} pseudo-filesystem (the kernel's view of processes and "
+            "devices), not a folder of images: scanning it would never end. Set data_path to a "
+            "folder laid out as <root>/<class>/<image>, and remove links that lead into /proc, "
+            "/sys or /dev."
+        )
+
+
 def _check_root(root: Path) -> None:
     where = f"{root} (resolved to {root.resolve()})" if not root.is_absolute() else str(root)
     if not root.exists():
@@ -70,12 +83,20 @@ def _check_root(root: Path) -> None:
             "<root>/<class>/<image>; `python data/make_digits.py` writes the bundled "
             "data/digits, and data/README.md says how to fetch the flower photos."
         )
+    st = root.stat()
+    special = special_file_kind(st)
+    if special:
+        raise DataError(
+            f"data_path {where} is {special}, not a folder: reading it would wait forever. Point "
+            "data_path at the folder that holds one sub-folder per class."
+        )
     if not root.is_dir():
         raise DataError(
             f"data_path {where} is a file, not a folder. Point data_path at the folder that holds "
             "one sub-folder per class; if this is an archive, extract it first "
             f"(e.g. `tar xzf {root.name} -C data/`)."
         )
+    _refuse_pseudo(root, "data_path", st)
 
 
 def _class_dirs(root: Path) -> list[str]:
@@ -94,14 +115,139 @@ def _class_dirs(root: Path) -> list[str]:
     return names
 
 
-def _images_under(folder: Path) -> list[str]:
-    # Recursive like ImageFolder, so photos kept in sub-folders of a class still count; hidden
-    # folders (e.g. .ipynb_checkpoints inside a class) are pruned so no copy is read twice.
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not _is_hidden(d)]
-        found.extend(os.path.join(dirpath, f) for f in filenames if is_image_file(f))
-    return found
+class _Walk:
+    """One scan of a data folder: every folder read once, every file counted once.
+
+    Links are followed (datasets are often assembled from links), but a folder or file is
+    identified by its (device, inode): a link back to a folder already scanned (``again -> .``,
+    ``up -> ..``, or another class's folder) is skipped instead of read again. So the cost of
+    a scan is bounded by the number of distinct folders and files, however the links loop,
+    and no image lands in two classes, or in both training and validation.
+    """
+
+    def __init__(self, root: Path, class_dirs: dict[str, Path]):
+        self.root = root
+        self.dirs: set[tuple[int, int]] = set()
+        self.files: set[tuple[int, int]] = set()
+        self.skipped_dirs: list[str] = []
+        self.skipped_files: list[str] = []
+        # Every class folder (and the root) counts as scanned from the start, so a link into
+        # another class is skipped rather than taking its images into this class.
+        self.dirs.add(self._key(root.stat()))
+        owner: dict[tuple[int, int], str] = {}
+        for name, path in class_dirs.items():
+            st = path.stat()
+            _refuse_pseudo(path, "class folder", st)
+            key = self._key(st)
+            if key == self._key(root.stat()):
+                raise DataError(f"class folder {path} is a link to the data folder {root} itself; remove it.")
+            if key in owner:
+                raise DataError(
+                    f"class folders {owner[key]!r} and {name!r} in {root} are the same folder (a link): "
+                    "their images would get two labels. Remove one of them."
+                )
+            owner[key] = name
+            self.dirs.add(key)
+
+    @staticmethod
+    def _key(st: os.stat_result) -> tuple[int, int]:
+        return st.st_dev, st.st_ino
+
+    def _shown(self, path: str) -> str:
+        return os.path.relpath(path, self.root)
+
+    def images(self, folder: Path, links: list[str]) -> list[str]:
+        """Images below ``folder`` in real sub-folders; links met on the way go to ``links``."""
+        # Recursive like ImageFolder, so photos kept in sub-folders of a class still count; hidden
+        # folders (e.g. .ipynb_checkpoints inside a class) are pruned so no copy is read twice.
+        return self._walk([str(folder)], links)
+
+    def linked_images(self, links: list[str]) -> list[str]:
+        """Images reached through ``links``, once every real folder is scanned.
+
+        Real locations win: an image linked from class ``a`` but stored in class ``b`` stays
+        in ``b``, whichever class comes first.
+        """
+        found: list[str] = []
+        folders = []
+        for path in links:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # a dangling link
+            if stat.S_ISDIR(st.st_mode):
+                if self._enter(path, st):
+                    folders.append(path)
+            else:
+                found.extend(self._file(path, st))
+        return found + self._walk(folders, None)
+
+    def _enter(self, path: str, st: os.stat_result) -> bool:
+        if self._key(st) in self.dirs:
+            self.skipped_dirs.append(self._shown(path))
+            return False
+        _refuse_pseudo(Path(path), "folder", st)
+        self.dirs.add(self._key(st))
+        return True
+
+    def _file(self, path: str, st: os.stat_result) -> list[str]:
+        special = special_file_kind(st)
+        if special:
+            raise DataError(
+                f"{path} is {special}, not an image file: reading it could wait forever. Remove it "
+                "from the data folder."
+            )
+        if self._key(st) in self.files:
+            self.skipped_files.append(self._shown(path))
+            return []
+        self.files.add(self._key(st))
+        return [path]
+
+    def _walk(self, folders: list[str], links: Optional[list[str]]) -> list[str]:
+        # links=None: follow links at once (the second pass); else set them aside.
+        found: list[str] = []
+        stack = list(reversed(folders))
+        while stack:
+            current = stack.pop()
+            try:
+                entries = sorted(os.scandir(current), key=lambda e: e.name)
+            except OSError:
+                continue  # unreadable folder: skipped, as os.walk does
+            subdirs = []
+            for entry in entries:
+                if entry.name.startswith(".") or entry.name in _IGNORED_DIRS:
+                    continue
+                try:
+                    st = entry.stat()  # follows links
+                except OSError:
+                    continue  # a dangling link
+                is_dir = stat.S_ISDIR(st.st_mode)
+                if not is_dir and not is_image_file(entry.name):
+                    continue
+                if links is not None and entry.is_symlink():
+                    links.append(entry.path)
+                elif is_dir:
+                    if self._enter(entry.path, st):
+                        subdirs.append(entry.path)
+                else:
+                    found.extend(self._file(entry.path, st))
+            stack.extend(reversed(subdirs))
+        return found
+
+    def warn(self) -> None:
+        def listed(items: list[str]) -> str:
+            return ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+
+        if self.skipped_dirs:
+            warnings.warn(
+                f"{len(self.skipped_dirs)} folder link(s) in {self.root} lead to folders already "
+                f"scanned, so their images are counted once: {listed(self.skipped_dirs)}. Remove the "
+                "links to silence this.", stacklevel=3)
+        if self.skipped_files:
+            warnings.warn(
+                f"{len(self.skipped_files)} image(s) in {self.root} are the same file as one already "
+                f"counted (links or hard links: {listed(self.skipped_files)}); each is counted once, "
+                "in the first class it was found in.", stacklevel=3)
 
 
 def scan_class_folders(root: PathLike) -> tuple[list[str], list[Sample]]:
@@ -111,7 +257,9 @@ def scan_class_folders(root: PathLike) -> tuple[list[str], list[Sample]]:
     ``.`` and ``__pycache__`` are skipped); the class index is the position in that list, so it
     matches ``ImageFolder`` and the reference script's ``class_indices.json``. Images are the
     files with an extension in :data:`IMAGE_EXTENSIONS` anywhere below a class folder; hidden
-    files and other files (``LICENSE.txt``, ``.DS_Store``) are ignored.
+    files and other files (``LICENSE.txt``, ``.DS_Store``) are ignored. Links are followed, but
+    each folder is read and each file counted once (a warning names the links skipped), so
+    looping links neither hang the scan nor duplicate images.
 
     Args:
         root: folder laid out as ``root/<class>/<image>``.
@@ -121,18 +269,25 @@ def scan_class_folders(root: PathLike) -> tuple[list[str], list[Sample]]:
 
     Raises:
         DataError: the folder is missing or a file, holds no class folders, has class folders
-            without images (all of them are named), or has fewer than two classes.
+            without images (all of them are named), or has fewer than two classes; a path is on
+            a pseudo-filesystem (``/proc``, ``/sys``), an image name is a FIFO, socket or
+            device, or two class folders are the same folder.
     """
     root = Path(root)
     _check_root(root)
     classes = _class_dirs(root)
+    walk = _Walk(root, {name: root / name for name in classes})
+    links: list[list[str]] = [[] for _ in classes]
+    found = [walk.images(root / name, links[i]) for i, name in enumerate(classes)]
+    found = [paths + walk.linked_images(links[i]) for i, paths in enumerate(found)]
     samples: list[Sample] = []
     empty = []
     for index, name in enumerate(classes):
-        paths = _images_under(root / name)
+        paths = found[index]
         if not paths:
             empty.append(name)
         samples.extend((p, index) for p in paths)
+    walk.warn()
     if empty:
         raise DataError(
             f"{len(empty)} class folder(s) in {root} hold no images: {', '.join(map(repr, empty))}. "

@@ -53,7 +53,8 @@ def _checkpoint_accuracy(ckpt: dict, which: str) -> Optional[float]:
 def export_run(run_dir: PathLike, out_dir: PathLike, which: str = "best") -> Dict[str, Path]:
     """Write a run's weights where you want them, ready for inference or fine-tuning.
 
-    Files written in ``out_dir`` (each atomically, see :func:`nbddp.checkpoint.export_weights`):
+    Files written in ``out_dir`` (as one whole folder that replaces any earlier export there, see
+    :func:`nbddp.checkpoint.export_weights`):
     ``model.pth`` (plain torchvision state_dict: no ``module.`` prefix, loads with
     ``strict=True``), ``model.safetensors`` (the same tensors), ``class_indices.json``
     (``{"0": "name", ...}``) and ``meta.json`` (model, num_classes, image_size, epoch (0-based),
@@ -69,7 +70,8 @@ def export_run(run_dir: PathLike, out_dir: PathLike, which: str = "best") -> Dic
         ``{"pth", "safetensors", "class_indices", "meta"}`` -> the paths written.
 
     Raises:
-        ConfigError: ``which`` is neither ``"best"`` nor ``"last"``.
+        ConfigError: ``which`` is neither ``"best"`` nor ``"last"``, or ``out_dir`` holds files
+            that are not part of an export.
         WeightsError: the run has no such checkpoint (it ended before finishing an epoch), or the
             checkpoint is unreadable or not weights-only safe.
     """

@@ -15,7 +15,7 @@ import torch
 if TYPE_CHECKING:
     import PIL.Image
 
-from .checkpoint import load_state_dict_file
+from .checkpoint import EXPORT_FILES, file_digest, load_state_dict_file
 from .errors import WeightsError
 
 PathLike = Union[str, Path]
@@ -43,6 +43,35 @@ def _export_folder(source: Path) -> Path:
         "nbddp.export_run(run_dir, folder) first.")
 
 
+_REEXPORT = ("Export the run again into a new folder: nbddp.export_run(run_dir, folder); files copied "
+             "by hand from two exports cannot be mixed.")
+
+
+def _check_files_belong_together(folder: Path, meta: dict, classes: List[str]) -> None:
+    """Refuse an export folder whose files come from different exports.
+
+    ``meta.json`` of an nbddp export lists the SHA-256 of every other file; an export written
+    before that list existed is checked by its class count only (and by the weights' shapes).
+    """
+    def mixed(what: str) -> WeightsError:
+        return WeightsError(f"the files of {folder} do not belong together: {what}. {_REEXPORT}")
+
+    if "num_classes" in meta and meta["num_classes"] != len(classes):
+        raise mixed(f"meta.json says {meta['num_classes']} classes, class_indices.json names {len(classes)}")
+    listed = meta.get("files")
+    if not isinstance(listed, dict):
+        return
+    for name in EXPORT_FILES:
+        path = folder / name
+        if name == "meta.json" or not path.exists():
+            continue
+        if name not in listed:
+            raise mixed(f"{name} is not one of the files meta.json lists ({', '.join(sorted(listed))})")
+        if file_digest(path) != listed[name]:
+            raise mixed(f"{name} is not the file that the export which wrote meta.json wrote "
+                        "(its SHA-256 differs)")
+
+
 def load_model(source: PathLike, device: Union[str, torch.device] = "cpu"):
     """Rebuild a trained classifier for inference.
 
@@ -53,6 +82,10 @@ def load_model(source: PathLike, device: Union[str, torch.device] = "cpu"):
     Returns:
         ``(model, classes)``: the plain torchvision model in eval mode, and the class names.
         ``model.nbddp_meta`` holds the model name and image size it was trained at.
+
+    Raises:
+        WeightsError: no export at ``source``, or its files do not belong together (files of two
+            exports, weights that do not fit the classes of ``class_indices.json``).
 
     Example:
         >>> model, classes = load_model(result.run_dir)
@@ -72,8 +105,16 @@ def load_model(source: PathLike, device: Union[str, torch.device] = "cpu"):
         cfg = json.loads(cfg_path.read_text())
         meta = {"model": cfg["model"], "image_size": cfg["image_size"]}
     weights = folder / "model.safetensors" if (folder / "model.safetensors").exists() else folder / "model.pth"
+    _check_files_belong_together(folder, meta, classes)
     model = build_model(meta["model"], len(classes))
-    model.load_state_dict(load_state_dict_file(weights), strict=True)
+    try:
+        model.load_state_dict(load_state_dict_file(weights), strict=True)
+    except RuntimeError as e:  # shapes or keys: weights of another model or class count
+        detail = str(e).strip().splitlines()
+        raise WeightsError(
+            f"the files of {folder} do not belong together: {weights.name} does not fit a {meta['model']} "
+            f"with the {len(classes)} classes of class_indices.json ({detail[-1].strip() if detail else e}). "
+            f"{_REEXPORT}") from None
     model.eval().to(device)
     model.nbddp_meta = {"model": meta["model"], "image_size": meta.get("image_size", 224),
                         "classes": classes, "weights": str(weights)}

@@ -274,6 +274,11 @@ def spawn_train(
                 child_env[var] = "lo"
     child_env.update(env or {})
     warm = start_method == "forkserver"
+    if not warm:
+        # The run's marker from the first instruction on, for cleanup to prove a spawned worker
+        # is this run's even before it opens its log (forked workers show the server's birth
+        # environment in /proc instead; their log on fd 1 marks them, see procs.carries_marker).
+        child_env["NBDDP_RUN_DIR"] = str(run_dir)
     # The kernel's whole environment as of this launch, with nbddp's variables on top: a
     # forkserver's children would otherwise see the server's environment from its start, and
     # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).

@@ -20,6 +20,7 @@ from nbddp.checkpoint import (
     atomic_save,
     cleanup_temp_files,
     export_weights,
+    file_digest,
     load_checkpoint,
     load_state_dict_file,
     to_plain,
@@ -197,7 +198,10 @@ def test_export_weights_writes_loadable_files(tmp_path):
     st = load_file(str(paths["safetensors"]))
     assert st.keys() == sd.keys() and all(torch.equal(st[k], sd[k]) for k in sd)
     assert json.loads(paths["class_indices"].read_text()) == {"0": "cat", "1": "dog", "2": "bird"}
-    assert json.loads(paths["meta"].read_text()) == {"model": "resnet18", "image_size": 64, "num_classes": 3}
+    meta = json.loads(paths["meta"].read_text())
+    files = meta.pop("files")  # what load_model checks: the SHA-256 of every other file
+    assert meta == {"model": "resnet18", "image_size": 64, "num_classes": 3}
+    assert files == {k: file_digest(v) for k, v in [(p.name, p) for key, p in paths.items() if key != "meta"]}
 
 
 def test_export_handles_shared_and_strided_tensors(tmp_path):

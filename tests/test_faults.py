@@ -128,7 +128,9 @@ def test_stale_workers_are_refused_and_cleanup_ends_only_them(tree, runs_dir, tm
     cfg = cfg_for(tree, runs_dir, epochs=1)
     first = spawn_train(cfg, echo=False)
     # Stand-ins for workers an earlier kernel left behind, and an unrelated twin process.
-    stale = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    # The stale one carries the run's marker, as real workers do; the twin does not.
+    stale = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                             env={**os.environ, "NBDDP_RUN_DIR": str(first.run_dir)})
     twin = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         rec_path = first.run_dir / ".nbddp" / "launch.json"

@@ -12,8 +12,8 @@ Kernel side. The server is a child process of the kernel started with the kernel
 * it runs in its own session, so Jupyter's Interrupt (SIGINT to the kernel's process group)
   interrupts the cell, not TensorBoard.
 
-Its output goes to a log file in the temp folder (named in every error), never to a pipe that
-nobody reads and that would block it once full. The bootstrap arms the signal for the thread
+Its output goes to a log file in a private folder of the temp folder (named in every error),
+never to a pipe that nobody reads and that would block it once full. The bootstrap arms the signal for the thread
 that started the server: call these functions from the notebook's main thread (cells run there).
 """
 
@@ -148,6 +148,7 @@ class TensorBoardServer:
         if self.process.returncode in (0, -15, 143):  # a clean stop: its log tells nothing new
             with contextlib.suppress(OSError):
                 self.log_path.unlink()
+                self.log_path.parent.rmdir()  # its private folder, empty now
 
     def iframe(self, height: int = 600):
         """An embeddable frame of the server (see :func:`show_tensorboard`).
@@ -173,12 +174,17 @@ class TensorBoardServer:
 
 
 def _launch(logdir: Path, port: int, timeout: float, reload_interval: int) -> TensorBoardServer:
-    log_path = Path(tempfile.gettempdir()) / f"nbddp-tensorboard-{os.getpid()}-{port}.log"
+    # A private folder (mkdtemp: 0700, a name nobody can guess or claim first) and a file
+    # created exclusively without following links: in a shared /tmp, a predictable log name
+    # lets another user plant a symlink there and have the kernel overwrite their target.
+    folder = Path(tempfile.mkdtemp(prefix=f"nbddp-tensorboard-{port}-"))
+    log_path = folder / "nbddp-tensorboard.log"
     # --load_fast=false: TensorBoard reads the events itself instead of starting its Rust data
     # server, a grandchild that would outlive it as a zombie when TensorBoard exits.
     cmd = [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), "--logdir", str(logdir), "--host", "127.0.0.1",
            "--port", str(port), "--reload_interval", str(reload_interval), "--load_fast", "false"]
-    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(fd, "wb") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
     server = TensorBoardServer(logdir, port, proc, log_path)
