@@ -24,7 +24,7 @@ from .config import TrainConfig
 from .errors import ConfigError
 from .gpus import check_gpu_ids
 from .procs import cpu_cores, live_workers, start_time
-from .handle import RunHandle, TrainResult
+from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult
 from .runtime import STATE_DIR, LaunchSpec, entry, state_path
 from .targets import resolve_target
 
@@ -127,6 +127,7 @@ def spawn_train(
     threads_per_proc: Optional[int] = None,
     grace_s: float = 3.0,
     stall_timeout_s: Optional[float] = None,
+    stop_timeout_s: float = STOP_TIMEOUT_S,
     echo: bool = True,
     on_event: Optional[Callable[[str, Any], None]] = None,
     start_method: str = "forkserver",
@@ -151,7 +152,11 @@ def spawn_train(
         timeout_s: process-group timeout: a collective that waits longer fails (default 120 s
             on CPU, 600 s on GPU).
         threads_per_proc: intra-op threads per rank (default: cores divided among the ranks).
-        grace_s: seconds each shutdown stage waits (stop request, then SIGTERM, then SIGKILL).
+        grace_s: seconds each shutdown stage waits (stop request, then SIGTERM, then SIGKILL)
+            after a failure or an interrupt.
+        stop_timeout_s: after ``stop()``, how long workers that still send heartbeats may take
+            to finish (evaluation, checkpoint, export) before SIGTERM; one whose heartbeat stops
+            for ``grace_s + 2`` s is ended at once. The run then returns ``TrainResult(stopped=True)``.
         stall_timeout_s: a rank that lags behind the others without progress for this long is
             declared hung and the run is stopped, naming it (default: ``timeout_s``). Progress
             is what the worker reports through ``ctx.heartbeat``/``ctx.log``/``ctx.progress``.
@@ -248,7 +253,7 @@ def spawn_train(
         _prepare_forkserver()
     with _patched_env(child_env), _bare_main():
         ctx = mp.start_processes(entry, args=(spec,), nprocs=world, join=False, start_method=start_method)
-    handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s,
+    handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s, stop_timeout_s=stop_timeout_s,
                        stall_timeout_s=timeout_s if stall_timeout_s is None else stall_timeout_s)
     if on_event is not None:
         handle.subscribe(on_event)

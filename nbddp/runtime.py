@@ -212,6 +212,8 @@ class Context:
         if not self._stop and now - self._stop_checked >= 0.2:
             self._stop_checked = now
             self._stop = state_path(self.run_dir, "stop").exists()
+            if self._stop and self._beat is not None:
+                self._beat.beat()  # tells the launcher this rank obeys: it lets it finish
         return self._stop
 
     def fault_point(self, where: str) -> None:
@@ -355,7 +357,8 @@ class _Heartbeat(threading.Thread):
     def beat(self) -> None:
         c = self.ctx
         record = {"rank": c.rank, "pid": os.getpid(), "state": self.state, "epoch": c.epoch, "step": c.step,
-                  "waiting": c.waiting, "progress_time": c._progress_time, "beat_time": time.time()}
+                  "waiting": c.waiting, "progress_time": c._progress_time, "beat_time": time.time(),
+                  "stopping": c._stop}
         with self._lock:
             try:
                 self.file.write(record)
