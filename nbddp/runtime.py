@@ -304,8 +304,8 @@ def _after_fork_in_child() -> None:
 def fork_children() -> None:
     """Make this rank's own child processes (DataLoader workers) fork from it and die with it.
 
-    A rank started by a forkserver inherits ``forkserver`` as its default start method (spawn's
-    preparation data carries the parent's), and one started by spawn inherits ``spawn``: each
+    A rank started by a forkserver has ``forkserver`` as its default start method, and one
+    started by spawn ``spawn`` (multiprocessing sets the start method in the child): each
     DataLoader worker would then be a fresh interpreter that imports torch (seconds per worker,
     every epoch unless the workers persist), and could not unpickle a dataset class defined in a
     worker file. ``fork`` copies the rank instead, in milliseconds. It is safe here: the kernel's
