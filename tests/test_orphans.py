@@ -78,8 +78,8 @@ def test_no_process_outlives_the_launching_process(tmp_path, phase):
         for name, (proc, marker, runs) in launches.items():
             proc.wait(timeout=30)  # the test is the launcher's parent: it reaps the launcher itself
             if phase != "start-up":
-                # launcher, forkserver, 2 ranks and their 2 loader workers each were all there
-                assert len(before[name]) >= 8, f"{name}: {before[name]}"
+                # launcher, forkserver, 2 ranks and their 2 loader workers each (4 in "loading")
+                assert len(before[name]) >= (12 if phase == "loading" else 8), f"{name}: {before[name]}"
         left = {}
         for name, (proc, marker, runs) in launches.items():
             wait_for(lambda: not marked(marker), 10)
@@ -96,3 +96,27 @@ def test_no_process_outlives_the_launching_process(tmp_path, phase):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+def test_loader_workers_end_with_their_ranks_main_thread(runs_dir):
+    from nbddp import TrainingInterrupted, spawn_train
+    from conftest import proc_state, survivors
+
+    h = spawn_train(f"{WORKERS / 'lifecycle.py'}:main_thread_exits", nprocs=2, runs_dir=runs_dir, block=False,
+                    echo=False, grace_s=1.0)
+    try:
+        log = h.run_dir / "logs" / "rank0.log"
+        assert wait_for(lambda: log.exists() and "workers " in log.read_text(), 60)
+        workers = [int(p) for p in log.read_text().split("workers ", 1)[1].split()]
+        assert wait_for(lambda: proc_state(h.pids[0]) == "Z", 30), "rank 0 is a zombie leader"
+        # Its other threads keep the process: neither waitpid nor a worker's getppid() sees it gone.
+        assert len(os.listdir(f"/proc/{h.pids[0]}/task")) > 1
+        # The workers stop at once (zombies until their parent's last thread ends and init
+        # reaps them), though the item they are in would take an hour.
+        assert wait_for(lambda: set(survivors(workers).values()) <= {"Z"}, 10), survivors(workers)
+    finally:
+        h.stop(wait=False)
+        with pytest.raises(TrainingInterrupted):
+            h.wait(timeout=60)
+    assert survivors(h.pids) == {}
+    assert wait_for(lambda: not survivors(workers), 10), survivors(workers)

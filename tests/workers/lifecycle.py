@@ -70,12 +70,26 @@ def loader_probe(ctx, data_path: str):
             "descendants": descendants}
 
 
+class _Slow(Dataset):
+    """Items that take an hour: a loader worker busy inside one never checks on its parent."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        time.sleep(3600)
+        return i
+
+
 def phase_hold(ctx, data_path: str, phase: str):
     """Reach ``phase`` ("loading", "training" or "evaluation") with loader workers alive; stay there.
 
-    The phase is announced through ``ctx.progress`` once reached, so a test can act on it.
+    The phase is announced through ``ctx.progress`` once reached, so a test can act on it. In
+    "loading", a user's own DataLoader also has 2 workers busy inside an item.
     """
     sampler, train_loader, val_loader = _builtin_loaders(ctx, data_path, num_workers=2)
+    if phase == "loading":
+        busy = iter(DataLoader(_Slow(), batch_size=1, num_workers=2))  # the workers start on their items
     t = torch.ones(1)
     step = 0
     while True:
@@ -112,3 +126,19 @@ def slow_stop(ctx, after_stop_s: float = 5.0):
         time.sleep(0.1)
     dist.barrier()
     return {"steps": step, "worked_after_stop_s": after_stop_s}
+
+
+def main_thread_exits(ctx):
+    """Rank 0's main thread ends while its other threads live on: a zombie leader with live
+    threads, as a rank killed inside the CUDA driver looks. Its busy loader workers must go."""
+    import ctypes
+    import platform
+
+    busy = iter(DataLoader(_Slow(), batch_size=1, num_workers=2))  # noqa: F841 - workers start on their items
+    if ctx.rank == 0:
+        print(f"workers {' '.join(str(w.pid) for w in busy._workers)}", flush=True)
+        exit_thread = {"x86_64": 60, "aarch64": 93}[platform.machine()]  # SYS_exit: this thread only
+        ctypes.CDLL(None).syscall(exit_thread, 0)
+    while True:
+        ctx.heartbeat(epoch=0, step=0)
+        time.sleep(0.2)
