@@ -5,6 +5,10 @@ processes each, and is ended with SIGTERM, SIGKILL or SIGHUP during start-up, da
 training or evaluation. Every process of that launch carries a marker in its environment
 (inherited from the launcher), so survivors are found wherever they went: ranks, their loader
 workers, the forkserver, orphans reparented to init. A zombie counts as a survivor.
+
+And a rank's loader workers end with the rank's main thread, even when the rank lingers as a
+zombie leader with live threads (as one killed inside the CUDA driver does): neither waitpid nor
+the workers' own watchdog (which compares getppid()) can tell that the rank is gone.
 """
 
 import json
@@ -17,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS, make_tree, wait_for
+from nbddp import TrainingInterrupted, spawn_train
+from conftest import ROOT, WORKERS, make_tree, proc_state, survivors, wait_for
 
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL, "SIGHUP": signal.SIGHUP}
 
@@ -99,9 +104,6 @@ def test_no_process_outlives_the_launching_process(tmp_path, phase):
 
 
 def test_loader_workers_end_with_their_ranks_main_thread(runs_dir):
-    from nbddp import TrainingInterrupted, spawn_train
-    from conftest import proc_state, survivors
-
     h = spawn_train(f"{WORKERS / 'lifecycle.py'}:main_thread_exits", nprocs=2, runs_dir=runs_dir, block=False,
                     echo=False, grace_s=1.0)
     try:
