@@ -99,9 +99,9 @@ class TrainConfig:
             tensor on the rank's device, then crop, flip and normalise whole batches there: GPU-side
             augmentation, no loader processes; for datasets that fit in memory, see
             :mod:`nbddp.tensor_data`).
-        persistent_workers: keep DataLoader workers alive between epochs (faster epoch starts
-            with ``num_workers > 0``). Their random seeds are then drawn once, so a resumed run
-            no longer repeats the augmentation of an uninterrupted one exactly.
+        persistent_workers: keep DataLoader workers alive between epochs (``num_workers > 0``),
+            so no epoch pays for starting them again. Resumed runs stay exact either way: each
+            image's augmentation is seeded by (seed, epoch, image), not by the worker.
         timeout_s: process-group timeout in seconds (a hung collective fails after this).
     """
 
@@ -134,7 +134,7 @@ class TrainConfig:
     check_images: bool = True
     cache_images: bool = False
     data_pipeline: str = "pil"
-    persistent_workers: bool = False
+    persistent_workers: bool = True
     timeout_s: float = 300.0
 
     def __post_init__(self):

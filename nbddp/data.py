@@ -470,6 +470,105 @@ class ImageListDataset(Dataset):
         return image, label
 
 
+# ---------------------------------------------------------------------------- loader processes
+def loader_context() -> Optional[str]:
+    """Start method of nbddp's DataLoader workers: ``"fork"`` where the platform has it.
+
+    A forked worker is a copy of the rank with torch already imported: its first batch comes in
+    milliseconds, where a spawned or forkserver-started one first imports torch (seconds each).
+    Workers never touch CUDA, so forking a rank that uses a GPU is safe.
+    """
+    import multiprocessing
+
+    return "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+
+
+class DieWithParent:
+    """``worker_init_fn`` that ends a DataLoader worker when the process that started it dies.
+
+    A rank killed with SIGKILL (the kernel died, the OOM killer) cannot end its workers itself;
+    with Linux's parent-death signal they follow it at once, under any launcher.
+    """
+
+    def __init__(self):
+        self.parent = os.getpid()  # the loader's process, recorded where the loader is built
+
+    def __call__(self, worker_id: int) -> None:
+        from .runtime import set_parent_death_signal
+
+        set_parent_death_signal(self.parent)
+
+
+def loader_processes(num_workers: int) -> dict:
+    """The DataLoader keyword arguments that start ``num_workers`` worker processes well."""
+    if num_workers <= 0:
+        return {"num_workers": 0}
+    return {"num_workers": num_workers, "multiprocessing_context": loader_context(), "worker_init_fn": DieWithParent()}
+
+
+def item_seed(seed: int, epoch: int, index: int) -> int:
+    """Seed of one sample's augmentation: a function of (seed, epoch, sample index) alone."""
+    # splitmix64 over the three numbers: nearby inputs give unrelated seeds.
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) & (2**63 - 1)
+
+
+class SeededSampler(Sampler):
+    """Wraps a sampler to yield ``(index, seed)`` pairs for :class:`SeededDataset`.
+
+    The seed depends on ``(seed, epoch, index)`` only, where the epoch is the wrapped sampler's
+    (``DistributedSampler.set_epoch``). So each image's random crop is the same whichever worker
+    process draws it, however many workers there are, and whether the workers persist between
+    epochs or not: a resumed run sees exactly what an uninterrupted one sees.
+    """
+
+    def __init__(self, sampler: Sampler, seed: int):
+        self.sampler, self.seed = sampler, seed
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = getattr(self.sampler, "epoch", 0)
+        return ((i, item_seed(self.seed, epoch, i)) for i in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class SeededDataset(Dataset):
+    """Reads ``(index, seed)`` keys: seeds torch and ``random`` with ``seed``, then returns ``dataset[index]``.
+
+    In the rank's own process (``num_workers=0``) the global random state is restored after the
+    item, so data loading leaves the training randomness alone.
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        import torch
+        from torch.utils.data import get_worker_info
+
+        index, seed = key
+        in_worker = get_worker_info() is not None
+        if not in_worker:
+            saved = torch.get_rng_state(), random.getstate()
+        torch.manual_seed(seed)
+        random.seed(seed)
+        try:
+            return self.dataset[index]
+        finally:
+            if not in_worker:
+                torch.set_rng_state(saved[0])
+                random.setstate(saved[1])
+
+
 def resize_size(image_size: int) -> int:
     """Side the evaluation resize gives the shorter edge before the centre crop (224 -> 256)."""
     return int(image_size / 0.875)
@@ -662,7 +761,10 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "DieWithParent",
     "ImageListDataset",
+    "SeededDataset",
+    "SeededSampler",
     "ShardSampler",
     "build_transforms",
     "check_batch_fits",
@@ -670,6 +772,9 @@ __all__ = [
     "class_indices",
     "describe_dataset",
     "is_image_file",
+    "item_seed",
+    "loader_context",
+    "loader_processes",
     "load_rgb",
     "rank_share",
     "scan_class_folders",

@@ -26,6 +26,11 @@ from .report import RankEnd, build_worker_error, collect, position
 from .runtime import STATE_DIR, LaunchSpec, state_path, write_json_atomic
 
 
+# After a stop request, the longest a worker that still sends heartbeats may take to finish
+# (its last evaluation, checkpoint and export) before it is ended with SIGTERM.
+STOP_TIMEOUT_S = 300.0
+
+
 @dataclass
 class TrainResult:
     """What a finished run gives back to the notebook.
@@ -128,8 +133,9 @@ class RunHandle:
     """
 
     def __init__(self, ctx, spec: LaunchSpec, store, echo: bool, grace_s: float,
-                 stall_timeout_s: Optional[float] = None):
+                 stall_timeout_s: Optional[float] = None, stop_timeout_s: float = STOP_TIMEOUT_S):
         self._ctx, self.spec, self._store, self.echo, self.grace_s = ctx, spec, store, echo, grace_s
+        self.stop_timeout_s = stop_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self._stall_checked = 0.0
         self.run_dir = Path(spec.run_dir)
@@ -158,7 +164,14 @@ class RunHandle:
         self._listeners.append(callback)
 
     def stop(self, wait: bool = True, timeout: Optional[float] = None) -> None:
-        """Ask every worker to stop; escalate to SIGTERM, then SIGKILL after ``grace_s`` each."""
+        """Ask every worker to stop, and let the ones that keep working finish.
+
+        Workers leave at their next step and may still evaluate, save and export: as long as
+        their heartbeats go on (every second, even inside a collective) they are left alone, up
+        to ``stop_timeout_s``. A worker whose heartbeat stops for ``grace_s + 2`` seconds, one
+        still running after ``stop_timeout_s``, and a run in which no worker has asked
+        ``ctx.should_stop()`` within ``grace_s`` get SIGTERM, then SIGKILL ``grace_s`` later.
+        """
         with self._lock:
             self._begin_shutdown("stop")
         if wait:
@@ -333,7 +346,12 @@ class RunHandle:
 
     def _advance_shutdown(self, now: float) -> None:
         sd = self._shutdown
-        if now - sd["since"] < self.grace_s:
+        if sd["stage"] == "ask" and sd["reason"] == "stop":
+            # A stop keeps the result: the workers may be finishing the epoch's evaluation, the
+            # export or NCCL's teardown, which can take far longer than grace_s on a GPU.
+            if now - sd["since"] < self.stop_timeout_s and self._finishing(now, sd["since"]):
+                return
+        elif now - sd["since"] < self.grace_s:
             return
         if sd["stage"] == "ask":
             sd.update(stage="term", since=now)
@@ -341,6 +359,24 @@ class RunHandle:
         elif sd["stage"] == "term":
             sd.update(stage="kill", since=now)
             self._kill_all(signal.SIGKILL)
+
+    def _finishing(self, now: float, since: float) -> bool:
+        """True while the workers may still be finishing after a stop request.
+
+        That is: within ``grace_s`` of the request, or once a rank has seen the request
+        (``ctx.should_stop()``, the built-in worker checks it every step), as long as every
+        running rank's heartbeat is younger than ``grace_s + 2`` s (it beats every second, even
+        inside a collective). A worker that never asks whether to stop gets ``grace_s``.
+        """
+        _records, beats = collect(self.run_dir, self.world_size)
+        # A resumed run's folder may still hold the previous launch's records: not this run's.
+        beats = {r: b for r, b in beats.items() if (b.get("beat_time") or 0.0) >= self.started_at}
+        running = [r for r, p in enumerate(self._ctx.processes) if r not in self._ends and p.exitcode is None]
+        for rank in running:
+            last = max(beats.get(rank, {}).get("beat_time") or 0.0, since)  # not started: from the request
+            if now - last > self.grace_s + 2.0:
+                return False  # stuck (or stopped) with its heartbeat
+        return now - since < self.grace_s or any(b.get("stopping") for b in beats.values())
 
     def _kill_all(self, sig: int) -> None:
         for rank, p in enumerate(self._ctx.processes):

@@ -26,7 +26,7 @@ from .config import MIN_TIMEOUT_S, NAME_RULE, TrainConfig, name_problem
 from .errors import ConfigError
 from .gpus import cuda_visible_devices
 from .procs import cpu_cores, live_workers, start_time
-from .handle import RunHandle, TrainResult
+from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult
 from .runtime import STATE_DIR, LaunchSpec, entry, state_path
 from .targets import resolve_target
 
@@ -157,6 +157,7 @@ def spawn_train(
     threads_per_proc: Optional[int] = None,
     grace_s: float = 3.0,
     stall_timeout_s: Optional[float] = None,
+    stop_timeout_s: float = STOP_TIMEOUT_S,
     echo: bool = True,
     on_event: Optional[Callable[[str, Any], None]] = None,
     start_method: str = "forkserver",
@@ -181,7 +182,11 @@ def spawn_train(
         timeout_s: process-group timeout: a collective that waits longer fails (default 120 s
             on CPU, 600 s on GPU).
         threads_per_proc: intra-op threads per rank (default: cores divided among the ranks).
-        grace_s: seconds each shutdown stage waits (stop request, then SIGTERM, then SIGKILL).
+        grace_s: seconds each shutdown stage waits (stop request, then SIGTERM, then SIGKILL)
+            after a failure or an interrupt.
+        stop_timeout_s: after ``stop()``, how long workers that still send heartbeats may take
+            to finish (evaluation, checkpoint, export) before SIGTERM; one whose heartbeat stops
+            for ``grace_s + 2`` s is ended at once. The run then returns ``TrainResult(stopped=True)``.
         stall_timeout_s: a rank that lags behind the others without progress for this long is
             declared hung and the run is stopped, naming it (default: ``timeout_s`` on CPU,
             ``0.75 * timeout_s`` on GPUs, before NCCL's watchdog aborts the waiting ranks).
@@ -299,7 +304,8 @@ def spawn_train(
         with _patched_env(child_env), _bare_main():
             ctx = mp.start_processes(entry, args=(spec,), nprocs=world, join=False, start_method=start_method)
         try:
-            handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s)
+            handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s,
+                               stop_timeout_s=stop_timeout_s)
             if on_event is not None:
                 handle.subscribe(on_event)
             handle._update_launch_record(target=spec_target, world_size=world, backend=backend, gpus=gpus,

@@ -267,6 +267,8 @@ class Context:
         if not self._stop and now - self._stop_checked >= 0.2:
             self._stop_checked = now
             self._stop = state_path(self.run_dir, "stop").exists()
+            if self._stop and self._beat is not None:
+                self._beat.beat()  # tells the launcher this rank obeys: it lets it finish
         return self._stop
 
     def fault_point(self, where: str) -> None:
@@ -331,6 +333,50 @@ def set_parent_death_signal(parent_pid: Optional[int]) -> None:
         os._exit(1)
 
 
+def _set_pdeathsig() -> None:
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+_fork_parent: Optional[int] = None  # set in the parent just before a fork; the child reads its copy
+
+
+def _before_fork() -> None:
+    global _fork_parent
+    # Only forks from the main thread: the parent-death signal follows the forking *thread*, and
+    # a child forked from a short-lived thread would die with that thread.
+    _fork_parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
+
+
+def _after_fork_in_child() -> None:
+    if _fork_parent is not None:
+        _set_pdeathsig()
+        if os.getppid() != _fork_parent:  # the parent died before prctl: no signal will come
+            os._exit(1)
+
+
+def fork_children() -> None:
+    """Make this rank's own child processes (DataLoader workers) fork from it and die with it.
+
+    A rank started by a forkserver has ``forkserver`` as its default start method, and one
+    started by spawn ``spawn`` (multiprocessing sets the start method in the child): each
+    DataLoader worker would then be a fresh interpreter that imports torch (seconds per worker,
+    every epoch unless the workers persist), and could not unpickle a dataset class defined in a
+    worker file. ``fork`` copies the rank instead, in milliseconds. It is safe here: the kernel's
+    CUDA state never reaches a rank, and DataLoader workers never touch CUDA.
+
+    Every child forked from the rank's main thread also gets the parent-death signal, so when
+    the rank is killed (SIGKILL leaves it no chance to end its workers) its workers follow at
+    once instead of lingering until torch's own watchdog notices, or forever inside a slow item.
+    """
+    import multiprocessing
+
+    if "fork" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_start_method("fork", force=True)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
 def redirect_output(log_path: Path) -> None:
     """Send fd 1 and 2 (Python and C++ output alike) to the rank's log file, line-buffered."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -366,7 +412,8 @@ class _Heartbeat(threading.Thread):
     def beat(self) -> None:
         c = self.ctx
         record = {"rank": c.rank, "pid": os.getpid(), "state": self.state, "epoch": c.epoch, "step": c.step,
-                  "phase": c.phase, "waiting": c.waiting, "progress_time": c._progress_time, "beat_time": time.time()}
+                  "phase": c.phase, "waiting": c.waiting, "progress_time": c._progress_time, "beat_time": time.time(),
+                  "stopping": c._stop}
         with self._lock:
             try:
                 self.file.write(record)
@@ -440,6 +487,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     except OSError:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fork_children()
     if spec.env:
         os.environ.clear()  # exactly the launching kernel's environment of this launch
         os.environ.update(spec.env)

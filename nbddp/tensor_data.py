@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .data import IMAGENET_MEAN, IMAGENET_STD, Sample, load_rgb, resize_size
+from .data import IMAGENET_MEAN, IMAGENET_STD, Sample, load_rgb, loader_processes, resize_size
 
 
 # Side of the cached square: the PIL pipeline's evaluation resize, so that the centre crop of
@@ -76,7 +76,8 @@ class TensorCache:
     def __init__(self, samples: Sequence[Sample], image_size: int, device: torch.device, workers: int = 0):
         size = load_size(image_size)
         images = torch.empty(len(samples), 3, size, size, dtype=torch.uint8)
-        loader = DataLoader(_Decode(samples, size), batch_size=64, num_workers=workers)
+        # Forked decoders: no interpreter start nor torch import per worker (see loader_processes).
+        loader = DataLoader(_Decode(samples, size), batch_size=64, **loader_processes(workers))
         offset = 0
         for batch in loader:
             images[offset:offset + len(batch)] = batch

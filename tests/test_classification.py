@@ -112,9 +112,10 @@ def test_weights_from_another_run_fine_tune_a_different_class_count(tmp_path, tr
     assert "fc.bias: file (3,) vs model (4,)" in log
 
 
-@pytest.mark.parametrize("pipeline", ["pil", "tensor"])
-def test_resume_after_a_crash_ends_with_the_same_weights(tree, runs_dir, pipeline):
-    cfg = small_cfg(tree, runs_dir, epochs=3, data_pipeline=pipeline)
+@pytest.mark.parametrize("pipeline, workers", [("pil", 0), ("tensor", 0), ("pil", 2)])
+def test_resume_after_a_crash_ends_with_the_same_weights(tree, runs_dir, pipeline, workers):
+    # With workers: persistent ones, whose own seeds are drawn once per launch, not per epoch.
+    cfg = small_cfg(tree, runs_dir, epochs=3, data_pipeline=pipeline, num_workers=workers)
     straight = spawn_train(cfg.replace(name="straight"), echo=False)
     with pytest.raises(WorkerError) as info:
         spawn_train(cfg.replace(name="crashy"), echo=False, _fault="epoch0:0:exit3")

@@ -332,9 +332,16 @@ def _loaders(cfg: TrainConfig, ctx, classes, train_s, val_s):
         workers = D.loader_workers(ctx.world_size, at_least=1) if cuda else 0
     # DistributedSampler gives each rank a disjoint shard, reshuffled by set_epoch every epoch.
     sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
-    common = dict(num_workers=workers, pin_memory=cuda, persistent_workers=cfg.persistent_workers and workers > 0)
+    # Each image's augmentation is seeded by (seed, epoch, index): the same with any number of
+    # workers, and with workers that persist between epochs (their own seeds are drawn once).
+    seeded = D.SeededSampler(sampler, cfg.seed)
+    # Forked (not spawned: no torch import per worker), dying with the rank, and kept between
+    # epochs: re-creating them costs a fork and the first batches' latency every epoch.
+    common = dict(pin_memory=cuda, persistent_workers=cfg.persistent_workers and workers > 0,
+                  **D.loader_processes(workers))
     # drop_last: a tiny final batch gives noisy BatchNorm statistics and uneven step counts.
-    train_loader = DataLoader(train_ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, **common)
+    train_loader = DataLoader(D.SeededDataset(train_ds), batch_size=cfg.batch_size, sampler=seeded, drop_last=True,
+                              **common)
     val_loader = DataLoader(val_ds, batch_size=cfg.batch_size,
                             sampler=D.ShardSampler(len(val_ds), ctx.rank, ctx.world_size), **common)
     return sampler, train_loader, val_loader, None, None

@@ -287,15 +287,15 @@ class TrainingPanel:
         return handle.outcome
 
     def stop(self) -> None:
-        """Ask the run to stop: workers finish their step, then SIGTERM, then SIGKILL (staged)."""
+        """Ask the run to stop: workers finish their step and save; SIGTERM only if they stop beating (staged)."""
         handle = self.handle
         if handle is None or not handle.running:
             return
         handle.stop(wait=False)  # the monitor thread runs the staged shutdown and reaps
         self.stop_button.disabled = True
         self.stop_button.description = "Stopping…"
-        self._status("warn", f"Stopping: workers leave at their next step (SIGTERM after {handle.grace_s:g} s, "
-                             f"SIGKILL after {2 * handle.grace_s:g} s)…")
+        self._status("warn", "Stopping: workers leave at their next step, then save and export (SIGTERM if "
+                             f"their heartbeat stops, or after {handle.stop_timeout_s:g} s)…")
 
     # ------------------------------------------------------------------ starting
     def _on_train(self, _button=None) -> None:

@@ -1,0 +1,42 @@
+"""Stop keeps the result: workers that obey the stop and keep beating are let finish."""
+
+import os
+import signal
+
+import pytest
+
+from nbddp import TrainingInterrupted, TrainResult, spawn_train
+from conftest import WORKERS, survivors, wait_for
+
+SLOW_STOP = f"{WORKERS / 'lifecycle.py'}:slow_stop"
+
+
+def started(h) -> bool:
+    return bool(h.progress) and all((h.run_dir / ".nbddp" / f"rank{r}.json").exists() for r in range(2))
+
+
+def test_workers_finishing_after_a_stop_return_their_result(runs_dir):
+    # 5 s of work after the stop, five times grace_s: the result still comes back.
+    h = spawn_train(SLOW_STOP, nprocs=2, runs_dir=runs_dir, block=False, echo=False, grace_s=1.0,
+                    kwargs={"after_stop_s": 5.0})
+    assert wait_for(lambda: started(h), 60)
+    h.stop()
+    result = h.wait()
+    assert isinstance(result, TrainResult) and result.stopped
+    assert result.value["worked_after_stop_s"] == 5.0 and result.value["steps"] >= 1
+    assert survivors(h.pids) == {}
+
+
+@pytest.mark.parametrize("how", ["heartbeat stops", "stop_timeout_s"])
+def test_workers_that_do_not_finish_are_ended(runs_dir, how):
+    h = spawn_train(SLOW_STOP, nprocs=2, runs_dir=runs_dir, block=False, echo=False, grace_s=1.0,
+                    kwargs={"after_stop_s": 600.0}, stop_timeout_s=600.0 if how == "heartbeat stops" else 3.0)
+    assert wait_for(lambda: started(h), 60)
+    h.stop(wait=False)
+    if how == "heartbeat stops":
+        # Wait until the stop was seen (the run is finishing), then freeze rank 1, heartbeat and all.
+        assert wait_for(lambda: "stopping at step" in (h.run_dir / "logs" / "rank0.log").read_text(), 30)
+        os.kill(h.pids[1], signal.SIGSTOP)
+    with pytest.raises(TrainingInterrupted, match="stopped"):
+        h.wait(timeout=120)  # the workers alone would take 600 s: the launcher ended them
+    assert survivors(h.pids) == {}
