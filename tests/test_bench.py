@@ -28,7 +28,7 @@ def test_gpu_benchmark_runs_every_part_on_the_cpu(tmp_path, capsys):
     assert r["plain"]["compile_s"] > 0 and r["plain"]["amp_dtype"] == r["step"]["amp_dtype"]
     # 2. nbddp's step: every DDP variant and the compiled step
     assert set(r["step"]["rows"]) == set(gpu.STEP_VARIANTS) | {gpu.STEP_COMPILED}
-    assert r["step"]["compile_s"] > 0 and r["step"]["grad_mb"] > 80  # ResNet34: 21.8 M parameters
+    assert r["step"]["compile_s"] > 0 and r["step"]["grad_mb"] > 2  # squeezenet1_1: 0.7 M parameters
     rates = [row["images_per_s"] for part in ("plain", "step") for row in r[part]["rows"].values()]
     assert all(v > 0 and math.isfinite(v) for v in rates), rates
     prof = r["step"]["profile"]
