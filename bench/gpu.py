@@ -1,28 +1,42 @@
-"""GPU fast path: ResNet34 training throughput, as the built-in worker runs it, on the GPU(s).
+"""GPU fast path, side by side in one run: plain PyTorch, nbddp's training step, the built-in worker.
 
-    python bench/gpu.py                      # ResNet34, 224 px, batch 256, GPU 0, all variants
-    python bench/gpu.py --gpus 0,1 --compile # more GPUs (NCCL), and torch.compile rows
-    python bench/gpu.py --smoke              # CPU, tiny sizes: checks every code path (tests)
+    python bench/gpu.py --compile --json gpu.json  # the table for docs/benchmarks.md (<= 5 min, one H100)
+    python bench/gpu.py --quick                    # a quick pass: fewer steps, one repeat
+    python bench/gpu.py --profile                  # + a profiler summary of one nbddp training step
+    python bench/gpu.py --smoke                    # CPU, tiny sizes: every code path (tests)
 
-Everything runs inside one spawn_train launch (one process per GPU), each variant measured
-``--repeats`` times, interleaved, median quoted:
+ResNet34 (torchvision, 10 outputs) at 224 px, batch 256 per GPU, autocast (bf16 from compute
+capability 8.0, else fp16 with a GradScaler) + channels_last, SGD with momentum,
+``cudnn.benchmark`` on. Three parts, one after the other so that none shares a process, a CUDA
+context or GPU memory with another:
 
-1. synthetic tensors already on the GPU: fp32, bf16 autocast, bf16 + channels_last;
-2. DDP options on the bf16 + channels_last step: gradient_as_bucket_view, static_graph,
-   bucket_cap_mb (25 is DDP's default);
-3. torch.compile of that step (``--compile``), with its compile time;
-4. real data, flowers-sized (3,670 JPEG photos of 320x240 written once to a temp folder):
-   the tensor pipeline (decoded once into GPU memory, batches augmented on the GPU) and the
-   PIL pipeline (DataLoader workers from the cores per rank, pin_memory, persistent_workers);
-5. the all-reduce time of ResNet34's gradients (21.8 M parameters, 87 MB in fp32) and the
-   peak GPU memory.
+1. **plain PyTorch**: a subprocess of this script (``--plain-only``): one process, no launcher,
+   no DDP, no nbddp import; synthetic tensors already on the GPU; eager and, with
+   ``--compile``, ``torch.compile`` of the model (compile time reported). The ceiling.
+2. **nbddp's training step**: one ``spawn_train`` launch (one rank per GPU, NCCL) running
+   ``nbddp.engine.train_one_epoch`` -- the built-in worker's step, with DDP, the run context's
+   heartbeats and progress, the per-step agreement all-reduce -- over an in-memory batch
+   source on the GPU, the model built as the built-in worker builds it. Rows: today's DDP
+   options, the DDP option variants (``gradient_as_bucket_view``, ``static_graph``,
+   ``bucket_cap_mb``) and ``cudnn.benchmark`` off, so the defaults can be chosen from them, and
+   ``torch.compile`` (``--compile``). Also the all-reduce time of the gradients alone, and with
+   ``--profile`` a profiler summary of one step.
+3. **the built-in worker end to end**: a fresh ``python -c`` process calls ``spawn_train`` with a
+   ``TrainConfig`` on a flowers-sized folder (3,670 JPEGs of 320x240, 5 classes, generated
+   once into the work folder), tensor pipeline, 3 epochs: the first launch, then a warm
+   relaunch from that same process, then the PIL pipeline with the default workers.
+   Steady images/s are the epochs after the first (``images_per_s`` of ``result.metrics``).
 
-Throughput is also given as achieved TFLOP/s: 3 x 3.6 GFLOP (forward + backward) x
-(image_size / 224)^2 per image, about 21.75 GFLOP at 224 px.
+Each row of parts 1 and 2 is measured ``--repeats`` times, interleaved, median quoted. The
+ratios between the parts are printed, and every figure is written to ``--json``.
 """
 
 import argparse
+import contextlib
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,51 +46,84 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 import bench_models  # noqa: E402
 
-GFLOP_224 = 21.75  # ResNet34 training step per image at 224 px (forward 3.6 GFLOP, x3)
+# ResNet34 at 224 px: the forward pass is about 3.6 GMAC = 7.3 GFLOP (a multiply-add is 2 FLOP);
+# the backward computes the gradients of the activations and of the weights, about twice the
+# forward, so a training step is about 3x the forward: 21.8 GFLOP per image. Scales with pixels.
+GFLOP_224 = 21.8
+
+PLAIN_COMPILED, PLAIN_EAGER = "plain PyTorch, torch.compile", "plain PyTorch, eager"
+STEP_EAGER, STEP_COMPILED = "nbddp step, eager (today's DDP options)", "nbddp step, torch.compile"
+#: DDP option variants of nbddp's step: name -> (extra DDP keyword arguments, cudnn.benchmark).
+STEP_VARIANTS = {
+    STEP_EAGER: ({}, True),
+    "nbddp step, + gradient_as_bucket_view": ({"gradient_as_bucket_view": True}, True),
+    "nbddp step, + static_graph": ({"static_graph": True}, True),
+    "nbddp step, + gradient_as_bucket_view + static_graph": (
+        {"gradient_as_bucket_view": True, "static_graph": True}, True),
+    "nbddp step, bucket_cap_mb=50 (DDP default 25)": ({"bucket_cap_mb": 50}, True),
+    "nbddp step, bucket_cap_mb=100": ({"bucket_cap_mb": 100}, True),
+    "nbddp step, cudnn.benchmark off": ({}, False),
+}
 
 
+# ------------------------------------------------------------------------------ shared helpers
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _model(device, channels_last, ddp_kwargs, compile_model):
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def _amp_dtype(device):
+    """The built-in worker's rule (bf16 from compute capability 8.0, else fp16), without nbddp.
 
-    from nbddp.dist import no_forward_buffer_sync
-    from nbddp.models import build_model
-
-    torch.manual_seed(0)
-    model = build_model("resnet34", 10).to(device)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **no_forward_buffer_sync(),
-              **ddp_kwargs)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step_model = torch.compile(ddp) if compile_model else ddp
-    return step_model, opt
+    ``None`` (fp32) on the CPU of ``--smoke``, as in the built-in worker: CPU convolutions under
+    bf16 autocast take a slow path that would only make the smoke test long.
+    """
+    if device.type != "cuda":
+        return None
+    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
 
 
-def _step(model, opt, x, y, amp, channels_last):
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
-        loss = F.cross_entropy(model(x), y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
+def _dtype_name(dtype):
+    return "float32" if dtype is None else str(dtype).replace("torch.", "")
 
 
-def _time(run_steps, device, steps, batch, world):
-    _sync(device)
-    t0 = time.perf_counter()
-    run_steps(steps)
-    _sync(device)
-    return steps * batch * world / (time.perf_counter() - t0)
+def _measure(runners, device, steps, repeats, images_per_step, warmup):
+    """Images/s and peak memory of each ``runners[name](n_steps)``, interleaved, median of ``repeats``.
+
+    Args:
+        runners: name -> function running that many training steps.
+        device: where they run (synchronised around each timed run).
+        steps: timed steps per run.
+        repeats: timed runs per name; the names take turns so that drifts hit them alike.
+        images_per_step: images one step trains (batch x world).
+        warmup: untimed steps first (cuDNN autotuning, the allocator, lazy initialisation).
+
+    Returns:
+        name -> ``{"images_per_s": median, "runs": [...], "peak_gib": max over the runs}``.
+    """
+    cuda = device.type == "cuda"
+    for run in runners.values():
+        run(warmup)
+    runs = {name: [] for name in runners}
+    peaks = {name: 0.0 for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            _sync(device)
+            t0 = time.perf_counter()
+            run(steps)
+            _sync(device)
+            runs[name].append(steps * images_per_step / (time.perf_counter() - t0))
+            if cuda:
+                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device) / 2**30)
+    return {name: {"images_per_s": statistics.median(v), "runs": v, "peak_gib": peaks[name] if cuda else None}
+            for name, v in runs.items()}
 
 
 def _flowers_like(root: Path, n: int, size=(320, 240)) -> Path:
@@ -97,76 +144,162 @@ def _flowers_like(root: Path, n: int, size=(320, 240)) -> Path:
     return root
 
 
-def worker(ctx, image_size, batch, steps, repeats, do_compile, data_root, n_images):
-    from torch.utils.data import DataLoader, DistributedSampler
+# ------------------------------------------------------------------------------ 1. plain PyTorch
+def plain(a) -> dict:
+    """The plain-PyTorch rows, in this process (run as ``--plain-only``: no nbddp is imported)."""
+    device = torch.device("cpu") if a.smoke else torch.device("cuda", 0)
+    torch.backends.cudnn.benchmark = True
+    amp_dtype = _amp_dtype(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(a.batch_size, 3, a.image_size, a.image_size, generator=g).to(device)
+    x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (a.batch_size,), generator=g).to(device)
 
-    from nbddp import data as D
-    from nbddp import tensor_data as TD
+    def build(compile_model):
+        torch.manual_seed(0)
+        model = bench_models.build(a.model, 10).to(device, memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
+        if compile_model:
+            model = torch.compile(model, backend=a.compile_backend)
 
-    dev, world = ctx.device, ctx.world_size
-    x = torch.randn(batch, 3, image_size, image_size, device=dev)
-    y = torch.randint(0, 10, (batch,), device=dev)
-
-    variants = {  # name: (amp, channels_last, ddp kwargs)
-        "fp32": (False, False, {}),
-        "bf16": (True, False, {}),
-        "bf16 + channels_last": (True, True, {}),
-        "+ gradient_as_bucket_view": (True, True, {"gradient_as_bucket_view": True}),
-        "+ static_graph": (True, True, {"gradient_as_bucket_view": True, "static_graph": True}),
-        "+ bucket_cap_mb=50": (True, True, {"gradient_as_bucket_view": True, "bucket_cap_mb": 50}),
-        "+ bucket_cap_mb=100": (True, True, {"gradient_as_bucket_view": True, "bucket_cap_mb": 100}),
-    }
-    built, compile_s = {}, None
-    for name, (amp, cl, kw) in variants.items():
-        built[name] = (*_model(dev, cl, kw, False), amp, cl)
-    if do_compile:
-        model, opt = _model(dev, True, {"gradient_as_bucket_view": True}, True)
-        t0 = time.perf_counter()
-        _step(model, opt, x, y, True, True)  # the first call compiles
-        _sync(dev)
-        compile_s = time.perf_counter() - t0
-        built["torch.compile (bf16 + channels_last)"] = (model, opt, True, True)
-
-    # Real data, flowers-sized: the tensor pipeline and the PIL pipeline with DataLoader workers.
-    _, samples = D.scan_class_folders(data_root)
-    samples = samples[:n_images]
-    t0 = time.perf_counter()
-    workers = D.loader_workers(world, at_least=1)
-    cache = TD.TensorCache(samples, image_size, dev, workers)
-    decode_s = time.perf_counter() - t0
-    t_sampler = DistributedSampler(cache, num_replicas=world, rank=ctx.rank, seed=0)
-    t_loader = TD.TensorBatches(cache, t_sampler, batch, drop_last=True)
-    augment = TD.BatchAugment(image_size)
-    train_tf, _ = D.build_transforms(image_size)
-    p_ds = D.ImageListDataset(samples, train_tf)
-    p_sampler = DistributedSampler(p_ds, num_replicas=world, rank=ctx.rank, seed=0)
-    p_loader = DataLoader(p_ds, batch_size=batch, sampler=p_sampler, drop_last=True, num_workers=workers,
-                          pin_memory=dev.type == "cuda", persistent_workers=True, prefetch_factor=4)
-    model_rd, opt_rd, amp_rd, cl_rd = built["+ gradient_as_bucket_view"]
-
-    def loop_over(loader, sampler, transform):
         def run(n):
-            for xb, yb in bench_models.repeat_epochs(loader, sampler, n):
-                xb = xb.to(dev, non_blocking=True)
-                yb = yb.to(dev, non_blocking=True)
-                _step(model_rd, opt_rd, transform(xb) if transform else xb, yb, amp_rd, cl_rd)
+            for _ in range(n):
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    loss = F.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    opt.step()
         return run
 
-    rows = {name: [] for name in built}
-    rows["real data: tensor pipeline (GPU augmentation)"] = []
-    rows["real data: PIL pipeline (DataLoader workers)"] = []
-    runners = {name: (lambda n, m=m: [_step(m[0], m[1], x, y, m[2], m[3]) for _ in range(n)])
-               for name, m in built.items()}
-    runners["real data: tensor pipeline (GPU augmentation)"] = loop_over(t_loader, t_sampler, augment)
-    runners["real data: PIL pipeline (DataLoader workers)"] = loop_over(p_loader, p_sampler, None)
-    for run in runners.values():  # warm-up: cuDNN autotuning, allocator, loader workers
-        run(2)
-    for _ in range(repeats):
-        for name, run in runners.items():
-            rows[name].append(_time(run, dev, steps, batch, world))
+    runners = {PLAIN_EAGER: build(False)}
+    compile_s = None
+    if a.compile:
+        run = build(True)
+        _sync(device)
+        t0 = time.perf_counter()
+        run(1)  # the first step compiles the forward and the backward
+        _sync(device)
+        compile_s = time.perf_counter() - t0
+        runners[PLAIN_COMPILED] = run
+    rows = _measure(runners, device, a.steps, a.repeats, a.batch_size, a.warmup)
+    return {"rows": rows, "compile_s": compile_s, "amp_dtype": _dtype_name(amp_dtype),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "nbddp_imported": any(m.split(".")[0] == "nbddp" for m in sys.modules)}
 
-    # The all-reduce DDP does each step, alone: ResNet34's gradients as one flat fp32 tensor.
-    flat = torch.zeros(sum(p.numel() for p in built["fp32"][0].parameters()), device=dev)
+
+def _run_plain_child(a, out: Path) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--plain-only", "--json", str(out),
+           "--image-size", str(a.image_size), "--batch-size", str(a.batch_size), "--steps", str(a.steps),
+           "--repeats", str(a.repeats), "--warmup", str(a.warmup), "--compile-backend", a.compile_backend]
+    cmd += ["--compile"] if a.compile else []
+    cmd += ["--smoke"] if a.smoke else []
+    env = dict(os.environ)
+    if not a.smoke and "CUDA_VISIBLE_DEVICES" not in env:
+        # The first GPU of --gpus, numbered as nvidia-smi (and nbddp) number them. A user's own
+        # CUDA_VISIBLE_DEVICES is kept: the plain row then runs on its first device.
+        env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=a.gpus.split(",")[0])
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=a.part_timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"the plain-PyTorch process failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    r = json.loads(out.read_text())
+    r["process_s"] = time.perf_counter() - t0
+    return r
+
+
+# ------------------------------------------------------------------------------ 2. nbddp's step
+class _Batches:
+    """``steps`` batches of one in-memory batch already on the device: nothing feeds in between."""
+
+    def __init__(self, x, y, steps, label=False):
+        self.x, self.y, self.steps, self.label = x, y, steps, label
+
+    def __len__(self):
+        return self.steps
+
+    def __iter__(self):
+        from torch.profiler import record_function
+
+        for _ in range(self.steps):
+            with record_function("bench: data wait") if self.label else contextlib.nullcontext():
+                xy = (self.x, self.y)
+            yield xy
+
+
+class _Labelled(torch.nn.Module):
+    """The model with its forward marked for the profiler (the engine itself has no hooks)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        from torch.profiler import record_function
+
+        with record_function("bench: forward"):
+            return self.inner(x)
+
+
+def step_worker(ctx, model_name, image_size, batch, steps, repeats, warmup, do_compile, compile_backend, profile):
+    """Part 2, in every rank of a ``spawn_train`` launch: nbddp's training step and its variants."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from nbddp.dist import no_forward_buffer_sync
+    from nbddp.engine import autocast_dtype, grad_scaler, train_one_epoch
+    from nbddp.models import build_model
+
+    dev, world = ctx.device, ctx.world_size
+    cuda = dev.type == "cuda"
+    torch.backends.cudnn.benchmark = True
+    amp_dtype = autocast_dtype(dev)  # the built-in worker's choice (None, fp32, on the CPU of --smoke)
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(batch, 3, image_size, image_size, generator=g).to(dev)
+    x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (batch,), generator=g).to(dev)
+
+    def build(ddp_kwargs, compile_model=False):
+        # As the built-in worker's _build does it: same model, memory format, DDP options, optimizer.
+        torch.manual_seed(0)
+        model = build_model(model_name, 10).to(dev, memory_format=torch.channels_last)
+        ddp = DDP(model, device_ids=[dev.index] if cuda else None, **no_forward_buffer_sync(), **ddp_kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        step_model = torch.compile(ddp, backend=compile_backend) if compile_model else ddp
+        return step_model, opt, grad_scaler(dev, amp_dtype)
+
+    def runner(model, opt, scaler, cudnn_benchmark=True):
+        def run(n):
+            torch.backends.cudnn.benchmark = cudnn_benchmark
+            try:
+                train_one_epoch(model, opt, _Batches(x, y, n), dev, 0, ctx=ctx, scaler=scaler, amp_dtype=amp_dtype,
+                                channels_last=True)
+            finally:
+                torch.backends.cudnn.benchmark = True
+        return run
+
+    built = {name: build(kw) for name, (kw, _) in STEP_VARIANTS.items()}
+    runners = {name: runner(*built[name], cudnn_benchmark=bench) for name, (_, bench) in STEP_VARIANTS.items()}
+    compile_s = None
+    if do_compile:
+        compiled = build({}, compile_model=True)
+        run = runner(*compiled)
+        _sync(dev)
+        t0 = time.perf_counter()
+        run(1)  # the first step compiles (DDP's graph is split at its buckets)
+        _sync(dev)
+        compile_s = time.perf_counter() - t0
+        runners[STEP_COMPILED] = run
+    rows = _measure(runners, dev, steps, repeats, batch * world, warmup)
+    for row in rows.values():
+        row["images_per_s_per_gpu"] = row["images_per_s"] / world
+
+    # The all-reduce DDP does each step, alone: the gradients as one flat fp32 tensor.
+    flat = torch.zeros(sum(p.numel() for p in built[STEP_EAGER][0].parameters()), device=dev)
     times = []
     for _ in range(5 + 1):
         _sync(dev)
@@ -174,50 +307,263 @@ def worker(ctx, image_size, batch, steps, repeats, do_compile, data_root, n_imag
         torch.distributed.all_reduce(flat)
         _sync(dev)
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
-    return {"rows": {k: statistics.median(v) for k, v in rows.items()}, "compile_s": compile_s,
-            "decode_s": decode_s, "allreduce_ms": statistics.median(times[1:]) * 1000,
-            "grad_mb": flat.numel() * 4 / 1e6, "peak_gib": peak, "world": world, "backend": ctx.backend,
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "torch": torch.__version__, "images": len(samples), "loader_workers": workers}
+    summary = _profile_step(ctx, *built[STEP_EAGER], x, y, dev, amp_dtype, train_one_epoch) if profile else None
+    return {"rows": rows, "compile_s": compile_s, "allreduce_ms": statistics.median(times[1:]) * 1000,
+            "grad_mb": flat.numel() * 4 / 1e6, "model": model_name, "world": world, "backend": ctx.backend,
+            "amp_dtype": _dtype_name(amp_dtype), "profile": summary,
+            "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__}
+
+
+def _group_of(evt, kernel_name=""):
+    """The part of a training step a profiler event belongs to, from it and its enclosing ranges."""
+    if "nccl" in kernel_name.lower():
+        return "all-reduce"
+    e = evt
+    while e is not None:  # innermost first: an all-reduce launched from a backward hook is an all-reduce
+        name = e.name
+        low = name.lower()
+        if "nccl" in low or "allreduce" in low or "all_reduce" in low:
+            return "all-reduce"
+        if name.startswith("Optimizer.") or "gradscaler" in low or "_amp_foreach" in low:
+            return "optimizer"
+        if name.startswith("autograd::engine::evaluate_function"):
+            return "backward"
+        if name == "bench: forward":
+            return "forward"
+        if name == "bench: data wait":
+            return "data wait"
+        e = e.cpu_parent
+    return "other (loss, agreement flags, copies)"
+
+
+#: CUDA runtime calls that block the host until the GPU catches up (``.item()``, ``.tolist()``,
+#: ``.cpu()`` of a CUDA tensor end in a stream synchronisation).
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def _profile_step(ctx, model, opt, scaler, x, y, dev, amp_dtype, train_one_epoch, steps=3):
+    """Where one nbddp training step spends its time: top ops and a grouped line, per step.
+
+    Device time per group on a GPU (kernels attributed through the ranges that launched them),
+    host time on the CPU; the data wait and the host synchronisations are host time.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    labelled = _Labelled(model)
+    train_one_epoch(labelled, opt, _Batches(x, y, 2), dev, 0, ctx=ctx, scaler=scaler, amp_dtype=amp_dtype,
+                    channels_last=True)  # warm: nothing first-time inside the profile
+    _sync(dev)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        train_one_epoch(labelled, opt, _Batches(x, y, steps, label=True), dev, 0, ctx=ctx, scaler=scaler,
+                        amp_dtype=amp_dtype, channels_last=True)
+        _sync(dev)
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    groups, data_wait_us, sync_us = {}, 0.0, 0.0
+    syncs = -1 if cuda else 0  # the profile's own torch.cuda.synchronize() above is not the step's
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue  # device events are counted through the CPU op they belong to (e.kernels)
+        if e.name == "bench: data wait":
+            data_wait_us += e.cpu_time_total
+        if e.name in SYNC_CALLS:
+            syncs += 1
+            sync_us += e.cpu_time_total
+        if cuda:
+            for k in e.kernels:
+                group = _group_of(e, k.name)
+                groups[group] = groups.get(group, 0.0) + k.duration
+        else:
+            group = _group_of(e)
+            groups[group] = groups.get(group, 0.0) + e.self_cpu_time_total
+    sort_key = "self_cpu_time_total"
+    if cuda:
+        sort_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=sort_key, row_limit=15, max_name_column_width=70)
+    except (AttributeError, KeyError, TypeError):  # older profilers name the key differently
+        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=15)
+    return {"steps": steps, "step_ms": wall * 1000 / steps, "time_kind": "device" if cuda else "host",
+            "groups_ms": {k: v / 1000 / steps for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+            "data_wait_ms": data_wait_us / 1000 / steps, "host_syncs_per_step": syncs / steps,
+            "host_sync_ms": sync_us / 1000 / steps, "top_ops": table, "rank": ctx.rank}
+
+
+# ------------------------------------------------------------------------------ 3. end to end
+E2E_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch, nbddp  # what a fresh kernel has done before its first launch
+from nbddp import TrainConfig, spawn_train
+spec = json.loads(sys.argv[1])
+out = {"import_s": time.perf_counter() - t0}
+def launch(key, **override):
+    cfg = TrainConfig(**dict(spec["config"], **override))
+    t = time.perf_counter()
+    r = spawn_train(cfg, echo=False)
+    out[key] = {"wall_s": time.perf_counter() - t, "metrics": r.metrics}
+    with open(spec["out"], "w") as f:  # after each launch: a part that runs out of time keeps the rest
+        json.dump(out, f)
+launch("first")
+launch("warm")
+launch("pil", data_pipeline="pil", epochs=spec["pil_epochs"])
+"""
+
+
+def _run_e2e_child(a, data_root: Path, work: Path, out: Path) -> dict:
+    config = dict(data_path=str(data_root), model=a.model, image_size=a.image_size, batch_size=a.batch_size,
+                  epochs=a.epochs, amp=True, channels_last=True, data_pipeline="tensor", runs_dir=str(work / "runs"),
+                  name="bench-e2e")
+    if a.smoke:
+        # One CPU rank, no loader processes: the code paths of the GPU run at a CPU's pace.
+        config.update(nprocs=1, num_workers=0)
+    else:
+        config.update(gpus=[int(g) for g in a.gpus.split(",")])  # default workers: part of what is measured
+    spec = {"config": config, "pil_epochs": a.pil_epochs, "out": str(out)}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    out.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-c", E2E_CHILD, json.dumps(spec)], env=env, cwd=str(ROOT),
+                           capture_output=True, text=True, timeout=a.part_timeout)
+    except subprocess.TimeoutExpired:
+        # Slow data loading is one of the things measured: report the launches that finished.
+        print(f"end-to-end part stopped after --part-timeout {a.part_timeout:.0f} s", file=sys.stderr)
+        p = None
+    if p is not None and p.returncode != 0:
+        raise RuntimeError(f"the end-to-end process failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    r = json.loads(out.read_text()) if out.exists() else {"import_s": float("nan")}
+    r["timed_out"] = p is None
+    r["process_s"] = time.perf_counter() - t0
+    for key in ("first", "warm", "pil"):
+        r.setdefault(key, {"wall_s": float("nan"), "metrics": []})
+    steady = [m["images_per_s"] for k in ("first", "warm") for m in r[k]["metrics"][1:]]
+    r["steady_images_per_s"] = statistics.median(steady) if steady else float("nan")
+    r["pil_images_per_s"] = [m["images_per_s"] for m in r["pil"]["metrics"]]
+    return r
+
+
+# ------------------------------------------------------------------------------ report
+def _report(a, plain_r, step_r, e2e_r) -> dict:
+    gflop = GFLOP_224 * (a.image_size / 224) ** 2
+    world = step_r["world"]
+    table = []  # (row, images/s per GPU, peak GiB)
+    for name, row in plain_r["rows"].items():
+        table.append((name, row["images_per_s"], row["peak_gib"]))
+    for name, row in step_r["rows"].items():
+        table.append((name, row["images_per_s_per_gpu"], row["peak_gib"]))
+    table.append(("built-in worker, tensor pipeline, steady epochs", e2e_r["steady_images_per_s"] / world, None))
+    for i, ips in enumerate(e2e_r["pil_images_per_s"]):
+        table.append((f"built-in worker, PIL pipeline, epoch {i + 1}", ips / world, None))
+    base = plain_r["rows"][PLAIN_EAGER]["images_per_s"]
+    print(f"\n{step_r['device']} x {world} ({step_r['backend']}), torch {step_r['torch']}, {a.model} at "
+          f"{a.image_size} px, batch {a.batch_size} per GPU, {step_r['amp_dtype']} autocast + channels_last, "
+          f"cudnn.benchmark on; median of {a.repeats} x {a.steps} steps\n")
+    print("| row | images/s per GPU | vs plain eager | TFLOP/s | peak GiB |")
+    print("|---|---|---|---|---|")
+    for name, ips, peak in table:
+        print(f"| {name} | {ips:,.0f} | {ips / base:.3f} | {ips * gflop / 1000:.0f} | "
+              f"{'-' if peak is None else f'{peak:.1f}'} |")
+
+    def ratio(num, den):
+        return num / den if den else float("nan")
+
+    ratios = {"nbddp step / plain eager": (ratio(step_r["rows"][STEP_EAGER]["images_per_s_per_gpu"], base), 0.95),
+              "built-in steady (tensor) / plain eager": (ratio(e2e_r["steady_images_per_s"] / world, base), 0.9)}
+    if a.compile:
+        ratios["nbddp compiled / plain compiled"] = (ratio(step_r["rows"][STEP_COMPILED]["images_per_s_per_gpu"],
+                                                           plain_r["rows"][PLAIN_COMPILED]["images_per_s"]), 0.95)
+    print("\n| ratio | measured | goal |\n|---|---|---|")
+    for name, (value, goal) in ratios.items():
+        print(f"| {name} | {value:.3f} | >= {goal} |")
+    first, warm = e2e_r["first"]["wall_s"], e2e_r["warm"]["wall_s"]
+    if e2e_r["timed_out"]:
+        print(f"\nthe end-to-end part ran out of its {a.part_timeout:.0f} s: launches not finished show nan")
+    print(f"\nbuilt-in worker, {a.images} images, {a.epochs} epochs: first launch in a fresh process {first:.1f} s "
+          f"(goal <= 15 s; the process took {e2e_r['process_s']:.1f} s with python start and "
+          f"{e2e_r['import_s']:.1f} s of import torch/nbddp), warm relaunch {warm:.1f} s (goal <= 6 s), "
+          f"PIL pipeline ({e2e_r['pil']['wall_s']:.1f} s wall): "
+          f"{', '.join(f'{v:,.0f}' for v in e2e_r['pil_images_per_s'])} images/s by epoch (goal >= 2,500)")
+    comp = (f"plain {plain_r['compile_s']:.1f} s, nbddp (DDP) {step_r['compile_s']:.1f} s" if a.compile
+            else "not run (--compile)")
+    print(f"torch.compile time: {comp}")
+    print(f"all-reduce of the gradients alone ({step_r['grad_mb']:.0f} MB fp32, world {world}): "
+          f"{step_r['allreduce_ms']:.2f} ms")
+    prof = step_r["profile"]
+    if prof is not None:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in prof["groups_ms"].items())
+        print(f"\nprofile of one nbddp step (rank {prof['rank']}, mean of {prof['steps']}; profiled wall "
+              f"{prof['step_ms']:.1f} ms/step): {prof['time_kind']} ms: {parts}; data wait {prof['data_wait_ms']:.2f} ms "
+              f"(host); host syncs {prof['host_syncs_per_step']:.1f} per step, {prof['host_sync_ms']:.2f} ms blocked")
+        print(prof["top_ops"])
+    return {"config": {k: getattr(a, k) for k in ("gpus", "model", "image_size", "batch_size", "steps", "repeats", "warmup",
+                                                   "images", "epochs", "pil_epochs", "compile", "compile_backend", "profile", "smoke")},
+            "gflop_per_image": gflop, "table": [{"row": n, "images_per_s_per_gpu": v, "peak_gib": p,
+                                                 "vs_plain_eager": v / base, "tflops": v * gflop / 1000}
+                                                for n, v, p in table],
+            "ratios": {k: {"measured": v, "goal": g} for k, (v, g) in ratios.items()},
+            "plain": plain_r, "step": step_r, "e2e": e2e_r, "date": time.strftime("%Y-%m-%d")}
 
 
 def main(argv=None):
-    from nbddp import spawn_train
-
+    """Run the benchmark; returns every figure as a dict (also written to ``--json``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus", default="0", help="GPU ids, e.g. 0,1")
+    ap.add_argument("--gpus", default="0", help="GPU ids for nbddp, e.g. 0,1 (the plain row uses the first)")
+    ap.add_argument("--model", default="resnet34", help="torchvision classifier (TFLOP/s assume ResNet34)")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--batch-size", type=int, default=256, help="per GPU")
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per variant and repeat")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per row and repeat")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--images", type=int, default=3670, help="real-data images (flowers: 3,670)")
-    ap.add_argument("--compile", action="store_true", help="add torch.compile rows (reports compile time)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: check the code paths only")
-    ap.add_argument("--work-dir", default=None, help="for the generated photos and the run (default: temp)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per row first")
+    ap.add_argument("--images", type=int, default=3670, help="images of the end-to-end folder (flowers: 3,670)")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs of the end-to-end tensor-pipeline launches")
+    ap.add_argument("--pil-epochs", type=int, default=2, help="epochs of the end-to-end PIL-pipeline launch")
+    ap.add_argument("--compile", action="store_true", help="add the torch.compile rows (reports compile time)")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (--smoke: eager)")
+    ap.add_argument("--profile", action="store_true", help="profiler summary of one nbddp training step")
+    ap.add_argument("--quick", action="store_true", help="10 steps, 1 repeat: a quick pass")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: check every code path only")
+    ap.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    ap.add_argument("--work-dir", default=None, help="for the generated photos and the runs (default: temp)")
+    ap.add_argument("--part-timeout", type=float, default=400, help="seconds each subprocess part may take")
+    ap.add_argument("--plain-only", action="store_true", help=argparse.SUPPRESS)  # part 1, in its own process
     a = ap.parse_args(argv)
-    tmp = Path(a.work_dir or Path(tempfile.gettempdir()) / "nbddp-bench")
+    if a.quick:
+        a.steps, a.repeats = 10, 1
     if a.smoke:
-        a.image_size, a.batch_size, a.steps, a.repeats, a.images = 32, 4, 2, 1, 40
-    data_root = _flowers_like(tmp / f"flowers-like-{a.images}", a.images)
+        # A small model: ResNet34 takes seconds per step on a small shared CPU even at 16 px, and
+        # the code paths do not depend on the model. 2 epochs still give one steady epoch.
+        a.model, a.image_size, a.batch_size, a.steps, a.repeats, a.warmup, a.images = (
+            "squeezenet1_1", 32, 4, 2, 1, 1, 20)
+        a.epochs, a.pil_epochs = 2, 1
+        a.compile_backend = "eager"  # dynamo's whole path, without inductor's minutes of C++ on a CPU
+    if a.plain_only:
+        r = plain(a)
+        Path(a.json).write_text(json.dumps(r))
+        return r
+
+    from nbddp import spawn_train
+
+    work = Path(a.work_dir or Path(tempfile.gettempdir()) / "nbddp-bench")
+    work.mkdir(parents=True, exist_ok=True)
+    data_root = _flowers_like(work / f"flowers-like-{a.images}", a.images)
+    t0 = time.perf_counter()
+    plain_r = _run_plain_child(a, work / "plain.json")
     launch = dict(nprocs=1) if a.smoke else dict(gpus=[int(g) for g in a.gpus.split(",")])
-    r = spawn_train(f"{Path(__file__).resolve()}:worker", **launch, echo=False, name="bench-gpu",
-                    runs_dir=tmp / "runs",
-                    kwargs=dict(image_size=a.image_size, batch=a.batch_size, steps=a.steps, repeats=a.repeats,
-                                do_compile=a.compile, data_root=str(data_root), n_images=a.images)).value
-    gflop = GFLOP_224 * (a.image_size / 224) ** 2
-    base = r["rows"]["fp32"]
-    print(f"\n{r['device']} x {r['world']} ({r['backend']}), torch {r['torch']}, ResNet34 at {a.image_size} px, "
-          f"batch {a.batch_size} per GPU, median of {a.repeats} x {a.steps} steps\n")
-    print("| variant | images/s | vs fp32 | TFLOP/s |")
-    print("|---|---|---|---|")
-    for name, ips in r["rows"].items():
-        print(f"| {name} | {ips:,.0f} | {ips / base:.2f}x | {ips * gflop / 1000:.0f} |")
-    comp = f"{r['compile_s']:.1f} s" if r["compile_s"] is not None else "not run (--compile)"
-    print(f"\ntorch.compile time: {comp}; decoding {r['images']} images into the tensor cache: {r['decode_s']:.1f} s; "
-          f"PIL loader workers per rank: {r['loader_workers']}")
-    print(f"all-reduce of the gradients ({r['grad_mb']:.0f} MB fp32, world {r['world']}): {r['allreduce_ms']:.2f} ms; "
-          f"peak GPU memory per rank: {r['peak_gib']:.1f} GiB")
+    step_r = spawn_train(f"{Path(__file__).resolve()}:step_worker", **launch, echo=False, name="bench-gpu",
+                         runs_dir=work / "runs",
+                         kwargs=dict(model_name=a.model, image_size=a.image_size, batch=a.batch_size, steps=a.steps, repeats=a.repeats,
+                                     warmup=a.warmup, do_compile=a.compile, compile_backend=a.compile_backend,
+                                     profile=a.profile)).value
+    e2e_r = _run_e2e_child(a, data_root, work, work / "e2e.json")
+    r = _report(a, plain_r, step_r, e2e_r)
+    r["bench_s"] = time.perf_counter() - t0
+    print(f"\nbenchmark time: {r['bench_s']:.0f} s (not counting the photos' generation)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(r, indent=1, default=str))
     return r
 
 

@@ -51,10 +51,41 @@ def cosine_lambda(epochs: int, lrf: float) -> Callable[[int], float]:
 
 
 def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
-    """bf16 where the GPU supports it (no scaler needed), else fp16 (needs a grad scaler)."""
+    """The autocast dtype for mixed precision on ``device``; ``None`` off the GPU.
+
+    bf16 (no scaler needed) where the GPU computes it natively, compute capability 8.0 and
+    later (A100, A10, H100, ...); fp16 with a grad scaler before (V100, T4).
+    ``torch.cuda.is_bf16_supported()`` is not the test: it also says yes on V100/T4, where bf16
+    runs through emulation at a fraction of fp16's speed.
+
+    Args:
+        device: the rank's device.
+
+    Returns:
+        ``torch.bfloat16``, ``torch.float16``, or ``None`` for a non-CUDA device.
+    """
     if device.type != "cuda":
         return None
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16
+
+
+def grad_scaler(device: torch.device, amp_dtype: Optional[torch.dtype], **kwargs):
+    """A ``GradScaler`` for fp16 autocast on ``device``'s type, else ``None``.
+
+    fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+
+    Args:
+        device: the rank's device; the scaler works on its type (``"cuda"``, ``"cpu"``, ...).
+        amp_dtype: the autocast dtype, as :func:`autocast_dtype` chose it.
+        **kwargs: passed to ``GradScaler`` (``init_scale``, ``growth_interval``, ...).
+
+    Returns:
+        ``torch.amp.GradScaler`` (torch >= 2.3) or ``None`` when no scaling is needed.
+    """
+    if amp_dtype != torch.float16:
+        return None
+    return torch.amp.GradScaler(device.type, **kwargs)
 
 
 def freeze_bn_statistics(model: torch.nn.Module) -> None:

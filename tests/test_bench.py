@@ -4,6 +4,7 @@ Only correctness is checked here; timings are never asserted (docs/benchmarks.md
 """
 
 import importlib.util
+import json
 import math
 
 from conftest import ROOT
@@ -16,12 +17,34 @@ def load(name):
     return module
 
 
-def test_gpu_benchmark_runs_every_variant_on_the_cpu(tmp_path, capsys):
-    r = load("gpu").main(["--smoke", "--work-dir", str(tmp_path)])
-    rows = r["rows"]
-    assert {"fp32", "bf16 + channels_last", "+ static_graph", "real data: tensor pipeline (GPU augmentation)",
-            "real data: PIL pipeline (DataLoader workers)"} <= set(rows)
-    assert all(v > 0 and math.isfinite(v) for v in rows.values()), rows
-    assert r["images"] == 40 and r["grad_mb"] > 80  # ResNet34: 21.8 M parameters
-    out = capsys.readouterr().out
-    assert "| variant | images/s | vs fp32 | TFLOP/s |" in out and "all-reduce of the gradients" in out
+def test_gpu_benchmark_runs_every_part_on_the_cpu(tmp_path, capsys):
+    gpu = load("gpu")
+    out = tmp_path / "gpu.json"
+    r = gpu.main(["--smoke", "--compile", "--profile", "--work-dir", str(tmp_path), "--json", str(out)])
+
+    # 1. plain PyTorch, in its own process, which never imported nbddp
+    assert set(r["plain"]["rows"]) == {gpu.PLAIN_EAGER, gpu.PLAIN_COMPILED}
+    assert r["plain"]["nbddp_imported"] is False
+    assert r["plain"]["compile_s"] > 0 and r["plain"]["amp_dtype"] == r["step"]["amp_dtype"]
+    # 2. nbddp's step: every DDP variant and the compiled step
+    assert set(r["step"]["rows"]) == set(gpu.STEP_VARIANTS) | {gpu.STEP_COMPILED}
+    assert r["step"]["compile_s"] > 0 and r["step"]["grad_mb"] > 2  # squeezenet1_1: 0.7 M parameters
+    rates = [row["images_per_s"] for part in ("plain", "step") for row in r[part]["rows"].values()]
+    assert all(v > 0 and math.isfinite(v) for v in rates), rates
+    prof = r["step"]["profile"]
+    assert {"forward", "backward", "optimizer", "all-reduce"} <= set(prof["groups_ms"]), prof["groups_ms"]
+    assert prof["step_ms"] > 0 and prof["top_ops"]
+    # 3. the built-in worker end to end: twice (fresh process, then warm), then PIL
+    e2e = r["e2e"]
+    assert len(e2e["first"]["metrics"]) == len(e2e["warm"]["metrics"]) == 2
+    assert e2e["first"]["wall_s"] > 0 and e2e["warm"]["wall_s"] > 0 and e2e["import_s"] > 0
+    assert e2e["steady_images_per_s"] > 0 and len(e2e["pil_images_per_s"]) == 1
+    assert set(r["ratios"]) == {"nbddp step / plain eager", "nbddp compiled / plain compiled",
+                                "built-in steady (tensor) / plain eager"}
+    assert all(math.isfinite(v["measured"]) and v["measured"] > 0 for v in r["ratios"].values())
+
+    assert json.loads(out.read_text())["ratios"].keys() == r["ratios"].keys()
+    printed = capsys.readouterr().out
+    assert "| row | images/s per GPU | vs plain eager | TFLOP/s | peak GiB |" in printed
+    assert "| nbddp step / plain eager |" in printed and "warm relaunch" in printed
+    assert "profile of one nbddp step" in printed and "all-reduce of the gradients" in printed

@@ -28,7 +28,7 @@ from .. import data as D
 from ..checkpoint import atomic_save, cleanup_temp_files, export_weights, load_checkpoint
 from ..config import TrainConfig
 from ..dist import barrier, check_same, no_forward_buffer_sync, sync_buffers_from_main
-from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, train_one_epoch
+from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, grad_scaler, train_one_epoch
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
 from ..runtime import STATE_DIR
@@ -369,7 +369,7 @@ def _build(cfg: TrainConfig, ctx, num_classes: int):
     optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=cosine_lambda(cfg.epochs, cfg.lrf))
     amp_dtype = autocast_dtype(ctx.device) if cfg.amp else None
-    scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
+    scaler = grad_scaler(ctx.device, amp_dtype)  # fp16 only (GPUs before compute capability 8.0)
     return model, ddp, optimizer, scheduler, scaler, amp_dtype
 
 
