@@ -57,10 +57,12 @@ import bench_models  # noqa: E402
 GFLOP_224 = 21.8
 
 PLAIN_COMPILED, PLAIN_EAGER = "plain PyTorch, torch.compile", "plain PyTorch, eager"
-STEP_EAGER, STEP_COMPILED = "nbddp step, eager (today's DDP options)", "nbddp step, torch.compile"
-#: DDP option variants of nbddp's step: name -> (extra DDP keyword arguments, cudnn.benchmark).
+STEP_EAGER, STEP_COMPILED = "nbddp step, eager", "nbddp step, torch.compile"
+#: nbddp's step as the built-in worker builds it (``nbddp.dist.data_parallel``: the bare model
+#: on one GPU), then DDP option variants: name -> (DDP keyword arguments or None, cudnn.benchmark).
 STEP_VARIANTS = {
-    STEP_EAGER: ({}, True),
+    STEP_EAGER: (None, True),
+    "nbddp step under DDP (defaults but no forward buffer sync)": ({}, True),
     "nbddp step, + gradient_as_bucket_view": ({"gradient_as_bucket_view": True}, True),
     "nbddp step, + static_graph": ({"static_graph": True}, True),
     "nbddp step, + gradient_as_bucket_view + static_graph": (
@@ -250,7 +252,7 @@ def step_worker(ctx, model_name, image_size, batch, steps, repeats, warmup, do_c
     """Part 2, in every rank of a ``spawn_train`` launch: nbddp's training step and its variants."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nbddp.dist import no_forward_buffer_sync
+    from nbddp.dist import data_parallel, no_forward_buffer_sync
     from nbddp.engine import autocast_dtype, grad_scaler, train_one_epoch
     from nbddp.models import build_model
 
@@ -267,7 +269,10 @@ def step_worker(ctx, model_name, image_size, batch, steps, repeats, warmup, do_c
         # As the built-in worker's _build does it: same model, memory format, DDP options, optimizer.
         torch.manual_seed(0)
         model = build_model(model_name, 10).to(dev, memory_format=torch.channels_last)
-        ddp = DDP(model, device_ids=[dev.index] if cuda else None, **no_forward_buffer_sync(), **ddp_kwargs)
+        if ddp_kwargs is None:
+            ddp = data_parallel(model, dev)
+        else:
+            ddp = DDP(model, device_ids=[dev.index] if cuda else None, **no_forward_buffer_sync(), **ddp_kwargs)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         step_model = torch.compile(ddp, backend=compile_backend) if compile_model else ddp
         return step_model, opt, grad_scaler(dev, amp_dtype)
@@ -286,7 +291,7 @@ def step_worker(ctx, model_name, image_size, batch, steps, repeats, warmup, do_c
     runners = {name: runner(*built[name], cudnn_benchmark=bench) for name, (_, bench) in STEP_VARIANTS.items()}
     compile_s = None
     if do_compile:
-        compiled = build({}, compile_model=True)
+        compiled = build(None, compile_model=True)
         run = runner(*compiled)
         _sync(dev)
         t0 = time.perf_counter()

@@ -575,10 +575,10 @@ def resize_size(image_size: int) -> int:
 
 
 def loader_workers(world_size: int, at_least: int = 0) -> int:
-    """Data-loading processes per rank: the rank's share of the cores, less the rank itself (at most 8)."""
+    """Data-loading processes per rank: the rank's share of the cores, less the rank itself (at most 16)."""
     from .procs import cpu_cores
 
-    return max(at_least, min(8, cpu_cores() // max(world_size, 1) - 1))
+    return max(at_least, min(16, cpu_cores() // max(world_size, 1) - 1))
 
 
 def build_transforms(

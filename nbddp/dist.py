@@ -162,6 +162,24 @@ def check_same(value, what: str) -> None:
                         "in DDP's join() for uneven inputs")
 
 
+def data_parallel(model: torch.nn.Module, device: torch.device, **ddp_kwargs) -> torch.nn.Module:
+    """``DistributedDataParallel(model)`` when there are several ranks; the model itself alone.
+
+    With one process there is nothing to average: DDP would copy every gradient into its
+    buckets and all-reduce them with itself (on one H100, ResNet34: 0.92 of a plain step's
+    speed and 1.9 GiB more memory; ``torch.compile`` of it 0.67 of a plain compiled step, its
+    graph split at the buckets). Several ranks get DDP with ``gradient_as_bucket_view`` (the
+    gradients live in the buckets: no copy, no second gradient-sized buffer) and without the
+    per-forward buffer broadcast (:func:`no_forward_buffer_sync`); ``ddp_kwargs`` add to them.
+    """
+    if get_world_size() == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    options = {"gradient_as_bucket_view": True, **no_forward_buffer_sync(), **ddp_kwargs}
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
+
+
 def no_forward_buffer_sync() -> dict:
     """DDP keyword arguments that stop it broadcasting rank 0's buffers at every forward.
 

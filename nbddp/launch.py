@@ -229,7 +229,9 @@ def spawn_train(
         if nprocs is not None or gpus is not None:
             raise ConfigError("with a TrainConfig, set nprocs/gpus in the config: cfg.replace(gpus=[0, 1])")
         run_dir = preflight(config)  # data, weights, batch vs world size; resume folder if any
-        spec_target, args, nprocs, gpus = BUILTIN_TARGET, (config,), config.nprocs, list(config.gpus)
+        # A config's nprocs counts CPU processes: with GPUs, the world is one process per GPU.
+        spec_target, args, gpus = BUILTIN_TARGET, (config,), list(config.gpus)
+        nprocs = None if gpus else config.nprocs
         name, runs_dir = name or config.name, config.runs_dir
         timeout_s = timeout_s or config.timeout_s
     else:

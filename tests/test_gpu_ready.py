@@ -166,3 +166,16 @@ def test_nbddps_own_gloo_group_waits_as_long_as_the_launch_timeout(monkeypatch):
     monkeypatch.setattr(D, "_TIMEOUT", datetime.timedelta(seconds=17))
     assert D.cpu_group() == "group"
     assert made == {"backend": "gloo", "timeout": datetime.timedelta(seconds=17)}
+
+
+def test_a_config_with_gpus_runs_one_process_per_gpu_whatever_its_cpu_count(tmp_path, runs_dir, monkeypatch):
+    """``TrainConfig.nprocs`` counts CPU processes; with GPUs chosen (the panel's picker) it is not a conflict."""
+    from nbddp import TrainConfig
+
+    install_fake_nvidia_smi(tmp_path, monkeypatch)
+    cfg = TrainConfig(data_path=str(make_tree(tmp_path / "data", per_class=6)), model="resnet18", image_size=32,
+                      epochs=1, batch_size=4, nprocs=2, gpus=(0,), runs_dir=str(runs_dir))
+    with pytest.raises(WorkerError) as info:
+        spawn_train(cfg, echo=False)
+    cuda_message = "Found no NVIDIA driver" if torch.version.cuda else "Torch not compiled with CUDA enabled"
+    assert info.value.rank == 0 and cuda_message in str(info.value), str(info.value)

@@ -116,7 +116,11 @@ def test_interrupt_while_blocked_in_collective_leaves_nothing_and_relaunch_works
                 return False
             run = found[-1].parent
             ready = [(run / f"rank{r}.json") for r in range(2)]
-            if all(p.exists() and json.loads(p.read_text())["state"] == "running" for p in ready):
+            try:  # heartbeats are rewritten in place: a read may catch one half-written
+                states = [json.loads(p.read_text())["state"] if p.exists() else None for p in ready]
+            except ValueError:
+                return False
+            if states == ["running", "running"]:
                 pids.extend(json.loads(found[-1].read_text())["pids"])
                 return True
             return False

@@ -54,7 +54,9 @@ def test_warm_interrupt_in_a_collective(runs_dir):
     pids = []
 
     def interrupt():
-        if wait_for(lambda: len(list(runs_dir.glob("*/.nbddp/rank*.json"))) == 2, 60):
+        # The rank files can appear before the launcher has written its launch record.
+        if wait_for(lambda: len(list(runs_dir.glob("*/.nbddp/rank*.json"))) == 2
+                    and list(runs_dir.glob("*/.nbddp/launch.json")), 60):
             pids.extend(json.loads(next(runs_dir.glob("*/.nbddp/launch.json")).read_text())["pids"])
             time.sleep(0.5)
             os.kill(os.getpid(), signal.SIGINT)

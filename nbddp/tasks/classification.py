@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import data as D
 from ..checkpoint import atomic_save, cleanup_temp_files, export_weights, load_checkpoint
 from ..config import TrainConfig
-from ..dist import barrier, check_same, no_forward_buffer_sync, sync_buffers_from_main
+from ..dist import barrier, check_same, data_parallel, sync_buffers_from_main
 from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, grad_scaler, train_one_epoch
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
@@ -362,8 +361,11 @@ def _build(cfg: TrainConfig, ctx, num_classes: int):
     elif cfg.sync_bn and ctx.world_size > 1:
         model = convert_sync_batchnorm(model, ctx.device)
     cuda = ctx.device.type == "cuda"
+    # The input shape is fixed, so cuDNN may time its algorithms once and keep the fastest
+    # (at the price of run-to-run bit-exactness on GPUs; the CPU path is unaffected).
+    torch.backends.cudnn.benchmark = cuda
     model = model.to(ctx.device, memory_format=torch.channels_last if cfg.channels_last and cuda else torch.preserve_format)
-    ddp = DDP(model, device_ids=[ctx.device.index] if cuda else None, **no_forward_buffer_sync())
+    ddp = data_parallel(model, ctx.device)  # the bare model when this is the only rank
     lr = cfg.lr * ctx.world_size if cfg.scale_lr else cfg.lr
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
