@@ -316,6 +316,12 @@ def to_cpu(obj: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- process set-up
+def _set_pdeathsig() -> None:
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def set_parent_death_signal(parent_pid: Optional[int]) -> None:
     """Ask Linux to SIGKILL us when our parent dies, then check it has not died already.
 
@@ -324,19 +330,10 @@ def set_parent_death_signal(parent_pid: Optional[int]) -> None:
     spawn_train starts workers from the caller's thread, not from a short-lived one.
     """
     expected = parent_pid if parent_pid is not None else os.getppid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _set_pdeathsig()
     # The parent may have died between our start and the prctl call: then we were re-parented.
     if os.getppid() != expected:
         os._exit(1)
-
-
-def _set_pdeathsig() -> None:
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 _fork_parent: Optional[int] = None  # set in the parent just before a fork; the child reads its copy
