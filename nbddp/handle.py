@@ -70,6 +70,24 @@ class TrainResult:
                 f"stopped={self.stopped})")
 
 
+@contextlib.contextmanager
+def interrupts_held():
+    """Turn SIGINT (Jupyter's Interrupt, Ctrl-C) into a flag for the body; the list says if one came.
+
+    Only the main thread can set signal handlers (and only it gets KeyboardInterrupt); elsewhere
+    the body runs as it is and the list stays empty.
+    """
+    came: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
 class _StringsOnly(pickle.Unpickler):
     def find_class(self, module, name):  # a traceback is a plain str: no object is ever built
         raise pickle.UnpicklingError(f"refusing {module}.{name} in a torch error file")
@@ -227,39 +245,42 @@ class RunHandle:
         self._emit("end", self._outcome)
 
     def _wait_done(self, timeout: Optional[float]) -> None:
+        # Jupyter's Interrupt (SIGINT) only sets a flag here, checked between polls: raised as
+        # KeyboardInterrupt it could land inside a finaliser (a __del__ run by the garbage
+        # collector in the middle of a poll), where Python drops it, and the run would go on.
         deadline = None if timeout is None else time.time() + timeout
-        if self._thread is not None:
-            try:
-                self._done.wait(timeout)
-            except KeyboardInterrupt:
-                self._interrupted()  # Interrupt while waiting on a background run stops it too
-            return
-        try:
-            while not self._done.is_set():
-                try:
-                    self.poll()
-                except Exception as exc:  # noqa: BLE001 - never return with workers left running
-                    self._abandon(exc)
-                    return
+        with interrupts_held() as came:
+            while not self._done.is_set() and not came:
+                if self._thread is not None:
+                    self._done.wait(0.1)
+                else:
+                    try:
+                        self.poll()
+                    except Exception as exc:  # noqa: BLE001 - never return with workers left running
+                        self._abandon(exc)
+                        return
+                    time.sleep(0.05)
                 if deadline is not None and time.time() > deadline:
-                    return
-                time.sleep(0.05)
-        except KeyboardInterrupt:
-            self._interrupted()
+                    break
+        if came and not self._done.is_set():
+            self._interrupted()  # an Interrupt while waiting on a background run stops it too
 
     def _interrupted(self) -> None:
         """Jupyter's Interrupt (or Ctrl-C) arrived in the kernel: stop everything, then raise."""
         with self._lock:
             self._begin_shutdown("interrupt")
-        try:
+        with interrupts_held() as again:
             while not self._done.is_set():
-                self.poll()
+                if again:  # a second interrupt: no more grace
+                    with self._lock:
+                        self._kill_all(signal.SIGKILL)
+                        self._reap_all()
+                        if not self._done.is_set():
+                            self._finish()
+                    break
+                if self._thread is None:
+                    self.poll()
                 time.sleep(0.05)
-        except KeyboardInterrupt:
-            # A second interrupt: no more grace.
-            self._kill_all(signal.SIGKILL)
-            self._reap_all()
-            self._finish()
         raise self._outcome
 
     def _emit(self, kind: str, payload: Any) -> None:

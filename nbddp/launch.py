@@ -14,7 +14,6 @@ import pickle
 import signal
 import socket
 import sys
-import threading
 import types
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Union
@@ -26,7 +25,7 @@ from .config import MIN_TIMEOUT_S, NAME_RULE, TrainConfig, name_problem
 from .errors import ConfigError
 from .gpus import cuda_visible_devices
 from .procs import cpu_cores, live_workers, start_time
-from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult
+from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult, interrupts_held
 from .runtime import STATE_DIR, LaunchSpec, entry, state_path
 from .targets import resolve_target
 
@@ -302,7 +301,7 @@ def spawn_train(
     # From the first worker on, an Interrupt must not leave a process nobody knows of (a cold
     # start waits seconds for the forkserver): it is held back until the handle owns the
     # processes and the launch record names them, then handled like any other.
-    with _interrupts_held() as interrupted:
+    with interrupts_held() as interrupted:
         with _patched_env(child_env), _bare_main():
             ctx = mp.start_processes(entry, args=(spec,), nprocs=world, join=False, start_method=start_method)
         try:
@@ -322,23 +321,6 @@ def spawn_train(
     if interrupted:
         handle._interrupted()  # staged stop, every worker reaped; raises TrainingInterrupted
     return handle if not block else handle.wait()
-
-
-@contextlib.contextmanager
-def _interrupts_held():
-    """Hold SIGINT (Jupyter's Interrupt, Ctrl-C) back for the body; the list says if one came.
-
-    Only the main thread can set signal handlers; elsewhere the body runs as it is.
-    """
-    came: list = []
-    if threading.current_thread() is not threading.main_thread():
-        yield came
-        return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
-    try:
-        yield came
-    finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 def _kill_started(ctx) -> None:
