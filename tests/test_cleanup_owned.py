@@ -6,11 +6,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from nbddp import cleanup, spawn_train
-from nbddp.procs import live_workers, start_time
+from nbddp.procs import carries_marker, is_same_process, live_workers, start_time
 from conftest import WORKERS, proc_state, wait_for
 
 FAULTY = str(WORKERS / "faulty.py")
@@ -33,6 +34,8 @@ def sleeper():
     def start(env=None):
         p = subprocess.Popen(["sleep", "600"], env=env)
         procs.append(p)
+        # Running `sleep` itself (not a child still on its way to exec), as the tests assume.
+        assert wait_for(lambda: Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(b"sleep\0"), 10)
         return p
 
     yield start
@@ -105,6 +108,8 @@ def test_another_users_process_is_reported_not_raised(tmp_path, sleeper, monkeyp
             raise PermissionError(1, "Operation not permitted")
         return real_kill(pid, sig)
 
+    # The process is provably the run's worker, so only the kernel's refusal stands in the way.
+    assert is_same_process(stale.pid, start_time(stale.pid)) and carries_marker(stale.pid, tmp_path)
     monkeypatch.setattr(os, "kill", kill)
     with pytest.warns(UserWarning, match=rf"pid {stale.pid}.*another user.*sudo kill {stale.pid}"):
         assert cleanup(tmp_path, grace_s=0.2) == []
