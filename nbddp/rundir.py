@@ -1,0 +1,460 @@
+"""The run folder: what it holds, who writes it, and how every file in it is written.
+
+Every run gets one folder, ``<runs_dir>/<YYYYmmdd-HHMMSS>-<name>`` (then ``-2``, ``-3``... for
+runs of the same name started in the same second). This module is its contract: no other
+module spells a file name of it. What is in a run folder, and who writes it::
+
+    config.json              the TrainConfig (built-in worker)   kernel at launch; rank 0 under torchrun
+    metrics.jsonl            one JSON line per ctx.log           rank 0 (runtime.Context.log)
+    class_indices.json       {"0": class name, ...}              rank 0 of the built-in worker
+    val_predictions.json     the final validation predictions    rank 0 of the built-in worker
+    logs/rank<r>.log         stdout and stderr of rank r         rank r (runtime.redirect_output)
+    checkpoints/<name>.pt    last.pt, best.pt (weights-only)     rank 0 (built-in worker, ctx.save_checkpoint)
+    export/                  model.pth, model.safetensors,       export_weights (built-in worker, export_run)
+                             class_indices.json, meta.json
+    tensorboard/             TensorBoard event files             rank 0
+    .nbddp/                  the launch's working state:
+        launch.json          pids, start times, port, started/ended     the kernel (launch, handle)
+        rank<r>.json         heartbeat: state, epoch, step, progress    rank r, every second and per step
+        error.rank<r>.json   rank r's error: type, message, traceback   rank r (or the kernel, from torch's error file)
+        progress.json        live progress for the notebook             rank 0, at most 5 times a second
+        result.pkl           rank 0's return value                      rank 0
+        stop                 the stop request                           the kernel (Stop, handle.stop())
+
+Every file is replaced atomically (a temp file in the same folder, then ``os.replace``), so a
+reader sees the old file or the new one, never half of one. Files that must survive a power
+cut (checkpoints, exports, config, class names) are also fsynced; state records that are
+rewritten several times per step (heartbeats, progress) use :class:`RecordFile` instead.
+
+This module imports nothing from torch and nothing from the rest of nbddp but ``errors``:
+both sides of a launch (the kernel and the workers) share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import json
+import os
+import pickle
+import re
+import secrets
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# ---------------------------------------------------------------------------- names
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+CLASS_INDICES = "class_indices.json"
+VAL_PREDICTIONS = "val_predictions.json"
+LOGS = "logs"
+CHECKPOINTS = "checkpoints"
+CHECKPOINT_SUFFIX = ".pt"
+LAST, BEST = "last", "best"
+EXPORT = "export"
+TENSORBOARD = "tensorboard"
+STATE_DIR = ".nbddp"
+LAUNCH_RECORD = "launch.json"
+PROGRESS = "progress.json"
+RESULT = "result.pkl"
+STOP = "stop"
+
+# The export folder (also used on its own, copied out of the run).
+EXPORT_PTH = "model.pth"
+EXPORT_SAFETENSORS = "model.safetensors"
+EXPORT_META = "meta.json"
+EXPORT_FILES = (EXPORT_PTH, EXPORT_SAFETENSORS, CLASS_INDICES, EXPORT_META)
+
+_RANK_LOG = re.compile(r"rank\d+\.log")
+#: Folder names given to runs: ``<YYYYmmdd-HHMMSS>-<name>``, then ``-2``, ``-3``...
+_STAMPED_RUN = re.compile(r"(\d{8}-\d{6})-(.+?)(?:-(\d+))?\Z")
+
+
+def config_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / CONFIG
+
+
+def metrics_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / METRICS
+
+
+def class_indices_path(folder: PathLike) -> Path:
+    """``class_indices.json`` in a run folder or an export folder."""
+    return Path(folder) / CLASS_INDICES
+
+
+def val_predictions_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / VAL_PREDICTIONS
+
+
+def logs_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / LOGS
+
+
+def rank_log(run_dir: PathLike, rank: int) -> Path:
+    return logs_dir(run_dir) / f"rank{rank}.log"
+
+
+def is_rank_log(path: PathLike, run_dir: PathLike) -> bool:
+    """True if ``path`` is (textually) one of ``run_dir``'s rank logs."""
+    path = Path(path)
+    return bool(_RANK_LOG.fullmatch(path.name)) and path.parent.name == LOGS and str(path.parent.parent) == str(run_dir)
+
+
+def checkpoints_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def checkpoint_path(run_dir: PathLike, name: str = LAST) -> Path:
+    """``checkpoints/<name>.pt``: ``last`` (the newest), ``best`` (the best epoch) or a worker's own name."""
+    return checkpoints_dir(run_dir) / f"{name}{CHECKPOINT_SUFFIX}"
+
+
+def checkpoint_names(run_dir: PathLike) -> List[str]:
+    """File names of the checkpoints a run folder holds, sorted (empty if none)."""
+    folder = checkpoints_dir(run_dir)
+    return sorted(p.name for p in folder.glob(f"*{CHECKPOINT_SUFFIX}")) if folder.is_dir() else []
+
+
+def run_dir_of_checkpoint(path: PathLike) -> Path:
+    """The run folder of ``.../checkpoints/<name>.pt``, or ``path`` itself if it is not one."""
+    path = Path(path)
+    if path.suffix == CHECKPOINT_SUFFIX and path.parent.name == CHECKPOINTS:
+        return path.parent.parent
+    return path
+
+
+def export_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / EXPORT
+
+
+def tensorboard_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / TENSORBOARD
+
+
+def state_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / STATE_DIR
+
+
+def state_path(run_dir: PathLike, name: str) -> Path:
+    return state_dir(run_dir) / name
+
+
+def launch_record_path(run_dir: PathLike) -> Path:
+    return state_path(run_dir, LAUNCH_RECORD)
+
+
+def heartbeat_path(run_dir: PathLike, rank: int) -> Path:
+    return state_path(run_dir, f"rank{rank}.json")
+
+
+def error_record_path(run_dir: PathLike, rank: int) -> Path:
+    return state_path(run_dir, f"error.rank{rank}.json")
+
+
+def progress_path(run_dir: PathLike) -> Path:
+    return state_path(run_dir, PROGRESS)
+
+
+def result_path(run_dir: PathLike) -> Path:
+    return state_path(run_dir, RESULT)
+
+
+def stop_path(run_dir: PathLike) -> Path:
+    return state_path(run_dir, STOP)
+
+
+# ---------------------------------------------------------------------------- atomic writes
+_TMP_MARK = ".tmp-"
+
+
+def _open_temp(path: Path) -> tuple[int, Path]:
+    """Create ``.<name>.tmp-<pid>-<token>`` next to ``path``; returns (fd, temp path)."""
+    for _ in range(100):
+        # The pid lets cleanup_temp_files tell a crashed writer's leftover from a live write;
+        # the token keeps two threads of one process apart.
+        tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            # O_EXCL: never write through a file (or symlink) someone else created; mode 0o666
+            # minus the umask gives the same permissions as a plain open(), unlike mkstemp's 0o600.
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "could not create a unique temporary file", str(path))
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename is only durable once the directory entry is on disk. Some platforms (Windows)
+    # and file systems cannot open or fsync a directory: the file itself is already synced.
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: PathLike, data: Union[bytes, Callable[[BinaryIO], None]], durable: bool = True) -> Path:
+    """Write ``data`` (bytes, or a function that writes to a binary file) to ``path`` atomically.
+
+    The data goes to ``.<name>.tmp-<pid>-<token>`` in the same folder, then is renamed over
+    ``path`` with ``os.replace``; with ``durable`` the file and the folder are fsynced too. On
+    any exception (KeyboardInterrupt included) the temp file is removed, the exception
+    propagates and the previous file at ``path`` is untouched. Missing parent folders are created.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = _open_temp(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(text: str, path: PathLike) -> Path:
+    """Write UTF-8 ``text`` to ``path`` atomically and durably."""
+    return atomic_write(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: PathLike, obj: Any, durable: bool = False) -> Path:
+    """``obj`` as JSON, replaced atomically (not fsynced unless ``durable``: state records)."""
+    return atomic_write(path, json.dumps(obj).encode(), durable=durable)
+
+
+def read_json(path: PathLike) -> Optional[Any]:
+    """The JSON in ``path``, or None if it is missing, unreadable or (being rewritten) invalid."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _temp_writer_alive(tmp: Path) -> bool:
+    """True when the pid in a temp file's name is a running process on this machine."""
+    pid_text = tmp.name.rpartition(_TMP_MARK)[2].split("-", 1)[0]
+    if not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return True  # another thread of this process may be writing it right now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # PermissionError: it exists but belongs to another user; leave it alone
+    return True
+
+
+def cleanup_temp_files(folder: PathLike, recursive: bool = True) -> List[Path]:
+    """Remove ``.*.tmp-*`` files left by a writer that died between write and rename.
+
+    Temp files whose writer pid is still running on this machine are kept: removing them would
+    make that writer's ``os.replace`` fail.
+
+    Args:
+        folder: a run folder (or any folder); a missing folder is not an error.
+        recursive: also look in sub-folders (``export/``...).
+
+    Returns:
+        The paths removed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    pattern = f".*{_TMP_MARK}*"
+    removed = []
+    for tmp in sorted(folder.rglob(pattern) if recursive else folder.glob(pattern)):
+        if not tmp.is_file() or _temp_writer_alive(tmp):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+            removed.append(tmp)
+    return removed
+
+
+class RecordFile:
+    """A small JSON record that readers poll, rewritten in place (heartbeats, live progress).
+
+    The first write is atomic (temp file, rename), so the file never exists half-written; later
+    writes are one ``pwrite`` over the whole record, padded with spaces to the longest record so
+    far. A rename over an existing file costs ~1 ms on ext4 (it flushes the data first), and
+    these records are written several times per training step. Readers that catch a torn read
+    get invalid JSON and keep their previous value.
+    """
+
+    def __init__(self, path: Path, size: int = 512):
+        self.path, self.size = Path(path), size
+        self._fd: Optional[int] = None
+
+    def write(self, obj: Any) -> None:
+        data = json.dumps(obj).encode()
+        self.size = max(self.size, len(data))
+        data = data.ljust(self.size)
+        if self._fd is None:
+            atomic_write(self.path, data, durable=False)
+            self._fd = os.open(self.path, os.O_WRONLY)
+        else:
+            os.pwrite(self._fd, data, 0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# ---------------------------------------------------------------------------- records
+def read_launch_record(run_dir: PathLike) -> Dict[str, Any]:
+    """The launch record (pids, start times, port, started/ended), or ``{}`` if there is none."""
+    record = read_json(launch_record_path(run_dir))
+    return record if isinstance(record, dict) else {}
+
+
+def update_launch_record(run_dir: PathLike, **fields: Any) -> None:
+    """Merge ``fields`` into the launch record; best effort (a vanished folder is no error)."""
+    record = read_launch_record(run_dir)
+    record.update(fields)
+    with contextlib.suppress(OSError):
+        write_json_atomic(launch_record_path(run_dir), record)
+
+
+def prepare_launch(run_dir: PathLike, world_size: int) -> None:
+    """Create the folders a launch writes into and remove the last launch's end state."""
+    logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    state_dir(run_dir).mkdir(exist_ok=True)
+    stale = [stop_path(run_dir), result_path(run_dir), progress_path(run_dir),
+             *[error_record_path(run_dir, r) for r in range(world_size)]]
+    for path in stale:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def write_result(run_dir: PathLike, value: Any) -> None:
+    """Store rank 0's return value (pickled; read back only by the kernel that launched it)."""
+    try:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(
+            f"rank 0's return value ({type(value).__name__}) cannot be pickled: {exc}. "
+            "Return plain values, tensors or dicts of them."
+        ) from exc
+    atomic_write(result_path(run_dir), data, durable=False)
+
+
+def has_result(run_dir: PathLike) -> bool:
+    return result_path(run_dir).exists()
+
+
+def read_result(run_dir: PathLike) -> Any:
+    """Rank 0's return value, as the launching kernel's own workers wrote it."""
+    with open(result_path(run_dir), "rb") as f:
+        return pickle.load(f)
+
+
+def class_indices(classes: Sequence[str]) -> Dict[str, str]:
+    """``{"0": name0, "1": name1, ...}``, the reference script's ``class_indices.json``."""
+    return {str(i): name for i, name in enumerate(classes)}
+
+
+def write_class_indices(folder: PathLike, classes: Sequence[str]) -> Path:
+    """Write ``class_indices.json`` into a run or export folder, atomically."""
+    return atomic_write_text(json.dumps(class_indices(classes), indent=4) + "\n", class_indices_path(folder))
+
+
+def read_class_indices(folder: PathLike) -> Optional[List[str]]:
+    """Class names in index order from ``folder``'s ``class_indices.json``; None if it has none.
+
+    Raises:
+        ValueError: the file is there but is not ``{"0": name, ...}`` with indices 0..n-1.
+    """
+    path = class_indices_path(folder)
+    if not path.is_file():
+        return None
+    mapping = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(mapping, dict) or sorted(mapping, key=lambda k: int(k)) != [str(i) for i in range(len(mapping))]:
+        raise ValueError(f"{path} is not {{\"0\": name, \"1\": name, ...}}")
+    return [mapping[str(i)] for i in range(len(mapping))]
+
+
+# ---------------------------------------------------------------------------- run folders
+def new_run_dir(runs_dir: PathLike, name: str) -> Path:
+    """Create ``runs_dir/<YYYYmmdd-HHMMSS>-<name>`` (``-2``, ``-3``... if taken) and return it, absolute."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path(runs_dir).resolve() / f"{stamp}-{name}"
+    path, n = base, 1
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
+
+
+def recorded_name(run_dir: PathLike) -> Optional[str]:
+    """The ``name`` in the run's ``config.json``, or None."""
+    config = read_json(config_path(run_dir))
+    name = config.get("name") if isinstance(config, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def is_run_of(run_dir: Path, name: str) -> bool:
+    """The run's own config names it ``name``; without a config, its folder name must match exactly."""
+    recorded = recorded_name(run_dir)
+    if recorded is not None:
+        return recorded == name
+    return re.fullmatch(r"\d{8}-\d{6}-" + re.escape(name) + r"(-\d+)?", run_dir.name) is not None
+
+
+def run_started(run_dir: Path) -> tuple:
+    """Sort key: when the run was last launched, from its own records, newest last.
+
+    The launch record's ``started`` (spawn_train), else the time config.json was written (every
+    launch writes it, torchrun/srun ones too), else the time stamp in the folder name; the
+    same-second counter ``-N`` breaks ties. Folder times are not used: copying, exporting or
+    writing a file into a run changes them.
+    """
+    m = _STAMPED_RUN.match(run_dir.name)
+    counter = int(m.group(3)) if m and m.group(3) else 1
+    with contextlib.suppress(ValueError, TypeError, KeyError):
+        return (float(read_launch_record(run_dir)["started"]), counter, run_dir.name)
+    with contextlib.suppress(OSError):
+        return (config_path(run_dir).stat().st_mtime, counter, run_dir.name)
+    if m:
+        with contextlib.suppress(ValueError):
+            return (datetime.datetime.strptime(m.group(1), "%Y%m%d-%H%M%S").timestamp(), counter, run_dir.name)
+    with contextlib.suppress(OSError):
+        return (checkpoint_path(run_dir).stat().st_mtime, counter, run_dir.name)
+    return (0.0, counter, run_dir.name)
+
+
+def newest_run(runs_dir: PathLike, name: str, checkpoint: str = LAST) -> Optional[Path]:
+    """The most recently launched run named ``name`` in ``runs_dir`` that holds ``checkpoints/<checkpoint>.pt``."""
+    runs_dir = Path(runs_dir)
+    # Listing, not glob: a name is matched as text, never as a pattern.
+    folders = [p for p in runs_dir.iterdir() if p.is_dir()] if runs_dir.is_dir() else []
+    candidates = [p for p in folders if checkpoint_path(p, checkpoint).is_file() and is_run_of(p, name)]
+    return max(candidates, key=run_started) if candidates else None
+
+
+__all__ = [
+    "CONFIG", "METRICS", "CLASS_INDICES", "VAL_PREDICTIONS", "LOGS", "CHECKPOINTS", "LAST", "BEST", "EXPORT",
+    "TENSORBOARD", "STATE_DIR", "EXPORT_FILES", "RecordFile", "atomic_write", "atomic_write_text",
+    "write_json_atomic", "read_json", "cleanup_temp_files", "new_run_dir", "newest_run",
+]
