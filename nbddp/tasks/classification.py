@@ -32,12 +32,28 @@ from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
 from ..runtime import STATE_DIR
 from ..sync_bn import convert_sync_batchnorm
+from . import LaunchPlan
 
 CKPT_DIR = "checkpoints"
 EXPORT_DIR = "export"
 
 
 # ------------------------------------------------------------------------------ kernel side
+TARGET = "nbddp.tasks.classification:train"
+
+
+def plan(cfg: TrainConfig) -> LaunchPlan:
+    """What the launcher runs for ``cfg``, after :func:`preflight` checked every input.
+
+    A config's ``nprocs`` counts CPU processes: with GPUs, the world is one process per GPU.
+    """
+    run_dir = preflight(cfg)  # data, weights, batch vs world size; resume folder if any
+    gpus = tuple(cfg.gpus)
+    return LaunchPlan(target=TARGET, args=(cfg,), gpus=gpus, nprocs=None if gpus else cfg.nprocs,
+                      name=cfg.name, runs_dir=str(cfg.runs_dir), timeout_s=cfg.timeout_s, run_dir=run_dir,
+                      config=cfg)
+
+
 def preflight(cfg: TrainConfig) -> Optional[Path]:
     """Check everything that can be checked before a process starts.
 
