@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import dataclasses
 import enum
-import errno
 import json
 import os
 import hashlib
@@ -25,77 +24,31 @@ import pickle
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from .errors import ConfigError, WeightsError
-from .paths import pseudo_filesystem, special_file_kind
+from .paths import PathLike, pseudo_filesystem, special_file_kind
+from .rundir import (TMP_MARK, CLASS_INDICES, EXPORT, EXPORT_FILES, EXPORT_META, EXPORT_PTH,  # noqa: F401
+                     EXPORT_SAFETENSORS, fsync_dir, temp_writer_alive, atomic_write, atomic_write_text,
+                     cleanup_temp_files, write_class_indices)
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 #: Where :func:`resolve_weights_path` looks inside a folder, first match wins: a run's export
 #: (safetensors first: it cannot hold code and loads without unpickling), then an export folder.
 WEIGHTS_SEARCH_ORDER = (
-    "export/model.safetensors",
-    "export/model.pth",
-    "model.safetensors",
-    "model.pth",
+    f"{EXPORT}/{EXPORT_SAFETENSORS}",
+    f"{EXPORT}/{EXPORT_PTH}",
+    EXPORT_SAFETENSORS,
+    EXPORT_PTH,
 )
 
 #: Prefixes that wrappers add in front of every key: DDP / DataParallel and ``torch.compile``.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
-_TMP_MARK = ".tmp-"
-
-
 # ---------------------------------------------------------------------------- atomic writes
-def _open_temp(path: Path) -> tuple[int, Path]:
-    """Create ``.<name>.tmp-<pid>-<token>`` next to ``path``; returns (fd, temp path)."""
-    for _ in range(100):
-        # The pid lets cleanup_temp_files tell a crashed writer's leftover from a live write;
-        # the token keeps two threads of one process apart.
-        tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            # O_EXCL: never write through a file (or symlink) someone else created; mode 0o666
-            # minus the umask gives the same permissions as a plain open(), unlike mkstemp's 0o600.
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, "could not create a unique temporary file", str(path))
-
-
-def _fsync_dir(folder: Path) -> None:
-    # The rename is only durable once the directory entry is on disk. Some platforms (Windows)
-    # and file systems cannot open or fsync a directory: the file itself is already synced.
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> Path:
-    """Call ``write(file)`` on a temp file, then move it over ``path`` in one step."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _open_temp(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # KeyboardInterrupt too: never leave a temp file behind
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
 def atomic_save(obj: Any, path: PathLike) -> Path:
     """``torch.save(obj, path)`` that never leaves a half-written file at ``path``.
 
@@ -112,57 +65,7 @@ def atomic_save(obj: Any, path: PathLike) -> Path:
         ``path`` as a ``Path``.
     """
     # Look torch.save up at call time (not ``from torch import save``) so tests can patch it.
-    return _atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def atomic_write_text(text: str, path: PathLike) -> Path:
-    """Write UTF-8 ``text`` to ``path`` atomically (same guarantees as :func:`atomic_save`)."""
-    data = text.encode("utf-8")
-    return _atomic_write(path, lambda f: f.write(data))
-
-
-def _temp_writer_alive(tmp: Path) -> bool:
-    """True when the pid in a temp file's name is a running process on this machine."""
-    pid_text = tmp.name.rpartition(_TMP_MARK)[2].split("-", 1)[0]
-    if not pid_text.isdigit():
-        return False
-    pid = int(pid_text)
-    if pid == os.getpid():
-        return True  # another thread of this process may be writing it right now
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # PermissionError: it exists but belongs to another user; leave it alone
-    return True
-
-
-def cleanup_temp_files(folder: PathLike, recursive: bool = True) -> list[Path]:
-    """Remove ``.*.tmp-*`` files left by a writer that died between write and rename.
-
-    Temp files whose writer pid is still running on this machine are kept: removing them would
-    make that writer's ``os.replace`` fail.
-
-    Args:
-        folder: a run folder (or any folder); a missing folder is not an error.
-        recursive: also look in sub-folders (``export/``...).
-
-    Returns:
-        The paths removed.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    pattern = f".*{_TMP_MARK}*"
-    removed = []
-    for tmp in sorted(folder.rglob(pattern) if recursive else folder.glob(pattern)):
-        if not tmp.is_file() or _temp_writer_alive(tmp):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-            removed.append(tmp)
-    return removed
+    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 # ---------------------------------------------------------------------------- plain values
@@ -484,8 +387,6 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
 
 
-#: The files of an export folder; ``meta.json`` lists the others with their SHA-256.
-EXPORT_FILES = ("model.pth", "model.safetensors", "class_indices.json", "meta.json")
 # What else an export folder may hold and a new export may drop: Jupyter's autosave copies.
 _REPLACEABLE = {".ipynb_checkpoints"}
 
@@ -506,7 +407,7 @@ def _export_target(out_dir: Path) -> Path:
         raise ConfigError(f"export folder {out_dir} is a file; pass a folder path (it is created if needed)")
     if target.is_dir():
         foreign = sorted(e.name for e in os.scandir(target)
-                         if e.name not in EXPORT_FILES and e.name not in _REPLACEABLE and _TMP_MARK not in e.name)
+                         if e.name not in EXPORT_FILES and e.name not in _REPLACEABLE and TMP_MARK not in e.name)
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
             raise ConfigError(
@@ -518,8 +419,8 @@ def _export_target(out_dir: Path) -> Path:
 
 def _remove_stale_export_dirs(target: Path) -> None:
     # Left by an export that died between its writes and its swap (killed, power loss).
-    for stale in target.parent.glob(f".{target.name}{_TMP_MARK}*"):
-        if stale.is_dir() and not stale.is_symlink() and not _temp_writer_alive(stale):
+    for stale in target.parent.glob(f".{target.name}{TMP_MARK}*"):
+        if stale.is_dir() and not stale.is_symlink() and not temp_writer_alive(stale):
             shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -540,7 +441,7 @@ def _swap_in(new: Path, target: Path) -> None:
             os.rename(old, target)
             raise
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
 def export_weights(
@@ -587,28 +488,27 @@ def export_weights(
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_export_dirs(target)
     # mkdir (not mkdtemp) so the folder gets the umask's usual permissions, not 0o700.
-    work = target.with_name(f".{target.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    work = target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
     os.mkdir(work)
     try:
-        atomic_save(tensors, work / "model.pth")
+        atomic_save(tensors, work / EXPORT_PTH)
         # "format": "pt" is what other safetensors readers (transformers...) expect. Looked up
         # at call time so tests can make this write fail.
-        _atomic_write(work / "model.safetensors",
-                      lambda f: f.write(safetensors_torch.save(tensors, metadata={"format": "pt"})))
-        atomic_write_text(json.dumps({str(i): n for i, n in enumerate(names)}, indent=4) + "\n",
-                          work / "class_indices.json")
+        atomic_write(work / EXPORT_SAFETENSORS,
+                     lambda f: f.write(safetensors_torch.save(tensors, metadata={"format": "pt"})))
+        write_class_indices(work, names)
         if extra is not None:
             meta = to_plain(dict(extra))
             meta.setdefault("num_classes", len(names))
-            meta["files"] = {n: file_digest(work / n) for n in EXPORT_FILES if n != "meta.json"}
-            atomic_write_text(json.dumps(meta, indent=2, default=_json_default) + "\n", work / "meta.json")
+            meta["files"] = {n: file_digest(work / n) for n in EXPORT_FILES if n != EXPORT_META}
+            atomic_write_text(json.dumps(meta, indent=2, default=_json_default) + "\n", work / EXPORT_META)
         _swap_in(work, target)
     except BaseException:  # KeyboardInterrupt too: the old export stays, no half folder remains
         shutil.rmtree(work, ignore_errors=True)
         raise
-    keys = {"pth": "model.pth", "safetensors": "model.safetensors", "class_indices": "class_indices.json"}
+    keys = {"pth": EXPORT_PTH, "safetensors": EXPORT_SAFETENSORS, "class_indices": CLASS_INDICES}
     if extra is not None:
-        keys["meta"] = "meta.json"
+        keys["meta"] = EXPORT_META
     return {k: out_dir / n for k, n in keys.items()}
 
 

@@ -19,6 +19,7 @@ import sys
 import typing
 from typing import List, Optional
 
+from . import rundir
 from .config import DATA_PIPELINES, TrainConfig, read_config_file
 from .errors import ConfigError
 
@@ -165,14 +166,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
 
 
-def _checkpoints_in(folder) -> List[str]:
-    return sorted(p.name for p in folder.glob("*.pt")) if folder.is_dir() else []
-
-
 def _launcher_started() -> Optional[float]:
     """When the process that started this one (torchrun's agent) started, as a Unix time."""
+    from .system import start_time
+
+    ticks = start_time(os.getppid())
+    if ticks is None:
+        return None
     try:
-        ticks = int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[19])
         boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
@@ -193,19 +194,19 @@ def _check_may_continue(run_dir, cfg: TrainConfig, le) -> None:
         return
     if isinstance(cfg.resume, str):
         asked = Path(cfg.resume)
-        asked = asked.parent.parent if asked.name == "last.pt" else asked
+        asked = rundir.run_dir_of_checkpoint(asked)
         if asked.resolve() == run_dir.resolve():
             return
         raise ConfigError(f"--resume {cfg.resume} and --run-dir {run_dir} name two different runs, and {run_dir} "
                           "already holds checkpoints; give one of them")
-    last = run_dir / "checkpoints" / "last.pt"
+    last = rundir.checkpoint_path(run_dir)
     if le.restart_count and le.kind == "torchrun":
         started = _launcher_started()
         if started is None or not last.exists() or last.stat().st_mtime >= started:
             return
     elif le.restart_count:
         return
-    found = ", ".join(_checkpoints_in(run_dir / "checkpoints"))
+    found = ", ".join(rundir.checkpoint_names(run_dir))
     raise ConfigError(
         f"{run_dir} already holds checkpoints ({found}) of an earlier run; training again would start from "
         f"epoch 0 and overwrite them. To continue that run, add --resume true; to train anew, choose a new "
@@ -216,34 +217,32 @@ def _under_launcher(ns: argparse.Namespace, le) -> int:
     """One rank of a torchrun/srun job: same worker, same run folder layout as spawn_train."""
     from pathlib import Path
 
+    from . import tasks
     from .elastic import run_under_launcher
-    from .launch import BUILTIN_TARGET, _new_run_dir
     from .targets import resolve_target
 
     if ns.command == "run":
         target, args, kwargs, cfg = resolve_target(ns.target), (), parse_kwargs(ns.kwargs), None
         name, runs_dir, timeout = Path(ns.target.rpartition(":")[0]).stem, "runs", 600.0
     else:
-        from .tasks.classification import CKPT_DIR, preflight
-
         cfg = build_config(ns).replace(gpus=(), nprocs=le.world_size)
         run_dir = Path(ns.run_dir) if ns.run_dir else (
             Path(cfg.runs_dir) / f"{cfg.name}-{le.job_id}" if le.job_id else None)
-        if run_dir is not None and _checkpoints_in(run_dir / CKPT_DIR):
+        if run_dir is not None and rundir.checkpoint_names(run_dir):
             # A launcher restart of this run, or an explicit resume, continues from the last
             # checkpoint; anything else would train from epoch 0 over it.
             _check_may_continue(run_dir, cfg, le)
             cfg = cfg.replace(resume=str(run_dir))
-        resumed = preflight(cfg)  # every rank checks the same inputs, so all fail together
-        target, args, kwargs = BUILTIN_TARGET, (cfg,), {}
-        name, runs_dir, timeout = cfg.name, cfg.runs_dir, cfg.timeout_s
-        ns.run_dir = str(resumed or run_dir) if (resumed or run_dir) else None
+        plan = tasks.plan(cfg)  # every rank checks the same inputs, so all fail together
+        target, args, kwargs = plan.target, plan.args, {}
+        name, runs_dir, timeout = plan.name, plan.runs_dir, plan.timeout_s
+        ns.run_dir = str(plan.run_dir or run_dir) if (plan.run_dir or run_dir) else None
 
     def choose() -> Path:
-        path = Path(ns.run_dir).resolve() if ns.run_dir else _new_run_dir(runs_dir, name)
+        path = Path(ns.run_dir).resolve() if ns.run_dir else rundir.new_run_dir(runs_dir, name)
         path.mkdir(parents=True, exist_ok=True)
         if cfg is not None:
-            cfg.save(path / "config.json")
+            cfg.save(rundir.config_path(path))
         return path
 
     code, value = run_under_launcher(le, target, args, kwargs, choose, timeout)

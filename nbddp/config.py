@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from . import rundir
 from .errors import ConfigError
 
 _BOOL_FIELDS = ("scale_lr", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images",
@@ -247,12 +248,7 @@ class TrainConfig:
         return d
 
     def save(self, path: Union[str, Path]) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        return rundir.atomic_write_text(json.dumps(self.to_dict(), indent=2) + "\n", path)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -276,7 +272,7 @@ class TrainConfig:
 
 def _config_file(path: Union[str, Path]) -> Path:
     path = Path(path)
-    return path / "config.json" if path.is_dir() else path
+    return rundir.config_path(path) if path.is_dir() else path
 
 
 def read_config_file(path: Union[str, Path]) -> dict:

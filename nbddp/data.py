@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -27,7 +26,7 @@ import stat
 import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -35,9 +34,8 @@ from torch.utils.data import Dataset, Sampler
 from torchvision import transforms as T
 
 from .errors import DataError
-from .paths import pseudo_filesystem, special_file_kind
+from .paths import PathLike, pseudo_filesystem, special_file_kind
 
-PathLike = Union[str, os.PathLike]
 Sample = tuple[str, int]
 
 #: File extensions read as images (compared in lower case, so ``.JPG`` counts).
@@ -576,7 +574,7 @@ def resize_size(image_size: int) -> int:
 
 def loader_workers(world_size: int, at_least: int = 0) -> int:
     """Data-loading processes per rank: the rank's share of the cores, less the rank itself (at most 16)."""
-    from .procs import cpu_cores
+    from .system import cpu_cores
 
     return max(at_least, min(16, cpu_cores() // max(world_size, 1) - 1))
 
@@ -713,21 +711,6 @@ def check_class_names(root: PathLike, classes: Sequence[str]) -> None:
 
 
 # ---------------------------------------------------------------------------- class names
-def class_indices(classes: Sequence[str]) -> dict[str, str]:
-    """``{"0": name0, "1": name1, ...}``, the reference script's ``class_indices.json``."""
-    return {str(i): name for i, name in enumerate(classes)}
-
-
-def write_class_indices(classes: Sequence[str], path: PathLike) -> Path:
-    """Write :func:`class_indices` as JSON (atomically, so a reader never sees half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(class_indices(classes), indent=4) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
 def describe_dataset(root: PathLike, val_fraction: float, seed: int) -> dict:
     """Summary of a class-folder tree and its split, as plain JSON-able values.
 
@@ -769,7 +752,6 @@ __all__ = [
     "build_transforms",
     "check_batch_fits",
     "check_images",
-    "class_indices",
     "describe_dataset",
     "is_image_file",
     "item_seed",
@@ -779,5 +761,4 @@ __all__ = [
     "rank_share",
     "scan_class_folders",
     "split_samples",
-    "write_class_indices",
 ]

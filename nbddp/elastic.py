@@ -23,8 +23,9 @@ from typing import Any, Callable, Optional, TextIO
 import torch
 import torch.distributed as dist
 
+from . import rundir
 from .dist import init_process_group
-from .procs import cpu_cores
+from .system import cpu_cores
 from .runtime import Context, run_rank
 
 
@@ -143,8 +144,9 @@ def run_under_launcher(le: LauncherEnv, target: str, args: tuple, kwargs: dict,
     """
     device = init_from_env(le, timeout_s)
     run_dir = agree_run_dir(choose_run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    log = open(run_dir / "logs" / f"rank{le.rank}.log", "a", buffering=1, encoding="utf-8")
+    log_path = rundir.rank_log(run_dir, le.rank)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "a", buffering=1, encoding="utf-8")
     log.write(f"--- {le.kind} rank {le.rank}/{le.world_size} (restart {le.restart_count}) "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)

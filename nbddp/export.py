@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from . import rundir
 from .checkpoint import export_weights, load_checkpoint
 from .errors import ConfigError, WeightsError
+from .paths import PathLike
 
-PathLike = Union[str, Path]
-CHECKPOINTS = {"best": "best.pt", "last": "last.pt"}
+CHECKPOINTS = (rundir.BEST, rundir.LAST)
 
 
 def run_classes(run_dir: PathLike) -> List[str]:
@@ -33,10 +34,10 @@ def run_classes(run_dir: PathLike) -> List[str]:
         WeightsError: the run folder has no ``class_indices.json`` (nor ``export/`` copy).
     """
     run_dir = Path(run_dir)
-    for path in (run_dir / "class_indices.json", run_dir / "export" / "class_indices.json"):
-        if path.is_file():
-            indices = json.loads(path.read_text())
-            return [indices[str(i)] for i in range(len(indices))]
+    for folder in (run_dir, rundir.export_dir(run_dir)):
+        classes = rundir.read_class_indices(folder)
+        if classes is not None:
+            return classes
     raise WeightsError(f"{run_dir} has no class_indices.json: is it an nbddp run folder?")
 
 
@@ -80,16 +81,16 @@ def export_run(run_dir: PathLike, out_dir: PathLike, which: str = "best") -> Dic
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise WeightsError(f"run folder not found: {run_dir}. Pass TrainResult.run_dir or a folder under runs/.")
-    ckpt_path = run_dir / "checkpoints" / CHECKPOINTS[which]
+    ckpt_path = rundir.checkpoint_path(run_dir, which)
     if not ckpt_path.is_file():
-        have = sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) if (run_dir / "checkpoints").is_dir() else []
+        have = rundir.checkpoint_names(run_dir)
         hint = (f"it has {', '.join(have)}: try which={'last' if which == 'best' else 'best'!r}" if have
                 else "the run ended before it finished an epoch, so there is nothing to export")
         raise WeightsError(f"no checkpoint at {ckpt_path}: {hint}.")
     ckpt = load_checkpoint(ckpt_path)  # weights-only, on the CPU
     config = ckpt.get("config") or {}
-    if not config and (run_dir / "config.json").is_file():
-        config = json.loads((run_dir / "config.json").read_text())
+    if not config and rundir.config_path(run_dir).is_file():
+        config = json.loads(rundir.config_path(run_dir).read_text())
     classes = list(ckpt.get("classes") or run_classes(run_dir))
     if "model" not in config:
         raise WeightsError(f"{ckpt_path} does not say which model it holds (no config); cannot write meta.json")
@@ -114,7 +115,7 @@ def load_val_predictions(run_dir: PathLike) -> List[dict]:
         WeightsError: the file is missing (the run did not finish an epoch, or was stopped).
     """
     run_dir = Path(run_dir)
-    path = run_dir / "val_predictions.json"
+    path = rundir.val_predictions_path(run_dir)
     if not path.is_file():
         raise WeightsError(f"no {path}: it is written when training finishes with at least one epoch")
     records = json.loads(path.read_text())
@@ -131,7 +132,7 @@ def load_val_predictions(run_dir: PathLike) -> List[dict]:
 def _launch_dir(run_dir: Path) -> Optional[Path]:
     """The working directory of the launch: ``run_dir`` is ``<cwd>/<runs_dir>/<run>``."""
     try:
-        runs_dir = Path(json.loads((run_dir / "config.json").read_text())["runs_dir"])
+        runs_dir = Path(json.loads(rundir.config_path(run_dir).read_text())["runs_dir"])
     except (OSError, ValueError, KeyError):
         return None
     if runs_dir.is_absolute():

@@ -23,7 +23,9 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from .errors import RunAbandoned, TrainingInterrupted
 from .report import RankEnd, build_worker_error, collect, position
-from .runtime import STATE_DIR, LaunchSpec, state_path, write_json_atomic
+from . import rundir
+from .runtime import LaunchSpec
+from .system import kill_group_or_process
 
 
 # After a stop request, the longest a worker that still sends heartbeats may take to finish
@@ -150,21 +152,22 @@ class RunHandle:
         >>> result = h.wait()
     """
 
-    def __init__(self, ctx, spec: LaunchSpec, store, echo: bool, grace_s: float,
+    def __init__(self, procs, spec: LaunchSpec, store, echo: bool, grace_s: float,
                  stall_timeout_s: Optional[float] = None, stop_timeout_s: float = STOP_TIMEOUT_S):
-        self._ctx, self.spec, self._store, self.echo, self.grace_s = ctx, spec, store, echo, grace_s
+        # torch's ProcessContext of the workers (not a worker's ctx: that lives in the workers)
+        self._procs, self.spec, self._store, self.echo, self.grace_s = procs, spec, store, echo, grace_s
         self.stop_timeout_s = stop_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self._stall_checked = 0.0
         self.run_dir = Path(spec.run_dir)
         self.world_size = spec.world_size
         self.started_at = time.time()
-        self.pids = [p.pid for p in ctx.processes]
+        self.pids = [p.pid for p in procs.processes]
         self.metrics: List[dict] = []
         self.progress: dict = {}
         self._ends: Dict[int, RankEnd] = {}
-        self._log_tail = _LineTail(self.run_dir / "logs" / "rank0.log")
-        self._metrics_tail = _LineTail(self.run_dir / "metrics.jsonl")
+        self._log_tail = _LineTail(rundir.rank_log(self.run_dir, 0))
+        self._metrics_tail = _LineTail(rundir.metrics_path(self.run_dir))
         self._listeners: List[Callable[[str, Any], None]] = []
         self._lock = threading.RLock()
         self._shutdown: Optional[dict] = None  # {"reason", "stage", "since"}
@@ -210,7 +213,9 @@ class RunHandle:
         return self._outcome
 
     # -- monitoring --------------------------------------------------------------------
-    def _start_background(self) -> None:
+    def start_background(self) -> None:
+        """Watch the run from a daemon thread (``spawn_train(block=False)``): the cell returns at once."""
+
         def loop():
             while not self._done.is_set():
                 try:
@@ -263,9 +268,9 @@ class RunHandle:
                 if deadline is not None and time.time() > deadline:
                     break
         if came and not self._done.is_set():
-            self._interrupted()  # an Interrupt while waiting on a background run stops it too
+            self.end_interrupted()  # an Interrupt while waiting on a background run stops it too
 
-    def _interrupted(self) -> None:
+    def end_interrupted(self) -> None:
         """Jupyter's Interrupt (or Ctrl-C) arrived in the kernel: stop everything, then raise."""
         with self._lock:
             self._begin_shutdown("interrupt")
@@ -297,7 +302,7 @@ class RunHandle:
                 return
             self._read_streams()
             now = time.time()
-            for rank, p in enumerate(self._ctx.processes):
+            for rank, p in enumerate(self._procs.processes):
                 if rank not in self._ends and p.exitcode is not None:  # exitcode reaps the child
                     self._ends[rank] = RankEnd(rank, p.pid, p.exitcode, now, self._shutdown is not None)
                     if p.exitcode != 0:
@@ -344,7 +349,7 @@ class RunHandle:
             self.metrics.append(rec)
             self._emit("metrics", rec)
         try:
-            prog = json.loads(state_path(self.run_dir, "progress.json").read_text())
+            prog = json.loads(rundir.progress_path(self.run_dir).read_text())
         except (OSError, ValueError):
             prog = None
         if prog and prog != self.progress:
@@ -359,7 +364,7 @@ class RunHandle:
         stage = "term" if reason == "failure" else "ask"
         self._shutdown = {"reason": reason, "stage": stage, "since": time.time()}
         try:
-            state_path(self.run_dir, "stop").write_text(reason)
+            rundir.stop_path(self.run_dir).write_text(reason)
         except OSError:
             pass
         if stage == "term":
@@ -392,7 +397,7 @@ class RunHandle:
         _records, beats = collect(self.run_dir, self.world_size)
         # A resumed run's folder may still hold the previous launch's records: not this run's.
         beats = {r: b for r, b in beats.items() if (b.get("beat_time") or 0.0) >= self.started_at}
-        running = [r for r, p in enumerate(self._ctx.processes) if r not in self._ends and p.exitcode is None]
+        running = [r for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None]
         for rank in running:
             last = max(beats.get(rank, {}).get("beat_time") or 0.0, since)  # not started: from the request
             if now - last > self.grace_s + 2.0:
@@ -400,21 +405,14 @@ class RunHandle:
         return now - since < self.grace_s or any(b.get("stopping") for b in beats.values())
 
     def _kill_all(self, sig: int) -> None:
-        for rank, p in enumerate(self._ctx.processes):
+        for rank, p in enumerate(self._procs.processes):
             if rank in self._ends or p.exitcode is not None:
                 continue
-            try:
-                # Each worker leads its own process group (DataLoader workers included).
-                if os.getpgid(p.pid) == p.pid:
-                    os.killpg(p.pid, sig)
-                else:
-                    os.kill(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+            kill_group_or_process(p.pid, sig)  # each worker leads its own group, DataLoader workers included
 
     def _reap_all(self) -> None:
         now = time.time()
-        for rank, p in enumerate(self._ctx.processes):
+        for rank, p in enumerate(self._procs.processes):
             p.join(timeout=5)
             if p.exitcode is None:  # cannot happen after SIGKILL, but never leave one behind
                 p.kill()
@@ -431,7 +429,7 @@ class RunHandle:
         """
         files = self._torch_error_files()
         path = files[rank] if rank < len(files) else None
-        record_path = state_path(self.run_dir, f"error.rank{rank}.json")
+        record_path = rundir.error_record_path(self.run_dir, rank)
         if not path or record_path.exists():
             return
         text = _read_traceback_file(path)
@@ -439,12 +437,12 @@ class RunHandle:
             return
         kind, message = exception_from_traceback(text)
         with contextlib.suppress(OSError):
-            write_json_atomic(record_path, {
+            rundir.write_json_atomic(record_path, {
                 "rank": rank, "pid": self.pids[rank], "time": time.time(), "type": kind, "message": message,
                 "traceback": text, "epoch": None, "step": None, "secondary": False, "root_rank": None})
 
     def _torch_error_files(self) -> List[Optional[str]]:
-        return list(getattr(self._ctx, "error_files", None) or [])
+        return list(getattr(self._procs, "error_files", None) or [])
 
     def _remove_torch_error_files(self) -> None:
         for path in self._torch_error_files():
@@ -457,13 +455,11 @@ class RunHandle:
         self._read_streams()
         seconds = time.time() - self.started_at
         reason = self._shutdown["reason"] if self._shutdown else None
-        result_path = state_path(self.run_dir, "result.pkl")
         all_ok = all(e.exitcode == 0 for e in self._ends.values())
         if reason == "failure" or (not all_ok and reason is None):
             outcome: Union[TrainResult, BaseException] = build_worker_error(self.run_dir, self._ends, self.world_size)
-        elif all_ok and result_path.exists() and reason != "interrupt":
-            with open(result_path, "rb") as f:
-                value = pickle.load(f)
+        elif all_ok and rundir.has_result(self.run_dir) and reason != "interrupt":
+            value = rundir.read_result(self.run_dir)
             outcome = TrainResult(value, self.run_dir, self.metrics, seconds, self.world_size,
                                   self.spec.backend, stopped=reason is not None)
         else:
@@ -474,23 +470,12 @@ class RunHandle:
                 f"training {what}: all {self.world_size} workers were stopped and reaped. "
                 f"Logs and the last checkpoint are kept in {self.run_dir}", run_dir=self.run_dir)
         self._outcome = outcome
-        for p in self._ctx.processes:
+        for p in self._procs.processes:
             with contextlib.suppress(Exception):
                 p.close()
         self._store = None  # closes the kernel-owned store and frees its port
         with contextlib.suppress(OSError):
-            state_path(self.run_dir, "stop").unlink()
-        self._update_launch_record(ended=time.time())
+            rundir.stop_path(self.run_dir).unlink()
+        rundir.update_launch_record(self.run_dir, ended=time.time())
         self._done.set()
         self._emit("end", outcome)
-
-    def _update_launch_record(self, **fields) -> None:
-        """Best effort: a run whose folder vanished must still end (the workers are ours anyway)."""
-        path = self.run_dir / STATE_DIR / "launch.json"
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
-            rec = {}
-        rec.update(fields)
-        with contextlib.suppress(OSError):
-            write_json_atomic(path, rec)

@@ -15,10 +15,12 @@ import torch
 if TYPE_CHECKING:
     import PIL.Image
 
-from .checkpoint import EXPORT_FILES, file_digest, load_state_dict_file
+from . import rundir
+from .checkpoint import file_digest, load_state_dict_file
+from .paths import PathLike
+from .rundir import EXPORT_FILES, EXPORT_META, EXPORT_PTH, EXPORT_SAFETENSORS
 from .errors import WeightsError
 
-PathLike = Union[str, Path]
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,11 @@ class Prediction:
 
 
 def _export_folder(source: Path) -> Path:
-    for cand in (source / "export", source):
-        if (cand / "class_indices.json").exists() and ((cand / "model.safetensors").exists() or (cand / "model.pth").exists()):
+    for cand in (rundir.export_dir(source), source):
+        if rundir.class_indices_path(cand).exists() and (
+                (cand / EXPORT_SAFETENSORS).exists() or (cand / EXPORT_PTH).exists()):
             return cand
-    if source.is_file() and (source.parent / "class_indices.json").exists():
+    if source.is_file() and rundir.class_indices_path(source.parent).exists():
         return source.parent
     raise WeightsError(
         f"no exported weights at {source}: expected a run folder with export/, or a folder holding "
@@ -63,7 +66,7 @@ def _check_files_belong_together(folder: Path, meta: dict, classes: List[str]) -
         return
     for name in EXPORT_FILES:
         path = folder / name
-        if name == "meta.json" or not path.exists():
+        if name == EXPORT_META or not path.exists():
             continue
         if name not in listed:
             raise mixed(f"{name} is not one of the files meta.json lists ({', '.join(sorted(listed))})")
@@ -94,17 +97,16 @@ def load_model(source: PathLike, device: Union[str, torch.device] = "cpu"):
     from .models import build_model
 
     folder = _export_folder(Path(source))
-    indices = json.loads((folder / "class_indices.json").read_text())
-    classes = [indices[str(i)] for i in range(len(indices))]
-    meta_path = folder / "meta.json"
+    classes = rundir.read_class_indices(folder)
+    meta_path = folder / EXPORT_META
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     if "model" not in meta:
-        cfg_path = folder.parent / "config.json"
+        cfg_path = rundir.config_path(folder.parent)
         if not cfg_path.exists():
             raise WeightsError(f"{folder} has no meta.json naming the model architecture; re-export the run")
         cfg = json.loads(cfg_path.read_text())
         meta = {"model": cfg["model"], "image_size": cfg["image_size"]}
-    weights = folder / "model.safetensors" if (folder / "model.safetensors").exists() else folder / "model.pth"
+    weights = folder / EXPORT_SAFETENSORS if (folder / EXPORT_SAFETENSORS).exists() else folder / EXPORT_PTH
     _check_files_belong_together(folder, meta, classes)
     model = build_model(meta["model"], len(classes))
     try:

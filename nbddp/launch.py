@@ -8,29 +8,29 @@ set for the children (and restored). Watching the run is :class:`nbddp.handle.Ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import pickle
-import signal
 import socket
 import sys
 import types
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import rundir, tasks
 from .config import MIN_TIMEOUT_S, NAME_RULE, TrainConfig, name_problem
 from .errors import ConfigError
 from .gpus import cuda_visible_devices
-from .procs import cpu_cores, live_workers, start_time
 from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult, interrupts_held
-from .runtime import STATE_DIR, LaunchSpec, entry, state_path
+from .procs import MARKER_ENV, live_workers
+from .runtime import LaunchSpec, entry
+from .system import cpu_cores, kill_group_or_process, start_time
 from .targets import resolve_target
-
-BUILTIN_TARGET = "nbddp.tasks.classification:train"
-
+from .tasks import LaunchPlan
 
 def _free_store(timeout_s: float) -> dist.TCPStore:
     """A TCPStore owned by the kernel, listening on a free port of 127.0.0.1 only.
@@ -105,19 +105,6 @@ def _prepare_forkserver() -> None:
         _forkserver_ready = True
 
 
-def _new_run_dir(runs_dir: Union[str, Path], name: str) -> Path:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path(runs_dir).resolve() / f"{stamp}-{name}"
-    path, n = base, 1
-    while True:
-        try:
-            path.mkdir(parents=True)
-            return path
-        except FileExistsError:
-            n += 1
-            path = base.with_name(f"{base.name}-{n}")
-
-
 def _check_picklable(args: tuple, kwargs: dict) -> None:
     for label, obj in [(f"args[{i}]", a) for i, a in enumerate(args)] + [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]:
         try:
@@ -161,7 +148,6 @@ def spawn_train(
     on_event: Optional[Callable[[str, Any], None]] = None,
     start_method: str = "forkserver",
     env: Optional[Dict[str, str]] = None,
-    _fault: Optional[str] = None,
 ) -> Union[TrainResult, RunHandle]:
     """Run a DDP worker function in one process per GPU (nccl) or ``nprocs`` CPU processes (gloo).
 
@@ -217,60 +203,89 @@ def spawn_train(
     if start_method not in ("spawn", "forkserver"):
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
-    config: Optional[TrainConfig] = None
-    run_dir: Optional[Path] = None
-    if isinstance(target, TrainConfig):
-        from .tasks.classification import preflight
-
-        config = target
-        if args or kwargs:
-            raise ConfigError("with a TrainConfig, put every setting in the config (no args/kwargs)")
-        if nprocs is not None or gpus is not None:
-            raise ConfigError("with a TrainConfig, set nprocs/gpus in the config: cfg.replace(gpus=[0, 1])")
-        run_dir = preflight(config)  # data, weights, batch vs world size; resume folder if any
-        # A config's nprocs counts CPU processes: with GPUs, the world is one process per GPU.
-        spec_target, args, gpus = BUILTIN_TARGET, (config,), list(config.gpus)
-        nprocs = None if gpus else config.nprocs
-        name, runs_dir = name or config.name, config.runs_dir
-        timeout_s = timeout_s or config.timeout_s
-    else:
-        spec_target = resolve_target(target)
-    _check_picklable(args, kwargs)
-
-    gpus = list(gpus or [])
-    if gpus and nprocs not in (None, len(gpus)):
-        raise ConfigError(f"nprocs={nprocs} but gpus={gpus}: one process per GPU; drop nprocs")
+    plan = _plan(target, args, kwargs, nprocs, gpus, name, runs_dir, timeout_s)
+    _check_picklable(plan.args, kwargs)
+    world, backend = _world(plan)
     # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
     # that could escape an allocation. Refuses unknown or repeated ids, listing the GPUs.
-    visible_devices = cuda_visible_devices(gpus) if gpus else None
-    world = len(gpus) if gpus else (nprocs or 1)
-    if not isinstance(world, int) or world < 1:
-        raise ConfigError(f"nprocs={nprocs!r}: must be an integer >= 1")
-    backend = "nccl" if gpus else "gloo"
-    timeout_s = float(timeout_s or (600.0 if gpus else 120.0))
+    visible_devices = cuda_visible_devices(plan.gpus) if plan.gpus else None
+    timeout = float(plan.timeout_s or (600.0 if plan.gpus else 120.0))
     threads = threads_per_proc or max(1, cpu_cores() // world)
+    run_dir = _prepare_run_dir(plan, world)
 
-    if run_dir is None:
-        run_dir = _new_run_dir(runs_dir, name or _default_name(spec_target))
-    elif live_workers(run_dir):
-        raise ConfigError(
-            f"{run_dir} still has running workers from an earlier launch (pids {live_workers(run_dir)}); "
-            f"they may hold its GPUs and checkpoints. End them with nbddp.cleanup({str(run_dir)!r}) "
-            "and launch again.")
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / STATE_DIR).mkdir(exist_ok=True)
-    for stale in ("stop", "result.pkl", "progress.json", *[f"error.rank{r}.json" for r in range(world)]):
-        with contextlib.suppress(OSError):
-            state_path(run_dir, stale).unlink()
-    if config is not None:
-        config.save(run_dir / "config.json")
+    store = _free_store(timeout)
+    warm = start_method == "forkserver"
+    child_env = _child_env(run_dir, store.port, threads, visible_devices, warm, env)
+    # The kernel's whole environment as of this launch, with nbddp's variables on top: a
+    # forkserver's children would otherwise see the server's environment from its start, and
+    # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
+    snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
+    spec = LaunchSpec(target=plan.target, args=tuple(plan.args), kwargs=kwargs, world_size=world, backend=backend,
+                      gpus=tuple(plan.gpus), store_host="127.0.0.1", store_port=store.port, run_dir=str(run_dir),
+                      parent_pid=None if warm else os.getpid(), threads=threads, timeout_s=timeout,
+                      env=snapshot, kernel=(os.getpid(), start_time(os.getpid())))
+    if warm:
+        _prepare_forkserver()
+    if stall_timeout_s is None:
+        # NCCL's watchdog aborts the ranks that wait longer than timeout_s, which would leave
+        # only their SIGABRTs to read; nbddp names the hung rank well before that.
+        stall_timeout_s = 0.75 * timeout if backend == "nccl" else timeout
+    watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s)
+    return _start(spec, store, child_env, start_method, watch, on_event, block)
 
-    store = _free_store(timeout_s)
+
+def _plan(target: Any, args: tuple, kwargs: dict, nprocs: Optional[int], gpus: Optional[Sequence[int]],
+          name: Optional[str], runs_dir: Union[str, Path], timeout_s: Optional[float]) -> LaunchPlan:
+    """What to run: a task's plan for a config (its inputs checked), or the worker function as given."""
+    if tasks.is_task_config(target):
+        config_type = type(target).__name__
+        if args or kwargs:
+            raise ConfigError(f"with a {config_type}, put every setting in the config (no args/kwargs)")
+        if nprocs is not None or gpus is not None:
+            raise ConfigError(f"with a {config_type}, set nprocs/gpus in the config: cfg.replace(gpus=[0, 1])")
+        plan = tasks.plan(target)
+        return dataclasses.replace(plan, name=name or plan.name, timeout_s=timeout_s or plan.timeout_s)
+    spec_target = resolve_target(target)
+    gpus = tuple(gpus or ())
+    if gpus and nprocs not in (None, len(gpus)):
+        raise ConfigError(f"nprocs={nprocs} but gpus={list(gpus)}: one process per GPU; drop nprocs")
+    return LaunchPlan(target=spec_target, args=tuple(args), gpus=gpus, nprocs=nprocs,
+                      name=name or _default_name(spec_target), runs_dir=str(runs_dir), timeout_s=timeout_s)
+
+
+def _world(plan: LaunchPlan) -> Tuple[int, str]:
+    """(number of ranks, backend): one rank per GPU with nccl, else ``nprocs`` CPU ranks with gloo."""
+    world = len(plan.gpus) if plan.gpus else (plan.nprocs or 1)
+    if not isinstance(world, int) or world < 1:
+        raise ConfigError(f"nprocs={plan.nprocs!r}: must be an integer >= 1")
+    return world, "nccl" if plan.gpus else "gloo"
+
+
+def _prepare_run_dir(plan: LaunchPlan, world: int) -> Path:
+    """A new run folder, or the one to continue (refused while an earlier launch still runs in it)."""
+    if plan.run_dir is None:
+        run_dir = rundir.new_run_dir(plan.runs_dir, plan.name)
+    else:
+        run_dir = Path(plan.run_dir)
+        if live_workers(run_dir):
+            raise ConfigError(
+                f"{run_dir} still has running workers from an earlier launch (pids {live_workers(run_dir)}); "
+                f"they may hold its GPUs and checkpoints. End them with nbddp.cleanup({str(run_dir)!r}) "
+                "and launch again.")
+    rundir.prepare_launch(run_dir, world)
+    if plan.config is not None:
+        plan.config.save(rundir.config_path(run_dir))
+    return run_dir
+
+
+def _child_env(run_dir: Path, port: int, threads: int, visible_devices: Optional[str], warm: bool,
+               env: Optional[Dict[str, str]]) -> Dict[str, Optional[str]]:
+    """The variables nbddp sets for the workers (``None`` removes one), the user's ``env`` on top."""
     child_env: Dict[str, Optional[str]] = {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
     }
-    if gpus:
+    if visible_devices is not None:
         child_env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=visible_devices)
     # Every rank is on this machine: gloo pairs and NCCL's bootstrap listen on loopback, never
     # on an address the server's network can reach (unless the user chose an interface).
@@ -279,60 +294,46 @@ def spawn_train(
             if var not in os.environ:
                 child_env[var] = "lo"
     child_env.update(env or {})
-    warm = start_method == "forkserver"
     if not warm:
         # The run's marker from the first instruction on, for cleanup to prove a spawned worker
         # is this run's even before it opens its log (forked workers show the server's birth
         # environment in /proc instead; their log on fd 1 marks them, see procs.carries_marker).
-        child_env["NBDDP_RUN_DIR"] = str(run_dir)
-    # The kernel's whole environment as of this launch, with nbddp's variables on top: a
-    # forkserver's children would otherwise see the server's environment from its start, and
-    # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
-    snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
-    spec = LaunchSpec(spec_target, tuple(args), kwargs, world, backend, tuple(gpus), "127.0.0.1",
-                      store.port, str(run_dir), None if warm else os.getpid(), threads, timeout_s, _fault,
-                      env=snapshot, kernel=(os.getpid(), start_time(os.getpid())))
-    if warm:
-        _prepare_forkserver()
-    if stall_timeout_s is None:
-        # NCCL's watchdog aborts the ranks that wait longer than timeout_s, which would leave
-        # only their SIGABRTs to read; nbddp names the hung rank well before that.
-        stall_timeout_s = 0.75 * timeout_s if backend == "nccl" else timeout_s
+        child_env[MARKER_ENV] = str(run_dir)
+    return child_env
+
+
+def _start(spec: LaunchSpec, store, child_env: Dict[str, Optional[str]], start_method: str, watch: dict,
+           on_event: Optional[Callable[[str, Any], None]], block: bool) -> Union[TrainResult, RunHandle]:
+    """Start the workers and hand them to a RunHandle; wait for the end when ``block``."""
     # From the first worker on, an Interrupt must not leave a process nobody knows of (a cold
     # start waits seconds for the forkserver): it is held back until the handle owns the
     # processes and the launch record names them, then handled like any other.
     with interrupts_held() as interrupted:
         with _patched_env(child_env), _bare_main():
-            ctx = mp.start_processes(entry, args=(spec,), nprocs=world, join=False, start_method=start_method)
+            procs = mp.start_processes(entry, args=(spec,), nprocs=spec.world_size, join=False,
+                                       start_method=start_method)
         try:
-            handle = RunHandle(ctx, spec, store, echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s,
-                               stop_timeout_s=stop_timeout_s)
+            handle = RunHandle(procs, spec, store, **watch)
             if on_event is not None:
                 handle.subscribe(on_event)
-            handle._update_launch_record(target=spec_target, world_size=world, backend=backend, gpus=gpus,
-                                         pids=handle.pids, start_times=[start_time(p) for p in handle.pids],
-                                         parent_pid=os.getpid(), port=store.port,
-                                         host=socket.gethostname(), started=handle.started_at)
+            rundir.update_launch_record(
+                spec.run_dir, target=spec.target, world_size=spec.world_size, backend=spec.backend,
+                gpus=list(spec.gpus), pids=handle.pids, start_times=[start_time(p) for p in handle.pids],
+                parent_pid=os.getpid(), port=spec.store_port, host=socket.gethostname(), started=handle.started_at)
         except BaseException:
-            _kill_started(ctx)
+            _kill_started(procs)
             raise
         if not block and not interrupted:
-            handle._start_background()
+            handle.start_background()
     if interrupted:
-        handle._interrupted()  # staged stop, every worker reaped; raises TrainingInterrupted
+        handle.end_interrupted()  # staged stop, every worker reaped; raises TrainingInterrupted
     return handle if not block else handle.wait()
 
 
-def _kill_started(ctx) -> None:
+def _kill_started(procs) -> None:
     """End and reap the processes of a launch that failed before its handle took them over."""
-    for p in ctx.processes:
-        try:
-            if os.getpgid(p.pid) == p.pid:  # a worker that already leads its own group
-                os.killpg(p.pid, signal.SIGKILL)
-            else:
-                os.kill(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    for p in procs.processes:
+        kill_group_or_process(p.pid)
         p.join(timeout=10)
 
 

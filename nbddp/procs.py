@@ -6,55 +6,19 @@ time in clock ticks since boot) cannot. Launch records keep both, and ``cleanup`
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
 import time
 import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
-from .runtime import STATE_DIR
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on (its CPU affinity: taskset, cgroups), not all the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def start_time(pid: int) -> Optional[int]:
-    """The process's start time (field 22 of /proc/<pid>/stat), or None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def state(pid: int) -> Optional[str]:
-    """'R', 'S', 'D', 'Z' (zombie)... or None when the pid does not exist."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("State:"):
-                return line.split()[1]
-    except OSError:
-        return None
-    return None
-
-
-def is_same_process(pid: int, started: Optional[int]) -> bool:
-    """True if ``pid`` still is the process that was recorded (alive, not a zombie)."""
-    now = start_time(pid)
-    return now is not None and (started is None or now == started) and state(pid) not in (None, "Z", "X")
+from . import rundir
+from .system import cpu_cores, is_same_process, start_time, state  # noqa: F401 - part of this module's API
 
 
 #: Environment variable that marks a worker of a run: its value is the run folder.
 MARKER_ENV = "NBDDP_RUN_DIR"
-_RANK_LOG = re.compile(r"rank\d+\.log")
 
 
 def carries_marker(pid: int, run_dir: Union[str, Path]) -> bool:
@@ -85,15 +49,12 @@ def carries_marker(pid: int, run_dir: Union[str, Path]) -> bool:
         out = Path(os.readlink(f"/proc/{pid}/fd/1"))
     except (FileNotFoundError, ProcessLookupError):
         return False
-    return bool(_RANK_LOG.fullmatch(out.name)) and out.parent.name == "logs" and str(out.parent.parent) == target
+    return rundir.is_rank_log(out, target)
 
 
 def recorded_workers(run_dir: Union[str, Path]) -> Dict[int, Optional[int]]:
     """``{pid: start_time}`` of the workers a run folder's launch record names."""
-    try:
-        rec = json.loads((Path(run_dir) / STATE_DIR / "launch.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    rec = rundir.read_launch_record(run_dir)
     pids = rec.get("pids") or []
     starts = rec.get("start_times") or [None] * len(pids)
     return {int(p): s for p, s in zip(pids, starts)}

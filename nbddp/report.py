@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from .errors import WorkerError
-from .runtime import STATE_DIR
+from . import rundir
 
 
 @dataclass
@@ -117,20 +117,19 @@ def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, dict], beats: D
 
 
 def collect(run_dir: Path, world_size: int):
-    state = Path(run_dir) / STATE_DIR
-    records = {r: rec for r in range(world_size) if (rec := _read_json(state / f"error.rank{r}.json"))}
-    beats = {r: b for r in range(world_size) if (b := _read_json(state / f"rank{r}.json"))}
+    records = {r: rec for r in range(world_size) if (rec := _read_json(rundir.error_record_path(run_dir, r)))}
+    beats = {r: b for r in range(world_size) if (b := _read_json(rundir.heartbeat_path(run_dir, r)))}
     return records, beats
 
 
 def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int) -> WorkerError:
     """Compose the one exception the notebook shows for a failed run."""
     records, beats = collect(run_dir, world_size)
-    logs = {r: Path(run_dir) / "logs" / f"rank{r}.log" for r in range(world_size)}
+    logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}
     watchdog = frozenset(r for r in range(world_size) if aborted_by_watchdog(ends.get(r), logs[r]))
     root = find_root_cause(ends, records, beats, watchdog)
     rec, end, beat = records.get(root), ends.get(root), beats.get(root, {})
-    log_path = Path(run_dir) / "logs" / f"rank{root}.log"
+    log_path = rundir.rank_log(run_dir, root)
     epoch = (rec or beat).get("epoch") if (rec or beat) else None
     step = (rec or beat).get("step") if (rec or beat) else None
     where = f"epoch {epoch}, step {step}" if epoch is not None or step is not None else "before its first step"

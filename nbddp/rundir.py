@@ -26,7 +26,7 @@ reader sees the old file or the new one, never half of one. Files that must surv
 cut (checkpoints, exports, config, class names) are also fsynced; state records that are
 rewritten several times per step (heartbeats, progress) use :class:`RecordFile` instead.
 
-This module imports nothing from torch and nothing from the rest of nbddp but ``errors``:
+This module imports nothing from torch and nothing from the rest of nbddp but ``paths``:
 both sides of a launch (the kernel and the workers) share it.
 """
 
@@ -43,7 +43,7 @@ import secrets
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Union
 
-PathLike = Union[str, "os.PathLike[str]"]
+from .paths import PathLike
 
 # ---------------------------------------------------------------------------- names
 CONFIG = "config.json"
@@ -168,7 +168,7 @@ def stop_path(run_dir: PathLike) -> Path:
 
 
 # ---------------------------------------------------------------------------- atomic writes
-_TMP_MARK = ".tmp-"
+TMP_MARK = ".tmp-"
 
 
 def _open_temp(path: Path) -> tuple[int, Path]:
@@ -176,7 +176,7 @@ def _open_temp(path: Path) -> tuple[int, Path]:
     for _ in range(100):
         # The pid lets cleanup_temp_files tell a crashed writer's leftover from a live write;
         # the token keeps two threads of one process apart.
-        tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
         try:
             # O_EXCL: never write through a file (or symlink) someone else created; mode 0o666
             # minus the umask gives the same permissions as a plain open(), unlike mkstemp's 0o600.
@@ -186,7 +186,7 @@ def _open_temp(path: Path) -> tuple[int, Path]:
     raise FileExistsError(errno.EEXIST, "could not create a unique temporary file", str(path))
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     # The rename is only durable once the directory entry is on disk. Some platforms (Windows)
     # and file systems cannot open or fsync a directory: the file itself is already synced.
     with contextlib.suppress(OSError):
@@ -223,7 +223,7 @@ def atomic_write(path: PathLike, data: Union[bytes, Callable[[BinaryIO], None]],
             os.unlink(tmp)
         raise
     if durable:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     return path
 
 
@@ -245,9 +245,9 @@ def read_json(path: PathLike) -> Optional[Any]:
         return None
 
 
-def _temp_writer_alive(tmp: Path) -> bool:
+def temp_writer_alive(tmp: Path) -> bool:
     """True when the pid in a temp file's name is a running process on this machine."""
-    pid_text = tmp.name.rpartition(_TMP_MARK)[2].split("-", 1)[0]
+    pid_text = tmp.name.rpartition(TMP_MARK)[2].split("-", 1)[0]
     if not pid_text.isdigit():
         return False
     pid = int(pid_text)
@@ -278,10 +278,10 @@ def cleanup_temp_files(folder: PathLike, recursive: bool = True) -> List[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    pattern = f".*{_TMP_MARK}*"
+    pattern = f".*{TMP_MARK}*"
     removed = []
     for tmp in sorted(folder.rglob(pattern) if recursive else folder.glob(pattern)):
-        if not tmp.is_file() or _temp_writer_alive(tmp):
+        if not tmp.is_file() or temp_writer_alive(tmp):
             continue
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

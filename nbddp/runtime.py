@@ -20,7 +20,6 @@ import ctypes
 import datetime
 import json
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -34,7 +33,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-STATE_DIR = ".nbddp"  # inside run_dir: heartbeats, error records, result, stop flag
+from . import rundir
+from .rundir import RecordFile
 
 # Substrings of errors a rank gets because *another* rank failed (its peer vanished or never
 # arrived). Such errors are consequences; the launcher looks past them for the root cause.
@@ -121,51 +121,6 @@ class LaunchSpec:
     kernel: Optional[tuple] = None  # (pid, start time) of the launching process, watched
 
 
-def state_path(run_dir: os.PathLike | str, name: str) -> Path:
-    return Path(run_dir) / STATE_DIR / name
-
-
-def _replace_atomically(path: Path, data: bytes) -> None:
-    """Readers see the old file or the new one, never a half-written one (temp file, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    _replace_atomically(path, json.dumps(obj).encode())
-
-
-class RecordFile:
-    """A small JSON record that readers poll, rewritten in place (heartbeats, live progress).
-
-    The first write is atomic (temp file, rename), so the file never exists half-written; later
-    writes are one ``pwrite`` over the whole record, padded with spaces to the longest record so
-    far. A rename over an existing file costs ~1 ms on ext4 (it flushes the data first), and
-    these records are written several times per training step. Readers that catch a torn read
-    get invalid JSON and keep their previous value.
-    """
-
-    def __init__(self, path: Path, size: int = 512):
-        self.path, self.size = Path(path), size
-        self._fd: Optional[int] = None
-
-    def write(self, obj: Any) -> None:
-        data = json.dumps(obj).encode()
-        self.size = max(self.size, len(data))
-        data = data.ljust(self.size)
-        if self._fd is None:
-            _replace_atomically(self.path, data)
-            self._fd = os.open(self.path, os.O_WRONLY)
-        else:
-            os.pwrite(self._fd, data, 0)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
 class Context:
     """What a worker function receives as its first argument.
 
@@ -200,7 +155,7 @@ class Context:
         self._progress_file: Optional[RecordFile] = None
         self._fault = fault
         self._beat: Optional["_Heartbeat"] = None
-        (self.run_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        rundir.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
 
     # -- progress and metrics ---------------------------------------------------------
     def heartbeat(self, epoch: Optional[int] = None, step: Optional[int] = None, waiting: bool = False,
@@ -228,7 +183,7 @@ class Context:
             self._beat.progressed()
 
     def log(self, **metrics: Any) -> None:
-        """Record metrics: rank 0's go live to the notebook and to ``run_dir/metrics.jsonl``.
+        """Record metrics: rank 0's go live to the notebook and to the run's ``metrics.jsonl``.
 
         Other ranks only update their heartbeat, so ``ctx.log`` can be called on every rank
         (log values reduced over ranks, e.g. with :func:`nbddp.dist.reduce_value`).
@@ -237,9 +192,9 @@ class Context:
         if not self.is_main:
             return
         if self._metrics_file is None:
-            self._metrics_file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            self._metrics_file = open(rundir.metrics_path(self.run_dir), "a", buffering=1)
         record = {"time": round(time.time(), 3)}
-        record.update({k: _plain(v) for k, v in metrics.items()})
+        record.update({k: json_value(v) for k, v in metrics.items()})
         self._metrics_file.write(json.dumps(record) + "\n")
 
     def progress(self, **fields: Any) -> None:
@@ -251,10 +206,10 @@ class Context:
         now = time.time()
         if self.is_main and now - self._progress_written >= 0.2:
             self._progress_written = now
-            fields = {k: _plain(v) for k, v in fields.items()}
+            fields = {k: json_value(v) for k, v in fields.items()}
             fields["time"] = round(now, 3)
             if self._progress_file is None:
-                self._progress_file = RecordFile(state_path(self.run_dir, "progress.json"))
+                self._progress_file = RecordFile(rundir.progress_path(self.run_dir))
             self._progress_file.write(fields)
 
     def should_stop(self) -> bool:
@@ -266,7 +221,7 @@ class Context:
         now = time.time()
         if not self._stop and now - self._stop_checked >= 0.2:
             self._stop_checked = now
-            self._stop = state_path(self.run_dir, "stop").exists()
+            self._stop = rundir.stop_path(self.run_dir).exists()
             if self._stop and self._beat is not None:
                 self._beat.beat()  # tells the launcher this rank obeys: it lets it finish
         return self._stop
@@ -288,15 +243,16 @@ class Context:
             self._progress_file.close()
 
 
-def _plain(v: Any) -> Any:
+def json_value(v: Any) -> Any:
+    """A metric as a JSON value: tensors become numbers or lists, unknown objects floats or text."""
     if isinstance(v, torch.Tensor):
         return v.item() if v.numel() == 1 else v.detach().cpu().tolist()
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [json_value(x) for x in v]
     if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
+        return {str(k): json_value(x) for k, x in v.items()}
     try:
         return float(v)
     except (TypeError, ValueError):
@@ -399,7 +355,7 @@ class _Heartbeat(threading.Thread):
     def __init__(self, ctx: Context, interval: float = 1.0):
         super().__init__(daemon=True, name="nbddp-heartbeat")
         self.ctx, self.interval = ctx, interval
-        self.file = RecordFile(state_path(ctx.run_dir, f"rank{ctx.rank}.json"))
+        self.file = RecordFile(rundir.heartbeat_path(ctx.run_dir, ctx.rank))
         self.state = "starting"
         self._lock = threading.Lock()
         self._last_write = 0.0
@@ -491,7 +447,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     rank = local_rank  # single-machine launch: global rank == local rank
     _inject_fault(spec.fault, rank, "entry")
     run_dir = Path(spec.run_dir)
-    redirect_output(run_dir / "logs" / f"rank{rank}.log")
+    redirect_output(rundir.rank_log(run_dir, rank))
     warnings.formatwarning = one_line_warning  # rank 0's log is echoed into the cell line by line
 
     os.environ.update({
@@ -540,7 +496,7 @@ def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs:
         _inject_fault(fault, ctx.rank, "run")
         value = fn(ctx, *args, **kwargs)
         if ctx.rank == 0:
-            _write_result(ctx.run_dir, to_cpu(value))
+            rundir.write_result(ctx.run_dir, to_cpu(value))
         beat.state = "finishing"
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -551,7 +507,7 @@ def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs:
         beat.state = "failed"
         record = _error_record(exc, ctx, ctx.rank, during_init=during_init)
         try:
-            write_json_atomic(state_path(ctx.run_dir, f"error.rank{ctx.rank}.json"), record)
+            rundir.write_json_atomic(rundir.error_record_path(ctx.run_dir, ctx.rank), record)
         except OSError:
             pass
         if record["secondary"] or record["root_rank"] not in (None, ctx.rank):
@@ -567,20 +523,6 @@ def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs:
         sys.stdout.flush()
         sys.stderr.flush()
     return code, value
-
-
-def _write_result(run_dir: Path, value: Any) -> None:
-    path = state_path(run_dir, "result.pkl")
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        raise TypeError(
-            f"rank 0's return value ({type(value).__name__}) cannot be pickled: {exc}. "
-            "Return plain values, tensors or dicts of them."
-        ) from exc
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def load_target(target: str):

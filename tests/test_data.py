@@ -21,13 +21,11 @@ from nbddp.data import (
     build_transforms,
     check_batch_fits,
     check_images,
-    class_indices,
     describe_dataset,
     load_rgb,
     rank_share,
     scan_class_folders,
     split_samples,
-    write_class_indices,
 )
 from nbddp.errors import DataError
 
@@ -294,9 +292,13 @@ def test_rank_share_and_batch_fit():
 
 # ---------------------------------------------------------------------------- class names, summary
 def test_class_indices_format(tmp_path):
-    assert class_indices(["daisy", "roses"]) == {"0": "daisy", "1": "roses"}
-    path = write_class_indices(["daisy", "roses"], tmp_path / "run" / "class_indices.json")
+    from nbddp import rundir
+
+    assert rundir.class_indices(["daisy", "roses"]) == {"0": "daisy", "1": "roses"}
+    path = rundir.write_class_indices(tmp_path / "run", ["daisy", "roses"])
+    assert path == tmp_path / "run" / "class_indices.json"
     assert json.loads(path.read_text()) == {"0": "daisy", "1": "roses"}
+    assert rundir.read_class_indices(tmp_path / "run") == ["daisy", "roses"]
 
 
 def test_describe_dataset(tmp_path):

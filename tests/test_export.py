@@ -13,7 +13,8 @@ import torchvision
 
 from nbddp import ConfigError, TrainConfig, WeightsError, spawn_train
 from nbddp.checkpoint import atomic_save, load_state_dict_file
-from nbddp.data import scan_class_folders, split_samples, write_class_indices
+from nbddp.data import scan_class_folders, split_samples
+from nbddp.rundir import write_class_indices
 from nbddp.export import confusion_matrix, export_run, load_val_predictions, per_class_accuracy
 from nbddp.inference import load_model, predict
 from nbddp.ui import plot_confusion_matrix, show_predictions
@@ -31,7 +32,7 @@ def fake_run(tmp_path):
     run = tmp_path / "runs" / "20260101-000000-fake"
     cfg = TrainConfig(data_path=str(data), model="resnet18", image_size=32, epochs=2, nprocs=2, runs_dir=str(run.parent))
     cfg.save(run / "config.json")
-    write_class_indices(classes, run / "class_indices.json")
+    write_class_indices(run, classes)
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3)
     history = [{"epoch": 0, "val_accuracy": 0.5}, {"epoch": 1, "val_accuracy": 0.25}]

@@ -30,7 +30,8 @@ from ..dist import barrier, check_same, data_parallel, sync_buffers_from_main
 from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, grad_scaler, train_one_epoch
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
-from ..runtime import STATE_DIR
+from .. import rundir
+from ..rundir import STATE_DIR
 from ..sync_bn import convert_sync_batchnorm
 from . import LaunchPlan
 
@@ -430,7 +431,7 @@ def train(ctx, cfg: TrainConfig) -> dict:
     num_classes = cfg.num_classes or len(classes)
     train_s, val_s = D.split_samples(samples, cfg.val_fraction, cfg.seed)
     if ctx.is_main:
-        D.write_class_indices(classes, ctx.run_dir / "class_indices.json")
+        rundir.write_class_indices(ctx.run_dir, classes)
         print(f"data: {len(classes)} classes, {len(train_s)} train / {len(val_s)} val images; "
               f"{ctx.world_size} x {ctx.device.type} ({ctx.backend})", flush=True)
     sampler, train_loader, val_loader, train_tf, val_tf = _loaders(cfg, ctx, classes, train_s, val_s)

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ..export import confusion_matrix, load_val_predictions, run_classes
+from ..paths import PathLike
 
-PathLike = Union[str, Path]
 
 _LOSS_KEYS = (("train_loss", "train loss"), ("val_loss", "val loss"), ("loss", "loss"))
 _ACC_KEYS = (("val_accuracy", "val accuracy"), ("accuracy", "accuracy"))

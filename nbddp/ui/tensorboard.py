@@ -32,11 +32,11 @@ import time
 import urllib.request
 import warnings
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Dict, Optional
 
 from ..errors import NbddpError
+from ..paths import PathLike
 
-PathLike = Union[str, Path]
 
 # Runs in the child before TensorBoard: argv[1] is the kernel's pid.
 _BOOTSTRAP = """
