@@ -17,9 +17,12 @@ import dataclasses
 import os
 import re
 import shlex
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
-from .config import NAME_RULE, TrainConfig, name_problem
+from .rundir import NAME_RULE, name_problem
+
+if TYPE_CHECKING:  # the config is passed in: this module never imports config (which calls it)
+    from .config import TrainConfig
 from .errors import ConfigError
 
 _LAUNCH_FIELDS = {"gpus", "nprocs", "resume"}  # decided by the launcher, not the config
@@ -27,9 +30,9 @@ _LAUNCH_FIELDS = {"gpus", "nprocs", "resume"}  # decided by the launcher, not th
 
 def cli_flags(cfg: TrainConfig) -> List[str]:
     """``python -m nbddp train`` flags for every field that differs from the defaults."""
-    default = TrainConfig()
+    default = type(cfg)()
     flags: List[str] = []
-    for f in dataclasses.fields(TrainConfig):
+    for f in dataclasses.fields(cfg):
         v, d = getattr(cfg, f.name), getattr(default, f.name)
         if f.name in _LAUNCH_FIELDS or v == d:
             continue

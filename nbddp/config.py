@@ -11,36 +11,21 @@ import dataclasses
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from . import rundir
+from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError
 
 _BOOL_FIELDS = ("scale_lr", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images",
                 "cache_images", "persistent_workers")
 DATA_PIPELINES = ("pil", "tensor")
 
-#: Run names go into folder names, ``#SBATCH --job-name`` lines and shell commands, so they are
-#: kept to characters that mean nothing to a shell, a path or Slurm: ASCII letters, digits and
-#: ``._-``, not starting with ``.`` (hidden) or ``-`` (read as an option).
-NAME_MAX = 64
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
-NAME_RULE = (f"must be 1-{NAME_MAX} characters of ASCII letters, digits and ._- (not starting with "
-             "'.' or '-'), since it names the run folder and goes into generated shell commands")
-
 #: Smallest process-group timeout accepted: every rank must start (spawn, import torch) and reach
 #: the rendezvous within it, which takes seconds on a cold start.
 MIN_TIMEOUT_S = 5.0
-
-
-def name_problem(name: Any) -> Optional[str]:
-    """Why ``name`` cannot name a run (see :data:`NAME_RULE`), or ``None`` when it can."""
-    if not isinstance(name, str) or not 1 <= len(name) <= NAME_MAX or not _NAME_RE.match(name):
-        return NAME_RULE
-    return None
 
 
 def utf8_problem(path: str) -> Optional[str]:

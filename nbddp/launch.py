@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import rundir, tasks
-from .config import MIN_TIMEOUT_S, NAME_RULE, TrainConfig, name_problem
+from .config import MIN_TIMEOUT_S, TrainConfig
+from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError
 from .gpus import cuda_visible_devices
 from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult, interrupts_held

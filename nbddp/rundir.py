@@ -68,9 +68,24 @@ EXPORT_SAFETENSORS = "model.safetensors"
 EXPORT_META = "meta.json"
 EXPORT_FILES = (EXPORT_PTH, EXPORT_SAFETENSORS, CLASS_INDICES, EXPORT_META)
 
+#: Run names go into folder names, ``#SBATCH --job-name`` lines and shell commands, so they are
+#: kept to characters that mean nothing to a shell, a path or Slurm: ASCII letters, digits and
+#: ``._-``, not starting with ``.`` (hidden) or ``-`` (read as an option).
+NAME_MAX = 64
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
+NAME_RULE = (f"must be 1-{NAME_MAX} characters of ASCII letters, digits and ._- (not starting with "
+             "'.' or '-'), since it names the run folder and goes into generated shell commands")
+
 _RANK_LOG = re.compile(r"rank\d+\.log")
 #: Folder names given to runs: ``<YYYYmmdd-HHMMSS>-<name>``, then ``-2``, ``-3``...
 _STAMPED_RUN = re.compile(r"(\d{8}-\d{6})-(.+?)(?:-(\d+))?\Z")
+
+
+def name_problem(name: Any) -> Optional[str]:
+    """Why ``name`` cannot name a run (see :data:`NAME_RULE`), or ``None`` when it can."""
+    if not isinstance(name, str) or not 1 <= len(name) <= NAME_MAX or not _NAME_RE.match(name):
+        return NAME_RULE
+    return None
 
 
 def config_path(run_dir: PathLike) -> Path:
