@@ -4,6 +4,41 @@ Worker functions live in files and start in fresh interpreters (a forkserver wit
 preloaded, or spawn; never a fork of the kernel), one process per GPU (nccl) or N CPU processes
 (gloo); the notebook gets live progress, one clear error when a rank fails, and no process left
 behind when a cell is interrupted.
+
+The package has two sides, and a contract between them. The kernel side runs in the notebook
+(or a script) and never initialises CUDA; the worker side runs in each rank. The worker side
+imports nothing from the kernel side; both import the shared modules.
+
+==========  ===================  ==============================================================
+side        module               what it does
+==========  ===================  ==============================================================
+shared      ``config``           ``TrainConfig``: the built-in worker's settings, validated
+shared      ``errors``           the exceptions users see
+shared      ``rundir``           the run folder: every file name, the atomic writer, records
+shared      ``paths``            what a path is (FIFO, /proc) before anything reads it
+shared      ``system``           process identity (pid + start time), CPU cores, signalling
+shared      ``targets``          ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (kernel), loaded (rank)
+shared      ``gpus``             GPUs from NVML or nvidia-smi, never through CUDA
+kernel      ``launch``           ``spawn_train``: plan, run folder, store, environment, start
+kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
+kernel      ``report``           a failed run's root-cause rank and its one error
+kernel      ``procs``            ``cleanup`` of an earlier launch's workers, proven by marker
+kernel      ``cli``, ``cluster``  ``python -m nbddp``; torchrun and sbatch commands
+kernel      ``export``,          weights out of a run folder; prediction in the kernel
+            ``inference``
+kernel      ``ui``               ``TrainingPanel``, charts, TensorBoard in the notebook
+worker      ``runtime``          a rank's entry: ``Context``, heartbeats, error records
+worker      ``elastic``          the same rank under torchrun / srun
+worker      ``dist``             process group and the collectives nbddp uses
+worker      ``engine``           training and evaluation loops that stop every rank together
+worker      ``data``,            class folders, samplers, transforms; the decoded tensor cache
+            ``tensor_data``
+worker      ``models``,          torchvision models, weights files, SyncBatchNorm
+            ``checkpoint``,
+            ``sync_bn``
+task        ``tasks``            a config's ``LaunchPlan`` (kernel) and its worker function
+                                 (``tasks.classification``: preflight, plan, ``train``)
+==========  ===================  ==============================================================
 """
 
 from .config import TrainConfig

@@ -383,7 +383,7 @@ class _Heartbeat(threading.Thread):
     watch: Optional[tuple] = None  # (pid, start time) of the kernel that launched this run
 
     def run(self) -> None:
-        from .procs import is_same_process  # here: procs imports this module
+        from .system import is_same_process
 
         while True:
             self._wake.wait(self.interval)
