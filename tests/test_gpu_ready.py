@@ -38,7 +38,7 @@ def test_failure_before_nbddp_error_handling_is_quoted_and_its_torch_error_file_
     assert err.rank == 1 and err.exc_type == "RuntimeError", str(err)
     assert "rank 1 raised RuntimeError: injected fault on rank 1" in str(err)
     assert "without a Python exception" not in str(err)
-    assert all(not os.path.exists(p) for p in h._ctx.error_files if p)
+    assert all(not os.path.exists(p) for p in h._procs.error_files if p)
     assert _torch_error_files() <= before
     assert survivors(h.pids) == {}
 
