@@ -114,6 +114,28 @@ def barrier() -> None:
             dist.barrier()
 
 
+def agree_on_error(error: Optional[BaseException], what: str) -> None:
+    """Collective: if any rank has an ``error``, every rank raises (the failing one its own).
+
+    For conditions only one rank sees (disk full while rank 0 saves), so that no rank walks on
+    into the next collective and waits there until the timeout.
+    """
+    world = get_world_size()
+    if world > 1:
+        flags = torch.zeros(world)
+        flags[get_rank()] = 1.0 if error is not None else 0.0
+        dist.all_reduce(flags, group=cpu_group())
+        failed = [r for r in range(world) if flags[r] > 0]
+    else:
+        failed = [0] if error is not None else []
+    if error is not None:
+        raise error
+    if failed:
+        from .errors import PeerError
+
+        raise PeerError(f"rank {failed[0]} failed while {what}; every rank stopped", rank=failed[0])
+
+
 @contextlib.contextmanager
 def main_first() -> Iterator[None]:
     """Run the body on rank 0 first, then on the other ranks (e.g. to build a cache once).

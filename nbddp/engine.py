@@ -16,33 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .dist import cpu_group, get_rank, get_world_size, is_dist
+from .dist import agree_on_error, cpu_group, get_rank, get_world_size, is_dist  # noqa: F401 - re-exported
 from .errors import NonFiniteLossError, PeerError
 
 
 def _flag_device(device: torch.device) -> torch.device:
     # The agreement tensor lives where the backend can reduce it: CUDA for nccl, CPU for gloo.
     return device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def agree_on_error(error: Optional[BaseException], what: str) -> None:
-    """Collective: if any rank has an ``error``, every rank raises (the failing one its own).
-
-    For conditions only one rank sees (disk full while rank 0 saves), so that no rank walks on
-    into the next collective and waits there until the timeout.
-    """
-    world = get_world_size()
-    if world > 1:
-        flags = torch.zeros(world)
-        flags[get_rank()] = 1.0 if error is not None else 0.0
-        dist.all_reduce(flags, group=cpu_group())
-        failed = [r for r in range(world) if flags[r] > 0]
-    else:
-        failed = [0] if error is not None else []
-    if error is not None:
-        raise error
-    if failed:
-        raise PeerError(f"rank {failed[0]} failed while {what}; every rank stopped", rank=failed[0])
 
 
 def cosine_lambda(epochs: int, lrf: float) -> Callable[[int], float]:

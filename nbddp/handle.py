@@ -17,7 +17,7 @@ import stat
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -45,6 +45,8 @@ class TrainResult:
         world_size: number of processes.
         backend: ``"nccl"`` or ``"gloo"``.
         stopped: True when the run ended early because ``stop()`` was asked and the worker obeyed.
+        values: every rank's return value, in rank order (tensors on the CPU), when the run was
+            launched with ``spawn_train(..., all_values=True)``.
     """
 
     value: Any
@@ -54,6 +56,20 @@ class TrainResult:
     world_size: int
     backend: str
     stopped: bool = False
+    all_values: Optional[List[Any]] = field(default=None, repr=False)
+
+    @property
+    def values(self) -> List[Any]:
+        """Every rank's return value, rank 0's first (``value`` is ``values[0]``).
+
+        Collected only when asked for, since each rank pickles its value into the run folder:
+        launch with ``spawn_train(..., all_values=True)``.
+        """
+        if self.all_values is None:
+            raise AttributeError(
+                "TrainResult.values: this run kept rank 0's return value only (result.value). Launch with "
+                "spawn_train(..., all_values=True) to collect every rank's.")
+        return self.all_values
 
     @property
     def best_accuracy(self) -> Optional[float]:
@@ -460,8 +476,10 @@ class RunHandle:
             outcome: Union[TrainResult, BaseException] = build_worker_error(self.run_dir, self._ends, self.world_size)
         elif all_ok and rundir.has_result(self.run_dir) and reason != "interrupt":
             value = rundir.read_result(self.run_dir)
+            values = ([value] + [rundir.read_result(self.run_dir, r) for r in range(1, self.world_size)]
+                      if self.spec.all_values else None)
             outcome = TrainResult(value, self.run_dir, self.metrics, seconds, self.world_size,
-                                  self.spec.backend, stopped=reason is not None)
+                                  self.spec.backend, stopped=reason is not None, all_values=values)
         else:
             # An interrupted cell always ends in an exception, even when the workers obeyed the
             # stop request and returned: the user asked the cell to stop.

@@ -149,6 +149,8 @@ def spawn_train(
     on_event: Optional[Callable[[str, Any], None]] = None,
     start_method: str = "forkserver",
     env: Optional[Dict[str, str]] = None,
+    resume: Union[bool, str, Path, None] = None,
+    all_values: bool = False,
 ) -> Union[TrainResult, RunHandle]:
     """Run a DDP worker function in one process per GPU (nccl) or ``nprocs`` CPU processes (gloo).
 
@@ -186,6 +188,12 @@ def spawn_train(
             may use CUDA) or ``"spawn"`` (every worker a fresh interpreter: the reference).
             Both give the same guarantees; ``bench/soak.py`` checks them over 100 cycles.
         env: extra environment variables for the workers.
+        resume: continue an earlier run of a worker function in its own run folder, so that
+            ``ctx.load_checkpoint()`` finds what ``ctx.save_checkpoint()`` wrote there: a run
+            folder, or ``True`` for the newest run of the same ``name`` that holds a checkpoint.
+            (A ``TrainConfig`` says it in the config: ``cfg.replace(resume=True)``.)
+        all_values: collect every rank's return value into ``TrainResult.values`` (each rank
+            pickles its value into the run folder); by default only rank 0's is kept.
 
     Returns:
         A ``TrainResult`` (``block=True``) or a ``RunHandle`` (``block=False``).
@@ -204,7 +212,7 @@ def spawn_train(
     if start_method not in ("spawn", "forkserver"):
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
-    plan = _plan(target, args, kwargs, nprocs, gpus, name, runs_dir, timeout_s)
+    plan = _plan(target, args, kwargs, nprocs, gpus, name, runs_dir, timeout_s, resume)
     _check_picklable(plan.args, kwargs)
     world, backend = _world(plan)
     # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
@@ -224,7 +232,7 @@ def spawn_train(
     spec = LaunchSpec(target=plan.target, args=tuple(plan.args), kwargs=kwargs, world_size=world, backend=backend,
                       gpus=tuple(plan.gpus), store_host="127.0.0.1", store_port=store.port, run_dir=str(run_dir),
                       parent_pid=None if warm else os.getpid(), threads=threads, timeout_s=timeout,
-                      env=snapshot, kernel=(os.getpid(), start_time(os.getpid())))
+                      env=snapshot, kernel=(os.getpid(), start_time(os.getpid())), all_values=all_values)
     if warm:
         _prepare_forkserver()
     if stall_timeout_s is None:
@@ -236,7 +244,7 @@ def spawn_train(
 
 
 def _plan(target: Any, args: tuple, kwargs: dict, nprocs: Optional[int], gpus: Optional[Sequence[int]],
-          name: Optional[str], runs_dir: Union[str, Path], timeout_s: Optional[float]) -> LaunchPlan:
+          name: Optional[str], runs_dir: Union[str, Path], timeout_s: Optional[float], resume: Any) -> LaunchPlan:
     """What to run: a task's plan for a config (its inputs checked), or the worker function as given."""
     if tasks.is_task_config(target):
         config_type = type(target).__name__
@@ -244,14 +252,37 @@ def _plan(target: Any, args: tuple, kwargs: dict, nprocs: Optional[int], gpus: O
             raise ConfigError(f"with a {config_type}, put every setting in the config (no args/kwargs)")
         if nprocs is not None or gpus is not None:
             raise ConfigError(f"with a {config_type}, set nprocs/gpus in the config: cfg.replace(gpus=[0, 1])")
+        if resume not in (None, False):
+            raise ConfigError(f"with a {config_type}, set resume in the config: cfg.replace(resume={resume!r})")
         plan = tasks.plan(target)
         return dataclasses.replace(plan, name=name or plan.name, timeout_s=timeout_s or plan.timeout_s)
     spec_target = resolve_target(target)
     gpus = tuple(gpus or ())
     if gpus and nprocs not in (None, len(gpus)):
         raise ConfigError(f"nprocs={nprocs} but gpus={list(gpus)}: one process per GPU; drop nprocs")
-    return LaunchPlan(target=spec_target, args=tuple(args), gpus=gpus, nprocs=nprocs,
-                      name=name or _default_name(spec_target), runs_dir=str(runs_dir), timeout_s=timeout_s)
+    name = name or _default_name(spec_target)
+    return LaunchPlan(target=spec_target, args=tuple(args), gpus=gpus, nprocs=nprocs, name=name,
+                      runs_dir=str(runs_dir), timeout_s=timeout_s, run_dir=_run_to_resume(resume, runs_dir, name))
+
+
+def _run_to_resume(resume: Any, runs_dir: Union[str, Path], name: str) -> Optional[Path]:
+    """The run folder a worker function continues in (``resume=``), or None for a new one."""
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        found = rundir.newest_run(runs_dir, name, checkpoint=None)
+        if found is None:
+            raise ConfigError(
+                f"resume=True but no run named {name!r} with a checkpoint is in {str(runs_dir)!r}; pass the "
+                "run folder as resume='runs/<run>', give the name it ran under (name=...), or start without resume")
+        return found.resolve()
+    if not isinstance(resume, (str, os.PathLike)):
+        raise ConfigError(f"resume={resume!r}: pass True, a run folder, or None")
+    folder = rundir.run_dir_of_checkpoint(resume)
+    if not folder.is_dir():
+        raise ConfigError(f"resume={str(resume)!r}: no such run folder; pass TrainResult.run_dir or a folder under "
+                          f"{str(runs_dir)!r}")
+    return folder.resolve()
 
 
 def _world(plan: LaunchPlan) -> Tuple[int, str]:

@@ -19,6 +19,7 @@ module spells a file name of it. What is in a run folder, and who writes it::
         error.rank<r>.json   rank r's error: type, message, traceback   rank r (or the kernel, from torch's error file)
         progress.json        live progress for the notebook             rank 0, at most 5 times a second
         result.pkl           rank 0's return value                      rank 0
+        result.rank<r>.pkl   rank r's, with spawn_train(all_values=True) rank r
         stop                 the stop request                           the kernel (Stop, handle.stop())
 
 Every file is replaced atomically (a temp file in the same folder, then ``os.replace``), so a
@@ -174,8 +175,9 @@ def progress_path(run_dir: PathLike) -> Path:
     return state_path(run_dir, PROGRESS)
 
 
-def result_path(run_dir: PathLike) -> Path:
-    return state_path(run_dir, RESULT)
+def result_path(run_dir: PathLike, rank: int = 0) -> Path:
+    """Rank 0's return value in ``result.pkl``; another rank's (``all_values``) in ``result.rank<r>.pkl``."""
+    return state_path(run_dir, RESULT if rank == 0 else f"result.rank{rank}.pkl")
 
 
 def stop_path(run_dir: PathLike) -> Path:
@@ -353,32 +355,32 @@ def prepare_launch(run_dir: PathLike, world_size: int) -> None:
     """Create the folders a launch writes into and remove the last launch's end state."""
     logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
     state_dir(run_dir).mkdir(exist_ok=True)
-    stale = [stop_path(run_dir), result_path(run_dir), progress_path(run_dir),
-             *[error_record_path(run_dir, r) for r in range(world_size)]]
+    stale = [stop_path(run_dir), progress_path(run_dir),
+             *[p for r in range(world_size) for p in (error_record_path(run_dir, r), result_path(run_dir, r))]]
     for path in stale:
         with contextlib.suppress(OSError):
             path.unlink()
 
 
-def write_result(run_dir: PathLike, value: Any) -> None:
-    """Store rank 0's return value (pickled; read back only by the kernel that launched it)."""
+def write_result(run_dir: PathLike, value: Any, rank: int = 0) -> None:
+    """Store a rank's return value (pickled; read back only by the kernel that launched it)."""
     try:
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         raise TypeError(
-            f"rank 0's return value ({type(value).__name__}) cannot be pickled: {exc}. "
+            f"rank {rank}'s return value ({type(value).__name__}) cannot be pickled: {exc}. "
             "Return plain values, tensors or dicts of them."
         ) from exc
-    atomic_write(result_path(run_dir), data, durable=False)
+    atomic_write(result_path(run_dir, rank), data, durable=False)
 
 
 def has_result(run_dir: PathLike) -> bool:
     return result_path(run_dir).exists()
 
 
-def read_result(run_dir: PathLike) -> Any:
-    """Rank 0's return value, as the launching kernel's own workers wrote it."""
-    with open(result_path(run_dir), "rb") as f:
+def read_result(run_dir: PathLike, rank: int = 0) -> Any:
+    """A rank's return value, as the launching kernel's own workers wrote it."""
+    with open(result_path(run_dir, rank), "rb") as f:
         return pickle.load(f)
 
 
@@ -459,12 +461,17 @@ def run_started(run_dir: Path) -> tuple:
     return (0.0, counter, run_dir.name)
 
 
-def newest_run(runs_dir: PathLike, name: str, checkpoint: str = LAST) -> Optional[Path]:
-    """The most recently launched run named ``name`` in ``runs_dir`` that holds ``checkpoints/<checkpoint>.pt``."""
+def newest_run(runs_dir: PathLike, name: str, checkpoint: Optional[str] = LAST) -> Optional[Path]:
+    """The most recently launched run named ``name`` in ``runs_dir`` that holds ``checkpoints/<checkpoint>.pt``
+    (any checkpoint when ``checkpoint`` is None)."""
     runs_dir = Path(runs_dir)
+
+    def holds(p: Path) -> bool:
+        return checkpoint_path(p, checkpoint).is_file() if checkpoint else bool(checkpoint_names(p))
+
     # Listing, not glob: a name is matched as text, never as a pattern.
     folders = [p for p in runs_dir.iterdir() if p.is_dir()] if runs_dir.is_dir() else []
-    candidates = [p for p in folders if checkpoint_path(p, checkpoint).is_file() and is_run_of(p, name)]
+    candidates = [p for p in folders if holds(p) and is_run_of(p, name)]
     return max(candidates, key=run_started) if candidates else None
 
 

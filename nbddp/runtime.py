@@ -28,7 +28,7 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -119,6 +119,7 @@ class LaunchSpec:
     env: dict = field(default_factory=dict)  # set in the child: a forkserver's children do not
                                              # inherit the kernel's environment of the moment
     kernel: Optional[tuple] = None  # (pid, start time) of the launching process, watched
+    all_values: bool = False  # every rank stores its return value, not rank 0 alone
 
 
 class Context:
@@ -153,6 +154,8 @@ class Context:
         self._progress_written = 0.0
         self._metrics_file = None
         self._progress_file: Optional[RecordFile] = None
+        self._tensorboard = None
+        self._logged = 0  # ctx.log calls so far: TensorBoard's step when a record names none
         self._fault = fault
         self._beat: Optional["_Heartbeat"] = None
         rundir.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
@@ -196,6 +199,87 @@ class Context:
         record = {"time": round(time.time(), 3)}
         record.update({k: json_value(v) for k, v in metrics.items()})
         self._metrics_file.write(json.dumps(record) + "\n")
+        self._log_to_tensorboard(record)
+
+    # Keys that place a record, not values to chart.
+    _AXIS_KEYS = ("step", "epoch", "time")
+
+    def _log_to_tensorboard(self, record: dict) -> None:
+        """Every scalar of a ``ctx.log`` record as a TensorBoard scalar (rank 0 only).
+
+        The step axis is the record's ``step``, else its ``epoch``, else the number of records
+        logged so far. Non-numbers (text, lists) stay in ``metrics.jsonl`` only.
+        """
+        scalars = {k: v for k, v in record.items() if k not in self._AXIS_KEYS
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        axis = record.get("step", record.get("epoch"))
+        step = axis if isinstance(axis, int) and not isinstance(axis, bool) else self._logged
+        self._logged += 1
+        if not scalars:
+            return
+        writer = self.tensorboard
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+
+    @property
+    def tensorboard(self):
+        """Rank 0's ``SummaryWriter`` into the run's ``tensorboard/`` folder (``None`` on other ranks).
+
+        ``ctx.log`` writes every scalar through it already; use it for anything else
+        (histograms, images, hyper-parameters). Events are flushed every 2 seconds.
+        """
+        if not self.is_main:
+            return None
+        if self._tensorboard is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(rundir.tensorboard_dir(self.run_dir)), flush_secs=2)
+        return self._tensorboard
+
+    # -- checkpoints -------------------------------------------------------------------
+    def save_checkpoint(self, state: dict, name: str = rundir.LAST) -> Optional[Path]:
+        """Save ``state`` as the run's checkpoint ``name``: rank 0 writes, every rank waits.
+
+        Call it on every rank (it is a collective). ``state`` holds tensors and plain values
+        (numbers, strings, lists, dicts): e.g. ``{"model": model.module.state_dict(),
+        "optimizer": optimizer.state_dict(), "step": step}``. Rank 0 writes it atomically to
+        ``checkpoints/<name>.pt`` (weights-only loadable, so loading never runs code); then
+        every rank waits at a barrier, so no rank reads or moves on before the file is whole.
+        If the write fails (a full disk), every rank raises: the one that failed its own error.
+
+        Returns:
+            The path written (on every rank).
+        """
+        from .checkpoint import atomic_save, to_plain
+        from .dist import agree_on_error, barrier
+
+        path = rundir.checkpoint_path(self.run_dir, _checkpoint_name(name))
+        error = None
+        if self.is_main:
+            try:
+                atomic_save(to_plain(state), path)
+            except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+                error = exc
+        agree_on_error(error, f"saving checkpoint {path.name}")
+        barrier()
+        return path
+
+    def load_checkpoint(self, name: str = rundir.LAST) -> Optional[dict]:
+        """The run's checkpoint ``name`` loaded on this rank's device, or ``None`` if there is none.
+
+        Loaded weights-only (a tampered file cannot run code). Every rank reads the same file,
+        so every rank continues from the same state.
+
+        Example:
+            >>> state = ctx.load_checkpoint()
+            >>> start = 0 if state is None else state["step"] + 1
+        """
+        from .checkpoint import load_checkpoint
+
+        path = rundir.checkpoint_path(self.run_dir, _checkpoint_name(name))
+        if not path.is_file():
+            return None
+        return to_device(load_checkpoint(path), self.device)
 
     def progress(self, **fields: Any) -> None:
         """Report live progress (epoch, step, total, loss...), shown by the notebook's panel.
@@ -236,6 +320,9 @@ class Context:
         return bool(self._fault) and f"{where}:{self.rank}:on" in self._fault.split(",")
 
     def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
@@ -259,16 +346,30 @@ def json_value(v: Any) -> Any:
         return str(v)
 
 
-def to_cpu(obj: Any) -> Any:
-    """Move every tensor in a nested structure to the CPU (rank 0's return value)."""
+def to_device(obj: Any, device: Union[str, torch.device]) -> Any:
+    """Move every tensor in a nested structure (dicts, lists, tuples) to ``device``."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return obj.detach().to(device)
     if isinstance(obj, dict):
-        return type(obj)((k, to_cpu(v)) for k, v in obj.items()) if type(obj) is not dict else {
-            k: to_cpu(v) for k, v in obj.items()}
+        return type(obj)((k, to_device(v, device)) for k, v in obj.items()) if type(obj) is not dict else {
+            k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(to_cpu(v) for v in obj)
+        return type(obj)(to_device(v, device) for v in obj)
     return obj
+
+
+def to_cpu(obj: Any) -> Any:
+    """Move every tensor in a nested structure to the CPU (the ranks' return values)."""
+    return to_device(obj, "cpu")
+
+
+def _checkpoint_name(name: str) -> str:
+    """A checkpoint name is a plain file name stem: ``last``, ``best``, ``step-1000``."""
+    from .rundir import name_problem
+
+    if name_problem(name):
+        raise ValueError(f"checkpoint name {name!r}: {name_problem(name)}")
+    return name
 
 
 # ---------------------------------------------------------------------------- process set-up
@@ -469,14 +570,15 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
         init_group(spec.backend, store, rank, spec.world_size, spec.timeout_s, device)
 
-    code, _ = run_rank(ctx, init_process_group, spec.target, spec.args, spec.kwargs, spec.fault, watch=spec.kernel)
+    code, _ = run_rank(ctx, init_process_group, spec.target, spec.args, spec.kwargs, spec.fault, watch=spec.kernel,
+                       all_values=spec.all_values)
     # os._exit skips interpreter teardown: atexit hooks and non-daemon threads (DataLoader,
     # gloo) can deadlock there after the process group is gone; everything is flushed already.
     os._exit(code)
 
 
 def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs: dict,
-             fault: Optional[str] = None, watch: Optional[tuple] = None) -> tuple:
+             fault: Optional[str] = None, watch: Optional[tuple] = None, all_values: bool = False) -> tuple:
     """Run one rank's target around heartbeats and error records; shared by every launcher.
 
     Returns:
@@ -495,8 +597,8 @@ def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs:
         fn = load_target(target)
         _inject_fault(fault, ctx.rank, "run")
         value = fn(ctx, *args, **kwargs)
-        if ctx.rank == 0:
-            rundir.write_result(ctx.run_dir, to_cpu(value))
+        if ctx.rank == 0 or all_values:
+            rundir.write_result(ctx.run_dir, to_cpu(value), ctx.rank)
         beat.state = "finishing"
         if dist.is_initialized():
             dist.destroy_process_group()
