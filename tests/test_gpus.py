@@ -30,8 +30,8 @@ def test_nvidia_smi_fields_it_cannot_give_are_unknown_not_a_crash(tmp_path, monk
     assert gpus == [GPUInfo(0, H100[0], 81559, 81000, 0, H100[1]),
                     GPUInfo(1, "NVIDIA A100-SXM4-40GB", 40960, None, None, UUID[1]),
                     GPUInfo(2, "NVIDIA GH200, Grace Hopper", None, None, None, UUID[2])]
-    assert gpus[1].label() == "GPU 1: NVIDIA A100-SXM4-40GB · ?/40.0 GiB free · ? busy"
-    assert gpus[2].label() == "GPU 2: NVIDIA GH200, Grace Hopper · ?/? GiB free · ? busy"
+    assert gpus[1].label() == "GPU 1: NVIDIA A100-SXM4-40GB · ?/40.0 GiB used · ? busy · ? processes"
+    assert gpus[2].label() == "GPU 2: NVIDIA GH200, Grace Hopper · ?/? GiB used · ? busy · ? processes"
     check_gpu_ids([2, 1])
 
 
@@ -41,7 +41,7 @@ def test_an_nvml_error_on_one_field_leaves_the_others(monkeypatch):
     assert gpus == [GPUInfo(0, A100, None, None, 0, UUID[0]),
                     GPUInfo(1, A100, 40960, 39999, None, UUID[1])]  # GPU 2 cannot be opened: not usable
     assert (1, "memory") in nvml.calls and (0, "utilization") in nvml.calls
-    assert "?/? GiB free · 0% busy" in gpus[0].label()
+    assert "?/? GiB used · 0% busy" in gpus[0].label()
 
 
 def test_a_name_or_uuid_nvml_cannot_read_does_not_lose_the_gpu(monkeypatch):
@@ -174,7 +174,7 @@ def test_the_panel_shows_gpus_whose_fields_are_unknown(tmp_path, monkeypatch):
 
     install_fake_nvidia_smi(tmp_path, monkeypatch, gpus=[H100, (A100, UUID[1], "[N/A]", "[N/A]", "[N/A]")])
     panel = TrainingPanel(TrainConfig(runs_dir=str(tmp_path / "runs")))
-    assert [b.description for b in panel.gpu_checkboxes][1] == f"GPU 1: {A100} · ?/? GiB free · ? busy"
+    assert [b.description for b in panel.gpu_checkboxes][1] == f"GPU 1: {A100} · ?/? GiB used · ? busy · ? processes"
     panel._refresh_gpus()
 
 
