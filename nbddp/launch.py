@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from .config import MIN_TIMEOUT_S, NAME_RULE, TrainConfig, name_problem
 from .errors import ConfigError
-from .gpus import cuda_visible_devices
+from .gpus import cuda_visible_devices, resolve_launch_gpus
 from .procs import cpu_cores, live_workers, start_time
 from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult, interrupts_held
 from .runtime import STATE_DIR, LaunchSpec, entry, state_path
@@ -172,7 +172,8 @@ def spawn_train(
             process group is set up; ``ctx`` is a :class:`nbddp.runtime.Context`.
         *args: positional arguments for the worker function (must be picklable).
         nprocs: number of CPU processes (gloo). Defaults to 1 when ``gpus`` is not given.
-        gpus: GPU ids (as in ``nvidia-smi``); rank r runs on ``gpus[r]`` with nccl.
+        gpus: GPU ids (as in ``nvidia-smi``); rank r runs on ``gpus[r]`` with nccl. ``"idle"``
+            takes the GPUs idle now (``nbddp.gpus.IDLE_RULE``); a chosen GPU in use warns.
         kwargs: keyword arguments for the worker function (must be picklable).
         block: wait for the end and return a ``TrainResult``; ``False`` returns a
             ``RunHandle`` at once and keeps the notebook usable.
@@ -217,6 +218,7 @@ def spawn_train(
     if start_method not in ("spawn", "forkserver"):
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
+    target, gpus = resolve_launch_gpus(target, gpus)  # "idle" (here or in a config): the GPUs idle now; busy ones warn
     config: Optional[TrainConfig] = None
     run_dir: Optional[Path] = None
     if isinstance(target, TrainConfig):
