@@ -17,11 +17,12 @@ import json
 import os
 import sys
 import typing
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from . import rundir
 from .config import DATA_PIPELINES, TrainConfig, read_config_file
 from .errors import ConfigError
+from .gpus import IDLE
 
 
 def _field_parser(value_type):
@@ -38,7 +39,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         t = _field_parser(hints[f.name])
         if f.name == "gpus":
-            p.add_argument(flag, default=None, help="GPU ids, e.g. 0,1 ('all' = every GPU; default: all, else CPU)")
+            p.add_argument(flag, default=None, help="GPU ids, e.g. 0,1 ('all' = every GPU; 'idle' = the GPUs idle at "
+                           "launch: at least 90%% memory free, at most 10%% busy; default: all, else CPU)")
         elif f.name == "data_pipeline":
             p.add_argument(flag, default=None, choices=DATA_PIPELINES,
                            help="pil: per-image transforms (reference); tensor: decode once, augment batches on the device")
@@ -65,7 +67,8 @@ def build_config(ns: argparse.Namespace) -> TrainConfig:
             base[f.name] = v
     gpus = base.get("gpus")
     if isinstance(gpus, str):
-        base["gpus"] = [g.index for g in list_gpus()] if gpus == "all" else parse_gpus(gpus)
+        # "idle" stays a word here: it is resolved at the launch (never under torchrun/srun, which ignore gpus).
+        base["gpus"] = [g.index for g in list_gpus()] if gpus == "all" else _gpus_word(gpus)
     elif "gpus" not in base or ns.config is None and ns.gpus is None:
         base["gpus"] = [g.index for g in list_gpus()]
     if isinstance(base.get("resume"), str) and base["resume"].lower() in ("true", "false"):
@@ -80,6 +83,11 @@ def build_config(ns: argparse.Namespace) -> TrainConfig:
         raise
 
 
+def _gpus_word(text: str) -> Union[str, List[int]]:
+    """``--gpus``: ``"idle"`` as it is, else the ids (:func:`parse_gpus`)."""
+    return IDLE if text.strip().lower() == IDLE else parse_gpus(text)
+
+
 def parse_gpus(text: str) -> List[int]:
     """``"0,2"`` -> ``[0, 2]``; ``""`` -> ``[]``.
 
@@ -90,7 +98,8 @@ def parse_gpus(text: str) -> List[int]:
     bad = [w for w in words if not w.isdigit()]
     if bad:
         raise ConfigError(f"--gpus {text!r}: {', '.join(map(repr, bad))} is not a GPU id; give ids as "
-                          "`nvidia-smi` lists them, separated by commas (--gpus 0,1), or 'all'")
+                          "`nvidia-smi` lists them, separated by commas (--gpus 0,1), 'all', or 'idle' (the GPUs "
+                          "idle at launch)")
     return [int(w) for w in words]
 
 
@@ -123,7 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     r = sub.add_parser("run", help="run a worker function file.py:function")
     r.add_argument("target")
     r.add_argument("--nprocs", type=int, default=None)
-    r.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1")
+    r.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1, or 'idle' (the GPUs idle at launch)")
     r.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments")
     r.add_argument("--run-dir", default=None, help="run folder (default: runs/<time>-<name>)")
     sub.add_parser("gpus", help="list the GPUs (without initialising CUDA)")
@@ -131,6 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from .elastic import detect
     from .errors import NbddpError
+    from .gpus import resolve_gpus
     from .launch import spawn_train
 
     launcher = detect()
@@ -145,13 +155,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                   or "no GPU found: training runs on CPU processes")
             return 0
         if ns.command == "run":
-            gpus = parse_gpus(ns.gpus) if ns.gpus else None
+            gpus = _gpus_word(ns.gpus) if ns.gpus else None  # "idle" is resolved by spawn_train, in the kernel
             result = spawn_train(ns.target, nprocs=ns.nprocs, gpus=gpus, kwargs=parse_kwargs(ns.kwargs))
             print(f"result: {result.value!r}\nrun folder: {result.run_dir}")
             return 0
         cfg = build_config(ns)
         if ns.run_dir:
             raise NbddpError("--run-dir is for torchrun/srun launches; spawn_train names its own run folder")
+        if cfg.gpus == IDLE:
+            cfg = cfg.replace(gpus=tuple(resolve_gpus(IDLE)))  # the GPUs idle now, named in the line below
         where = f"GPUs {list(cfg.gpus)}" if cfg.gpus else f"{cfg.nprocs} CPU process(es)"
         print(f"training {cfg.model} on {cfg.data_path} with {where}", flush=True)
         result = spawn_train(cfg)

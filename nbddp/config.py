@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 from . import rundir
 from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError
+from .gpus import IDLE, IDLE_RULE
 
 _BOOL_FIELDS = ("scale_lr", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images",
                 "cache_images", "persistent_workers")
@@ -26,6 +27,17 @@ DATA_PIPELINES = ("pil", "tensor")
 #: Smallest process-group timeout accepted: every rank must start (spawn, import torch) and reach
 #: the rendezvous within it, which takes seconds on a cold start.
 MIN_TIMEOUT_S = 5.0
+
+
+def _normal_gpus(gpus: Any) -> Any:
+    """A tuple of int ids, or ``"idle"``; anything else is left as it came for :meth:`TrainConfig.validate` to name."""
+    if isinstance(gpus, str):
+        word = gpus.strip().lower()
+        return () if not word else IDLE if word == IDLE else gpus  # "" was always "no GPU"
+    try:
+        return tuple(int(g) for g in (gpus or ()))
+    except (TypeError, ValueError):
+        return gpus
 
 
 def utf8_problem(path: str) -> Optional[str]:
@@ -73,7 +85,9 @@ class TrainConfig:
         nprocs: number of CPU processes when ``gpus`` is empty.
         gpus: GPU ids as ``list_gpus()`` and ``nvidia-smi`` show them, one process each (rank r runs
             on ``gpus[r]``; workers get ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and the kernel's own
-            ``CUDA_VISIBLE_DEVICES`` words for these GPUs).
+            ``CUDA_VISIBLE_DEVICES`` words for these GPUs), or ``"idle"``: the GPUs idle at
+            launch (:data:`nbddp.gpus.IDLE_RULE`), picked in the kernel before any worker starts
+            (the run's ``config.json`` then records the ids it ran on).
         runs_dir: folder that holds one sub-folder per run.
         name: short name appended to the run folder.
         resume: ``True`` continues the newest run of this ``name``; a path continues that run.
@@ -113,7 +127,7 @@ class TrainConfig:
     crop_scale: float = 0.08
     hflip: bool = True
     nprocs: int = 1
-    gpus: tuple = ()
+    gpus: Union[tuple, str] = ()
     runs_dir: str = "runs"
     name: str = "train"
     resume: Union[bool, str] = False
@@ -125,7 +139,7 @@ class TrainConfig:
 
     def __post_init__(self):
         # Normalise containers and paths so the config stays hashable, JSON-able and picklable.
-        object.__setattr__(self, "gpus", tuple(int(g) for g in (self.gpus or ())))
+        object.__setattr__(self, "gpus", _normal_gpus(self.gpus))
         for name in ("data_path", "runs_dir"):
             object.__setattr__(self, name, os.fspath(getattr(self, name)))
         if self.weights is not None:
@@ -186,10 +200,14 @@ class TrainConfig:
                 "or 'tensor' (decoded once, batches augmented on the device)")
         if not isinstance(self.model, str) or not self.model:
             bad("model", "must be a torchvision classification model name such as 'resnet34'")
-        if any(g < 0 for g in self.gpus):
-            bad("gpus", "GPU ids are >= 0")
-        if len(set(self.gpus)) != len(self.gpus):
-            bad("gpus", "lists a GPU twice; each process needs its own GPU")
+        if self.gpus != IDLE:
+            if not isinstance(self.gpus, tuple):
+                bad("gpus", f"must be GPU ids as nvidia-smi shows them, e.g. (0, 1), or {IDLE!r} for the "
+                    f"GPUs idle at launch ({IDLE_RULE})")
+            if any(g < 0 for g in self.gpus):
+                bad("gpus", "GPU ids are >= 0")
+            if len(set(self.gpus)) != len(self.gpus):
+                bad("gpus", "lists a GPU twice; each process needs its own GPU")
         if self.sync_bn and self.freeze_layers:
             bad(
                 "sync_bn",
@@ -202,7 +220,15 @@ class TrainConfig:
     # ------------------------------------------------------------------ derived values
     @property
     def world_size(self) -> int:
-        """Number of processes: one per GPU, or ``nprocs`` CPU processes."""
+        """Number of processes: one per GPU, or ``nprocs`` CPU processes.
+
+        Raises:
+            ConfigError: for ``gpus="idle"``, whose GPUs (and so processes) are picked at launch.
+        """
+        if self.gpus == IDLE:
+            raise ConfigError(f"TrainConfig.gpus={IDLE!r} picks its GPUs at launch, so its number of processes "
+                              "is known only then; choose GPU ids (or nproc_per_node/gpus_per_node for cluster "
+                              "commands) where the count is needed now")
         return len(self.gpus) if self.gpus else self.nprocs
 
     @property
@@ -229,7 +255,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["gpus"] = list(self.gpus)
+        d["gpus"] = self.gpus if isinstance(self.gpus, str) else list(self.gpus)
         return d
 
     def save(self, path: Union[str, Path]) -> Path:

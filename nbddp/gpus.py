@@ -15,17 +15,36 @@ outside an allocation. Index words are read as CUDA reads them in the worker: in
 
 Listing never raises: a field the driver cannot give (``[N/A]``, ``[Not Supported]``, an NVML
 error) is ``None``, and a machine without a driver has no GPUs.
+
+On a shared server nbddp behaves like a good colleague: each GPU reports its memory in use,
+utilisation and the number of other processes computing on it, :attr:`GPUInfo.idle` applies
+:data:`IDLE_RULE`, ``gpus="idle"`` (:func:`resolve_gpus`) trains on the GPUs idle at launch, and
+choosing a GPU that is not idle warns (:class:`BusyGPUWarning`) before the launch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
+import sys
+import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError
+
+#: The word that asks for the GPUs idle at launch: ``gpus="idle"`` (TrainConfig, spawn_train, --gpus idle).
+IDLE = "idle"
+IDLE_MIN_FREE_PCT = 90
+IDLE_MAX_BUSY_PCT = 10
+#: When a GPU counts as idle (:attr:`GPUInfo.idle`), in words a picker can show.
+IDLE_RULE = f"idle: at least {IDLE_MIN_FREE_PCT}% memory free and at most {IDLE_MAX_BUSY_PCT}% busy"
+
+
+class BusyGPUWarning(UserWarning):
+    """A GPU chosen for a run is not idle (:data:`IDLE_RULE`): the run shares it with what runs there."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +59,9 @@ class GPUInfo:
         memory_free_mib: free memory in MiB now, ``None`` where the driver does not say.
         utilization_pct: busy percentage now, ``None`` where not supported (e.g. MIG).
         uuid: ``"GPU-…"``, or ``"MIG-…"`` for a MIG instance; ``None`` where unknown.
+        processes: compute processes on it now other than this kernel (NVML's
+            ``nvmlDeviceGetComputeRunningProcesses``, or ``nvidia-smi --query-compute-apps``),
+            of any user; ``None`` where the driver does not say.
     """
 
     index: int
@@ -48,11 +70,41 @@ class GPUInfo:
     memory_free_mib: Optional[int]
     utilization_pct: Optional[int]
     uuid: Optional[str] = None
+    processes: Optional[int] = None
+
+    @property
+    def memory_used_mib(self) -> Optional[int]:
+        """Memory in use in MiB (total - free: every process's, and the driver's reserve), or ``None``."""
+        if self.memory_total_mib is None or self.memory_free_mib is None:
+            return None
+        return max(0, self.memory_total_mib - self.memory_free_mib)
+
+    @property
+    def idle(self) -> bool:
+        """:data:`IDLE_RULE`: at least 90% of the memory free and at most 10% busy.
+
+        Unknown memory is never idle; unknown utilisation (MIG, some drivers) leaves it to the memory.
+        """
+        total, free, util = self.memory_total_mib, self.memory_free_mib, self.utilization_pct
+        if total is None or free is None or total <= 0:
+            return False
+        if free * 100 < total * IDLE_MIN_FREE_PCT:  # integers: exactly 90% free is idle
+            return False
+        return util is None or util <= IDLE_MAX_BUSY_PCT
+
+    def state(self) -> str:
+        """``"12.1/80.0 GiB used, 35% busy, 2 processes"`` (``?`` for what the driver does not say)."""
+        return ", ".join(self._state_parts())
 
     def label(self) -> str:
+        """``"GPU 0: NVIDIA H100 80GB HBM3 · 12.1/80.0 GiB used · 35% busy · 2 processes"``, for a picker."""
+        return " · ".join([f"GPU {self.index}: {self.name}", *self._state_parts()])
+
+    def _state_parts(self) -> List[str]:
         util = "?" if self.utilization_pct is None else f"{self.utilization_pct}%"
-        return (f"GPU {self.index}: {self.name} · {_gib(self.memory_free_mib)}/"
-                f"{_gib(self.memory_total_mib)} GiB free · {util} busy")
+        n = self.processes
+        procs = "? processes" if n is None else f"{n} process{'' if n == 1 else 'es'}"
+        return [f"{_gib(self.memory_used_mib)}/{_gib(self.memory_total_mib)} GiB used", f"{util} busy", procs]
 
 
 def _gib(mib: Optional[int]) -> str:
@@ -78,7 +130,14 @@ def _nvml_device(pynvml, handle, index: int, util: bool = True) -> GPUInfo:
     total = field(lambda: int(mem.total) // 2**20) if mem is not None else None
     free = field(lambda: int(mem.free) // 2**20) if mem is not None else None
     busy = field(lambda: int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)) if util else None
-    return GPUInfo(index, name, total, free, busy, uuid)
+    procs = field(lambda: _others(p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)))
+    return GPUInfo(index, name, total, free, busy, uuid, procs)
+
+
+def _others(pids) -> int:
+    """How many of ``pids`` are not this kernel (which may have used CUDA itself)."""
+    me = os.getpid()
+    return sum(1 for pid in pids if int(pid) != me)
 
 
 def _from_nvml(with_mig: bool) -> Optional[Tuple[List[GPUInfo], List[GPUInfo]]]:
@@ -158,7 +217,36 @@ def _from_nvidia_smi() -> Optional[List[GPUInfo]]:
         uuid = parts[1] if parts[1].startswith("GPU-") else None
         total, free, util = (_smi_number(p) for p in parts[2:5])
         out.append(GPUInfo(int(parts[0]), parts[5], total, free, util, uuid))
+    if any(g.uuid for g in out):
+        counts = _smi_process_counts(_run_smi(exe, "--query-compute-apps=gpu_uuid,pid"))
+        if counts is not None:
+            out = [dataclasses.replace(g, processes=counts.get(g.uuid, 0)) if g.uuid else g for g in out]
     return out
+
+
+def _run_smi(exe: str, query: str) -> Optional[str]:
+    try:
+        return subprocess.run([exe, query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None  # an older nvidia-smi without the field, a timeout: unknown
+
+
+def _smi_process_counts(text: Optional[str]) -> Optional[Dict[str, int]]:
+    """Compute processes per GPU UUID other than this kernel, from ``--query-compute-apps=gpu_uuid,pid``.
+
+    ``None`` (unknown) for output that is not such rows; no row for a GPU means no process.
+    """
+    if text is None:
+        return None
+    pids: Dict[str, List[int]] = {}
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].startswith("GPU-") and parts[1].isdigit():
+            pids.setdefault(parts[0], []).append(int(parts[1]))
+        elif line.strip() and "no running processes" not in line.lower():
+            return None
+    return {uuid: _others(p) for uuid, p in pids.items()}
 
 
 # ------------------------------------------------------------------------------ CUDA_VISIBLE_DEVICES
@@ -257,12 +345,16 @@ def _check(ids: Sequence[int], available: List[GPUInfo], problem: Optional[str])
     known = {g.index for g in available}
     missing = [i for i in ids if i not in known]
     if missing and not available:
-        raise ConfigError(
-            f"gpus={list(ids)}: no GPU found (neither NVML nor nvidia-smi sees one: no NVIDIA driver here"
-            f"{', or CUDA_VISIBLE_DEVICES=' + repr(raw) + ' hides them' if raw is not None else ''}); "
-            "use nprocs=N to train on CPU processes.")
+        raise ConfigError(_no_gpu(f"gpus={list(ids)}"))
     if missing:
         raise ConfigError(f"gpus={list(ids)}: no GPU with id {missing}; choose ids from the list. GPUs here{where}:\n{listing}")
+
+
+def _no_gpu(asked: str) -> str:
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"{asked}: no GPU found (neither NVML nor nvidia-smi sees one: no NVIDIA driver here"
+            f"{', or CUDA_VISIBLE_DEVICES=' + repr(raw) + ' hides them' if raw is not None else ''}); "
+            "use nprocs=N to train on CPU processes.")
 
 
 def check_gpu_ids(ids: Sequence[int], available: Optional[Sequence[GPUInfo]] = None) -> None:
@@ -297,3 +389,105 @@ def cuda_visible_devices(ids: Sequence[int]) -> str:
     _check(ids, [g for g, _ in visible], problem)
     word = {g.index: w for g, w in visible}
     return ",".join(word[i] for i in ids)
+
+
+# ------------------------------------------------------------------------------ idle GPUs
+def idle_gpus(gpus: Optional[Sequence[GPUInfo]] = None) -> List[int]:
+    """The ids of the GPUs idle now (:data:`IDLE_RULE`), in listing order.
+
+    Args:
+        gpus: GPUs already listed (default: :func:`list_gpus` now).
+    """
+    return [g.index for g in (list_gpus() if gpus is None else gpus) if g.idle]
+
+
+def preselected_gpus(gpus: Optional[Sequence[GPUInfo]] = None) -> Tuple[List[int], str]:
+    """What a GPU picker ticks at first, and a note on what it left out and why.
+
+    Returns:
+        ``(ids, note)``: the idle GPUs' ids; note is ``""`` when every GPU is idle (or there is
+        none), names the GPUs in use when only some are idle, and when none is idle says so,
+        GPU by GPU: ``"no idle GPU: 0 (12.1/80.0 GiB used, 35% busy, 2 processes), 1 (…) — tick
+        one to share it"``.
+    """
+    gpus = list_gpus() if gpus is None else list(gpus)
+    ids = idle_gpus(gpus)
+    busy = ", ".join(f"{g.index} ({g.state()})" for g in gpus if not g.idle)
+    if not busy:
+        return ids, ""
+    if not ids:
+        return ids, f"no idle GPU: {busy} — tick one to share it"
+    return ids, f"not ticked, in use: {busy}"
+
+
+def _none_idle(available: Sequence[GPUInfo]) -> str:
+    listing = "\n".join("  " + g.label() for g in available)
+    return (f"gpus='idle': no GPU is idle now ({IDLE_RULE}):\n{listing}\n"
+            "Choose GPUs explicitly to share one (gpus=[0], --gpus 0, or tick it in the panel), "
+            "or wait until one is free (nvidia-smi shows what runs there).")
+
+
+def resolve_gpus(value: Union[str, Sequence[int], None]) -> List[int]:
+    """The GPU ids a launch trains on, decided in the kernel before any worker starts.
+
+    Args:
+        value: ``"idle"`` (the GPUs idle now, :data:`IDLE_RULE`, in listing order), GPU ids, or
+            ``None``/empty (CPU processes).
+
+    Returns:
+        The ids. A chosen GPU that is not idle warns (:class:`BusyGPUWarning`, one line naming
+        its memory in use and processes): the run would share it. Ids are not checked here
+        (:func:`cuda_visible_devices` refuses unknown ones, listing the GPUs).
+
+    Raises:
+        ConfigError: ``"idle"`` and no GPU is idle (each GPU's state, and the way out), or no GPU
+            at all (the no-GPU error); another string.
+    """
+    if isinstance(value, str):
+        if value.strip().lower() != IDLE:
+            raise ConfigError(f"gpus={value!r}: give GPU ids as nvidia-smi shows them (gpus=[0, 1]), "
+                              f"or gpus={IDLE!r} for the GPUs idle at launch ({IDLE_RULE})")
+        visible, problem = _visible()
+        available = [g for g, _ in visible]
+        if problem is not None:
+            raise ConfigError(f"gpus={IDLE!r}: {problem}")
+        if not available:
+            raise ConfigError(_no_gpu(f"gpus={IDLE!r}"))
+        ids = idle_gpus(available)
+        if not ids:
+            raise ConfigError(_none_idle(available))
+        return ids
+    try:
+        ids = list(value or [])
+    except TypeError:
+        raise ConfigError(f"gpus={value!r}: give a list of GPU ids (gpus=[0, 1]) or {IDLE!r}") from None
+    if ids:
+        _warn_busy(ids, list_gpus())
+    return ids
+
+
+def _warn_busy(ids: Sequence[Any], available: Sequence[GPUInfo]) -> None:
+    by_id = {g.index: g for g in available}
+    for i in ids:
+        g = by_id.get(i) if isinstance(i, int) else None
+        if g is not None and not g.idle:
+            _warn_at_caller(f"GPU {i} is not idle ({g.state()}): this run shares it with what runs there; "
+                            f"gpus={IDLE!r} picks idle GPUs only", BusyGPUWarning)
+
+
+def _warn_at_caller(message: str, category: type) -> None:
+    """Warn at the first caller outside nbddp (the cell), at every launch.
+
+    ``warnings.warn`` would show a message once per line of code under the "default" action,
+    so a second launch on the same busy GPU would say nothing; without a registry it is shown
+    each time, and the user's filters ("ignore", "error") still apply.
+    """
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame = frame.f_back
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"), registry=None, module_globals=frame.f_globals)

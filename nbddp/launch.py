@@ -16,7 +16,7 @@ import socket
 import sys
 import types
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -25,7 +25,7 @@ from . import rundir, tasks
 from .config import MIN_TIMEOUT_S, TrainConfig
 from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError
-from .gpus import cuda_visible_devices
+from .gpus import IDLE, cuda_visible_devices, resolve_gpus
 from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult, interrupts_held
 from .procs import MARKER_ENV, live_workers
 from .runtime import LaunchSpec, entry
@@ -161,7 +161,8 @@ def spawn_train(
             process group is set up; ``ctx`` is a :class:`nbddp.runtime.Context`.
         *args: positional arguments for the worker function (must be picklable).
         nprocs: number of CPU processes (gloo). Defaults to 1 when ``gpus`` is not given.
-        gpus: GPU ids (as in ``nvidia-smi``); rank r runs on ``gpus[r]`` with nccl.
+        gpus: GPU ids (as in ``nvidia-smi``); rank r runs on ``gpus[r]`` with nccl. ``"idle"``
+            takes the GPUs idle now (``nbddp.gpus.IDLE_RULE``); a chosen GPU in use warns.
         kwargs: keyword arguments for the worker function (must be picklable).
         block: wait for the end and return a ``TrainResult``; ``False`` returns a
             ``RunHandle`` at once and keeps the notebook usable.
@@ -212,6 +213,7 @@ def spawn_train(
     if start_method not in ("spawn", "forkserver"):
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
+    target, gpus = _resolve_gpus(target, gpus)  # "idle" (here or in a config): the GPUs idle now; busy ones warn
     plan = _plan(target, args, kwargs, nprocs, gpus, name, runs_dir, timeout_s, resume)
     _check_picklable(plan.args, kwargs)
     world, backend = _world(plan)
@@ -241,6 +243,18 @@ def spawn_train(
         stall_timeout_s = 0.75 * timeout if backend == "nccl" else timeout
     watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s)
     return _start(spec, store, child_env, start_method, watch, on_event, block)
+
+
+def _resolve_gpus(target: Any, gpus: Union[str, Sequence[int], None]) -> Tuple[Any, Optional[List[int]]]:
+    """``(target, gpus)`` with ``"idle"`` resolved to the GPUs idle now (:func:`nbddp.gpus.resolve_gpus`).
+
+    A config comes back with its ``gpus`` resolved, so that its checks, its ``config.json`` and
+    its workers see the GPUs it runs on. Chosen GPUs that are busy warn.
+    """
+    if tasks.is_task_config(target):
+        ids = resolve_gpus(target.gpus)
+        return (target.replace(gpus=tuple(ids)) if target.gpus == IDLE else target), gpus
+    return target, (None if gpus is None else resolve_gpus(gpus))
 
 
 def _plan(target: Any, args: tuple, kwargs: dict, nprocs: Optional[int], gpus: Optional[Sequence[int]],

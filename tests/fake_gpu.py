@@ -5,6 +5,10 @@ meets the real CUDA of this machine, which is how a test sees CUDA's own start-u
 
 A GPU is ``(name, uuid, memory_total_mib, memory_free_mib, utilization_pct)``; a value may be a
 string as the driver prints it, e.g. ``"[N/A]"`` or ``"[Not Supported]"``. GPU i has index i.
+
+Compute processes are opt-in (``procs={gpu index: [pid, ...]}``, GPUs not named have none);
+without them the fakes cannot list processes (NVML: "Function Not Found", nvidia-smi: not a valid
+field), as an old driver, so every GPU's ``processes`` is unknown.
 """
 
 from __future__ import annotations
@@ -25,11 +29,22 @@ _SCRIPT = r'''#!{python}
 import json, sys
 
 GPUS = json.loads({gpus!r})
+PROCS = json.loads({procs!r})
 EXIT = {exit_code}
 if EXIT:
     print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
           "Make sure that the latest NVIDIA driver is installed and running.")
     sys.exit(EXIT)
+apps = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--query-compute-apps=")]
+if apps:
+    if PROCS is None:
+        print(f'Field "{{apps[0].split(",")[0]}}" is not a valid field to query.', file=sys.stderr)
+        sys.exit(2)
+    for i, pids in sorted(PROCS.items()):
+        for pid in pids:
+            values = {{"gpu_uuid": GPUS[int(i)][1], "pid": pid, "used_memory": 1024, "process_name": "python"}}
+            print(", ".join(str(values[f]) for f in apps[0].split(",")))
+    sys.exit(0)
 query = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--query-gpu=")]
 if not query:
     for i, (name, uuid, *_rest) in enumerate(GPUS):
@@ -55,7 +70,7 @@ for i, (name, uuid, total, free, util) in enumerate(GPUS):
 
 
 def install_fake_nvidia_smi(tmp_path: Path, monkeypatch, gpus: Sequence[Tuple] = (H100,), exit_code: int = 0,
-                            visible: Optional[str] = None) -> Path:
+                            visible: Optional[str] = None, procs: Optional[Dict[int, List[int]]] = None) -> Path:
     """Put a fake ``nvidia-smi`` first on ``PATH`` and make NVML unavailable, for this test.
 
     Args:
@@ -64,6 +79,7 @@ def install_fake_nvidia_smi(tmp_path: Path, monkeypatch, gpus: Sequence[Tuple] =
         gpus: the GPUs it prints, GPU i with index i.
         exit_code: non-zero makes it fail as it does without a driver.
         visible: the kernel's ``CUDA_VISIBLE_DEVICES`` for the test (default: unset).
+        procs: pids computing on each GPU (``--query-compute-apps``); ``None``: the field is refused.
 
     Returns:
         The script's path.
@@ -72,7 +88,7 @@ def install_fake_nvidia_smi(tmp_path: Path, monkeypatch, gpus: Sequence[Tuple] =
     folder.mkdir(exist_ok=True)
     script = folder / "nvidia-smi"
     script.write_text(_SCRIPT.format(python=sys.executable, gpus=json.dumps([list(g) for g in gpus]),
-                                     exit_code=int(exit_code)))
+                                     procs=json.dumps(procs), exit_code=int(exit_code)))
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError: NVML absent
@@ -105,21 +121,28 @@ class _Memory:
         self.total, self.free, self.used = total_mib * 2**20, free_mib * 2**20, (total_mib - free_mib) * 2**20
 
 
+class _Process:
+    def __init__(self, pid: int):
+        self.pid, self.usedGpuMemory = pid, 1024 * 2**20
+
+
 class _Util:
     def __init__(self, gpu: int):
         self.gpu, self.memory = gpu, 0
 
 
 def fake_nvml(gpus: Sequence[Tuple] = (H100,), fail: Iterable[Tuple[int, str]] = (),
-              init_error: Optional[str] = None, migs: Optional[Dict[int, List[Tuple]]] = None) -> types.ModuleType:
+              init_error: Optional[str] = None, migs: Optional[Dict[int, List[Tuple]]] = None,
+              procs: Optional[Dict[int, List[int]]] = None) -> types.ModuleType:
     """A ``pynvml`` module that answers for ``gpus``.
 
     Args:
         gpus: as for :func:`install_fake_nvidia_smi` (numbers only).
         fail: ``(gpu index, field)`` pairs whose call raises NVMLError: field is one of
-            ``"handle"``, ``"name"``, ``"uuid"``, ``"memory"``, ``"utilization"``.
+            ``"handle"``, ``"name"``, ``"uuid"``, ``"memory"``, ``"utilization"``, ``"processes"``.
         init_error: make ``nvmlInit`` raise with this message (no driver).
         migs: MIG instances per GPU index, each ``(name, "MIG-…" uuid, total_mib, free_mib)``.
+        procs: pids computing on each GPU; ``None``: the call is missing from the driver.
     """
     fail, migs = set(fail), dict(migs or {})
     m = types.ModuleType("pynvml")
@@ -151,6 +174,12 @@ def fake_nvml(gpus: Sequence[Tuple] = (H100,), fail: Iterable[Tuple[int, str]] =
         check(h[1], "utilization")
         return _Util(gpus[h[1]][4])
 
+    def processes(h):
+        if procs is None or h[0] == "mig":
+            raise NVMLError("Function Not Found")
+        check(h[1], "processes")
+        return [_Process(pid) for pid in procs.get(h[1], [])]
+
     def max_migs(h):
         if h[1] not in migs:
             raise NVMLError("Not Supported (no MIG mode)")
@@ -170,6 +199,7 @@ def fake_nvml(gpus: Sequence[Tuple] = (H100,), fail: Iterable[Tuple[int, str]] =
     m.nvmlDeviceGetMemoryInfo = lambda h: field(h, "memory", lambda g: _Memory(g[2], g[3]),
                                                 lambda x: _Memory(x[2], x[3]))
     m.nvmlDeviceGetUtilizationRates = utilization
+    m.nvmlDeviceGetComputeRunningProcesses = processes
     m.nvmlDeviceGetMaxMigDeviceCount = max_migs
     m.nvmlDeviceGetMigDeviceHandleByIndex = mig_handle
     return m

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nbddp import ConfigError, TrainConfig, spawn_train
-from nbddp.gpus import GPUInfo, check_gpu_ids, cuda_visible_devices, gpu_setup_problem, list_gpus
+from nbddp.gpus import BusyGPUWarning, GPUInfo, check_gpu_ids, cuda_visible_devices, gpu_setup_problem, list_gpus
 from nbddp.tasks import classification
 from nbddp.tensor_data import BatchAugment, cache_bytes
 from conftest import WORKERS
@@ -30,8 +30,8 @@ def test_nvidia_smi_fields_it_cannot_give_are_unknown_not_a_crash(tmp_path, monk
     assert gpus == [GPUInfo(0, H100[0], 81559, 81000, 0, H100[1]),
                     GPUInfo(1, "NVIDIA A100-SXM4-40GB", 40960, None, None, UUID[1]),
                     GPUInfo(2, "NVIDIA GH200, Grace Hopper", None, None, None, UUID[2])]
-    assert gpus[1].label() == "GPU 1: NVIDIA A100-SXM4-40GB · ?/40.0 GiB free · ? busy"
-    assert gpus[2].label() == "GPU 2: NVIDIA GH200, Grace Hopper · ?/? GiB free · ? busy"
+    assert gpus[1].label() == "GPU 1: NVIDIA A100-SXM4-40GB · ?/40.0 GiB used · ? busy · ? processes"
+    assert gpus[2].label() == "GPU 2: NVIDIA GH200, Grace Hopper · ?/? GiB used · ? busy · ? processes"
     check_gpu_ids([2, 1])
 
 
@@ -41,7 +41,7 @@ def test_an_nvml_error_on_one_field_leaves_the_others(monkeypatch):
     assert gpus == [GPUInfo(0, A100, None, None, 0, UUID[0]),
                     GPUInfo(1, A100, 40960, 39999, None, UUID[1])]  # GPU 2 cannot be opened: not usable
     assert (1, "memory") in nvml.calls and (0, "utilization") in nvml.calls
-    assert "?/? GiB free · 0% busy" in gpus[0].label()
+    assert "?/? GiB used · 0% busy" in gpus[0].label()
 
 
 def test_a_name_or_uuid_nvml_cannot_read_does_not_lose_the_gpu(monkeypatch):
@@ -174,7 +174,7 @@ def test_the_panel_shows_gpus_whose_fields_are_unknown(tmp_path, monkeypatch):
 
     install_fake_nvidia_smi(tmp_path, monkeypatch, gpus=[H100, (A100, UUID[1], "[N/A]", "[N/A]", "[N/A]")])
     panel = TrainingPanel(TrainConfig(runs_dir=str(tmp_path / "runs")))
-    assert [b.description for b in panel.gpu_checkboxes][1] == f"GPU 1: {A100} · ?/? GiB free · ? busy"
+    assert [b.description for b in panel.gpu_checkboxes][1] == f"GPU 1: {A100} · ?/? GiB used · ? busy · ? processes"
     panel._refresh_gpus()
 
 
@@ -192,7 +192,8 @@ def test_tensor_cache_larger_than_a_gpu_can_hold_is_refused(tree, runs_dir, tmp_
     with pytest.raises(ConfigError, match=(rf"data_pipeline='tensor' would keep {size} of decoded images on each GPU "
                                            rf"\(36 images at 224 px\).*\(GPU 1 has {tight_mib}\.0 MiB free\).*"
                                            "use data_pipeline='pil'.*smaller image_size.*more free memory")):
-        spawn_train(tensor_cfg(tree, runs_dir, [0, 1]), echo=False)
+        with pytest.warns(BusyGPUWarning, match="^GPU 1 is not idle"):  # its memory is nearly full
+            spawn_train(tensor_cfg(tree, runs_dir, [0, 1]), echo=False)
     assert not runs_dir.exists() or not any(runs_dir.iterdir())
 
 

@@ -85,7 +85,7 @@ def test_gpu_picker_lists_gpus_with_memory_and_utilisation(monkeypatch, tmp_path
     panel = TrainingPanel(small_cfg(tmp_path, gpus=[1]))
     assert panel.nprocs_input is None
     assert [b.description for b in panel.gpu_checkboxes] == [g.label() for g in gpus]
-    assert "29.3/40.0 GiB free · 3% busy" in panel.gpu_checkboxes[0].description
+    assert "10.7/40.0 GiB used · 3% busy" in panel.gpu_checkboxes[0].description
     assert [b.value for b in panel.gpu_checkboxes] == [False, True]  # the config's choice
     panel.gpu_checkboxes[0].value = True
     assert panel.config.gpus == (0, 1) and panel.config.world_size == 2
