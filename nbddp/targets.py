@@ -5,6 +5,8 @@ re-imports it by module path, and a kernel's ``__main__`` is not a module. So wo
 live in files, and this module turns whatever the user passed into a spec string that every
 child can load by itself. The kernel checks the spec (file exists, function defined) without
 running the user's file; the child loads it fresh, so edits to the file count at every launch.
+:func:`worker_signature` reads a worker's keyword parameters the same way (``ast`` on the file),
+for the panel's form.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import ast
 import importlib
 import importlib.util
 import os
+import inspect
 import sys
+import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from .errors import ConfigError
 
@@ -142,3 +147,147 @@ def load_target(spec: str) -> Callable[..., Any]:
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+# ------------------------------------------------------------------------ signatures
+_SIMPLE_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+@dataclass(frozen=True)
+class WorkerParam:
+    """One parameter of a worker function after ``ctx``, as its source declares it.
+
+    Attributes:
+        name: the parameter's name.
+        has_default: the signature gives a default.
+        literal: the default is a plain value (``ast.literal_eval`` reads it), held in ``default``.
+        default: that value (``None`` otherwise).
+        default_text: the default as written (``"torch.device('cpu')"``), for display.
+        kind: ``int``, ``float``, ``str`` or ``bool`` from a plain annotation, else ``None``.
+        choices: the values of a ``typing.Literal[...]`` annotation, else ``None``.
+        keyword: False for a positional-only parameter (cannot be passed in ``kwargs``).
+    """
+
+    name: str
+    has_default: bool
+    literal: bool = False
+    default: Any = None
+    default_text: str = ""
+    kind: Optional[type] = None
+    choices: Optional[Tuple[Any, ...]] = None
+    keyword: bool = True
+
+
+@dataclass(frozen=True)
+class WorkerSignature:
+    """The parameters a worker takes besides ``ctx`` (``*args`` left out)."""
+
+    qualname: str
+    params: List[WorkerParam]
+    var_kwargs: bool  # ``**kwargs``: any keyword is accepted
+
+
+def worker_signature(spec: str) -> Optional[WorkerSignature]:
+    """Read the parameters of the worker a spec (from :func:`resolve_target`) names.
+
+    A file target is parsed with ``ast``, never executed: the kernel must not import the user's
+    training code (nor torch and CUDA through it). A module target was already imported by
+    :func:`resolve_target`, so its function is inspected.
+
+    Returns:
+        The signature, or ``None`` when it cannot be read (the name is bound by an import or
+        an assignment, not a ``def``).
+    """
+    where, _, qualname = spec.rpartition(":")
+    if where.endswith(".py") or os.sep in where:
+        node = _find_def(ast.parse(Path(where).read_text(), filename=where), qualname)
+        return None if node is None else _signature_from_ast(node, qualname)
+    try:
+        sig = inspect.signature(load_target(spec))
+    except (TypeError, ValueError):
+        return None
+    return _signature_from_inspect(sig, qualname)
+
+
+def _find_def(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
+    body: list = tree.body
+    node = None
+    for part in qualname.split("."):
+        node = next((n for n in reversed(body) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)  # the last definition wins, as at run time
+        if node is None:
+            return None
+        body = node.body
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _signature_from_ast(node: ast.FunctionDef, qualname: str) -> WorkerSignature:
+    a = node.args
+    positional = [*a.posonlyargs, *a.args]
+    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    params = []
+    for i, (arg, default) in enumerate(zip(positional, defaults)):
+        if i == 0:
+            continue  # ctx
+        params.append(_param_from_ast(arg, default, keyword=i >= len(a.posonlyargs)))
+    params += [_param_from_ast(arg, default, keyword=True) for arg, default in zip(a.kwonlyargs, a.kw_defaults)]
+    return WorkerSignature(qualname, params, a.kwarg is not None)
+
+
+def _param_from_ast(arg: ast.arg, default: Optional[ast.expr], keyword: bool) -> WorkerParam:
+    kind, choices = _annotation(arg.annotation)
+    if default is None:
+        return WorkerParam(arg.arg, False, kind=kind, choices=choices, keyword=keyword)
+    text = ast.unparse(default)
+    try:
+        value, literal = ast.literal_eval(default), True
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        value, literal = None, False
+    return WorkerParam(arg.arg, True, literal, value, text, kind, choices, keyword)
+
+
+def _annotation(node: Optional[ast.expr]) -> Tuple[Optional[type], Optional[tuple]]:
+    """``(int/float/str/bool or None, Literal choices or None)`` from an annotation's syntax."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a quoted annotation
+        try:
+            node = ast.parse(node.value, mode="eval").body
+        except SyntaxError:
+            return None, None
+    if isinstance(node, ast.Name):
+        return _SIMPLE_TYPES.get(node.id), None
+    if isinstance(node, ast.Subscript):
+        head = node.value
+        name = head.id if isinstance(head, ast.Name) else head.attr if isinstance(head, ast.Attribute) else ""
+        if name == "Literal":
+            elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            try:
+                return None, tuple(ast.literal_eval(e) for e in elts)
+            except (ValueError, TypeError, SyntaxError):
+                return None, None
+    return None, None
+
+
+def _signature_from_inspect(sig: inspect.Signature, qualname: str) -> WorkerSignature:
+    params, var_kwargs = [], False
+    P = inspect.Parameter
+    for i, p in enumerate(sig.parameters.values()):
+        if p.kind == P.VAR_KEYWORD:
+            var_kwargs = True
+        if i == 0 and p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) or p.kind in (P.VAR_POSITIONAL,
+                                                                                          P.VAR_KEYWORD):
+            continue
+        ann = p.annotation
+        if isinstance(ann, str):
+            try:
+                kind, choices = _annotation(ast.parse(ann, mode="eval").body)
+            except SyntaxError:
+                kind, choices = None, None
+        elif typing.get_origin(ann) is typing.Literal:
+            kind, choices = None, typing.get_args(ann)
+        else:
+            kind, choices = next((t for t in _SIMPLE_TYPES.values() if ann is t), None), None
+        has_default = p.default is not P.empty
+        params.append(WorkerParam(p.name, has_default, has_default, p.default if has_default else None,
+                                  repr(p.default) if has_default else "", kind, choices,
+                                  p.kind != P.POSITIONAL_ONLY))
+    return WorkerSignature(qualname, params, var_kwargs)

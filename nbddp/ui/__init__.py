@@ -26,6 +26,7 @@ _WHERE = {
     "show_predictions": ".charts",
     "plot_confusion_matrix": ".charts",
     "training_curves_png": ".charts",
+    "scalar_charts_png": ".charts",
 }
 
 __all__ = list(_WHERE)

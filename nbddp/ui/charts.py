@@ -2,7 +2,8 @@
 
 Kernel side only. Two ways of drawing, on purpose:
 
-* :func:`training_curves_png` is called by the panel from the run's monitor thread. It draws on
+* :func:`training_curves_png` (the built-in worker) and :func:`scalar_charts_png` (any worker's
+  ``ctx.log`` scalars) are called by the panel off the main thread. They draw on
   a bare ``matplotlib.figure.Figure`` with the Agg canvas: pyplot keeps global state and is not
   thread-safe, and this way the user's own ``%matplotlib`` backend is never touched.
 * :func:`show_predictions` and :func:`plot_confusion_matrix` are called by the user in a cell.
@@ -17,7 +18,7 @@ import io
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..export import confusion_matrix, load_val_predictions, run_classes
 from ..paths import PathLike
@@ -26,6 +27,9 @@ from ..paths import PathLike
 _LOSS_KEYS = (("train_loss", "train loss"), ("val_loss", "val loss"), ("loss", "loss"))
 _ACC_KEYS = (("val_accuracy", "val accuracy"), ("accuracy", "accuracy"))
 _RIGHT, _WRONG = "#1b7f3b", "#c62828"
+_AXIS_KEYS = ("step", "epoch")
+_NOT_CHARTED = ("time", "step", "epoch")
+MAX_CHARTS = 12
 
 
 # ------------------------------------------------------------------------ training curves
@@ -102,6 +106,77 @@ def training_curves_png(metrics: Sequence[dict], epochs: Optional[int] = None,
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# ------------------------------------------------------------------------ any worker's scalars
+def scalar_series(metrics: Sequence[dict]) -> Dict[str, Tuple[str, List[float], List[float]]]:
+    """``{key: (x label, xs, ys)}`` for every numeric key of ``ctx.log`` records, in order of appearance.
+
+    ``time``, ``step`` and ``epoch`` are not charted. The x axis of a key is ``step`` when every
+    record holding the key has one, else ``epoch`` likewise, else the record's number (1-based).
+    Non-finite values (a NaN loss) are left out of the line.
+    """
+    keys: Dict[str, None] = {}
+    for m in metrics:
+        for k, v in m.items():
+            if k not in _NOT_CHARTED and isinstance(v, (int, float)) and not isinstance(v, bool):
+                keys.setdefault(k)
+    out = {}
+    for key in keys:
+        rows = [(i, m) for i, m in enumerate(metrics) if _finite(m.get(key))]
+        axis = next((a for a in _AXIS_KEYS if rows and all(_finite(m.get(a)) for _, m in rows)), None)
+        xs = [float(m[axis]) if axis else float(i + 1) for i, m in rows]
+        out[key] = (axis or "record", xs, [float(m[key]) for _, m in rows])
+    return out
+
+
+def scalar_charts_png(metrics: Sequence[dict], width_px: int = 960, row_px: int = 210) -> bytes:
+    """PNG of one small line chart per scalar a worker logged (see :func:`scalar_series`).
+
+    Safe to call from any thread (no pyplot). At most ``MAX_CHARTS`` charts, three per row; the
+    image grows by ``row_px`` per row.
+
+    Args:
+        metrics: ``ctx.log`` records, e.g. ``RunHandle.metrics``.
+        width_px: image width in pixels.
+        row_px: height of one row of charts in pixels.
+
+    Returns:
+        The PNG file's bytes.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    series = scalar_series(metrics)
+    shown = list(series.items())[:MAX_CHARTS]
+    cols = max(1, min(3, len(shown)))
+    rows = max(1, math.ceil(len(shown) / cols))
+    dpi = 100
+    fig = Figure(figsize=(width_px / dpi, row_px * rows / dpi), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = list(fig.subplots(rows, cols, squeeze=False).flat)
+    if not shown:
+        ax = axes[0]
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "charts of the worker's ctx.log(...) scalars appear here", ha="center", va="center",
+                transform=ax.transAxes, color="0.4", fontsize=10)
+    for ax, (key, (axis, xs, ys)) in zip(axes, shown):
+        ax.plot(xs, ys, "o-" if len(xs) <= 30 else "-", ms=3, lw=1.5)
+        ax.set_title(key, fontsize=10)
+        ax.set_xlabel(axis, fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=all(x.is_integer() for x in xs)))
+        if len(set(xs)) == 1:  # one point so far: a unit-wide axis, not ticks at +-0.04
+            ax.set_xlim(xs[0] - 1, xs[0] + 1)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(shown):]:  # the rest of the last row
+        ax.set_axis_off()
+    if len(series) > len(shown):
+        fig.suptitle(f"first {len(shown)} of {len(series)} logged keys", fontsize=9, color="0.4")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
 
 
 # ------------------------------------------------------------------------ samples
@@ -253,4 +328,4 @@ def plot_confusion_matrix(source: Any, classes: Optional[Sequence[str]] = None, 
     return fig
 
 
-__all__ = ["plot_confusion_matrix", "show_predictions", "training_curves_png"]
+__all__ = ["plot_confusion_matrix", "scalar_charts_png", "scalar_series", "show_predictions", "training_curves_png"]

@@ -1,5 +1,9 @@
 """``TrainingPanel``: choose GPUs (or CPU processes), set the config, train, watch, stop.
 
+Two kinds of run: the built-in classifier (a :class:`TrainConfig`: model, data, SyncBN...) and
+any worker function in a file (``"my_worker.py:train"``: a form of its keyword arguments, read
+from its signature without running the file, and a chart of every scalar it logs).
+
 Kernel side only. Two threads touch the panel, and each has its reason:
 
 * The Train button's callback (and :meth:`TrainingPanel.run`) runs on the kernel's main thread,
@@ -7,17 +11,20 @@ Kernel side only. Two threads touch the panel, and each has its reason:
   the thread that started them, and the kernel's main thread lives as long as the kernel.
 * The run's events (log lines, progress, metrics, the end) arrive on its monitor thread. They
   only set widget values, which ipykernel sends from any thread, and draw the chart on a bare
-  Agg canvas into an ``Image`` widget. Nothing here prints or uses an ``Output`` widget's
-  ``with`` block, whose output would land in whichever cell happens to run.
+  Agg canvas into an ``Image`` widget (from a timer thread, at most about once a second: a
+  worker may log every step). Nothing here prints or uses an ``Output`` widget's ``with``
+  block, whose output would land in whichever cell happens to run.
 """
 
 from __future__ import annotations
 
 import html
+import math
 import threading
 import time
 from collections import deque
-from typing import Any, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import ipywidgets as W
 
@@ -27,12 +34,15 @@ from ..gpus import gpu_setup_problem, list_gpus
 from ..handle import RunHandle, TrainResult
 from ..launch import spawn_train
 from ..procs import cpu_cores
-from .charts import training_curves_png
+from ..targets import WorkerSignature, resolve_target, worker_signature
+from .charts import scalar_charts_png, scalar_series, training_curves_png
 
 COMMON_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
                  "efficientnet_b0", "efficientnet_b1", "regnet_y_400mf", "convnext_tiny", "densenet121", "vgg16_bn")
 FREEZE_REASON = "frozen BatchNorm layers keep their statistics: nothing to synchronise"
 LOG_LINES = 200
+CHART_EVERY_S = 1.0  # the chart is redrawn at most this often (or 3x its drawing time, if longer)
+_EDITABLE = (bool, int, float, str)
 
 _LABEL = {"description_width": "110px"}
 # Full-width widgets get side margins of 0: ipywidgets gives every widget a 2px margin, and
@@ -55,33 +65,173 @@ def _field(widget_cls, description: str, **kw):
     return widget_cls(description=description, style=_LABEL, layout=W.Layout(**_FULL), **kw)
 
 
+def _grid(children: list, min_px: int) -> W.GridBox:
+    return W.GridBox(children, layout=W.Layout(grid_template_columns=f"repeat(auto-fit, minmax({min_px}px, 1fr))",
+                                               grid_gap="4px 16px", width="100%"))
+
+
+def _count(v: Any) -> Optional[int]:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+# ------------------------------------------------------------------------ a worker's keyword arguments
+@dataclass
+class _KwField:
+    """One keyword argument of a worker as the panel shows it."""
+
+    name: str
+    value: Any  # the starting value: the given kwarg, else the signature's default
+    given: bool  # from ``kwargs=``: passed to the worker even when the form cannot edit it
+    kind: Any = None  # bool/int/float/str, "choice", or None: not editable
+    choices: Tuple[Any, ...] = ()
+    text: str = ""  # what a non-editable field shows
+
+
+def _kw_field(name: str, value: Any, given: bool, annotated: Optional[type], choices: Optional[Sequence]) -> _KwField:
+    if choices is not None:
+        choices = tuple(choices)
+        if value not in choices:
+            raise ConfigError(f"worker argument {name}={value!r} is not one of its choices {list(choices)}: pass one "
+                              f"of them in kwargs={{{name!r}: ...}}")
+        return _KwField(name, value, given, "choice", choices)
+    kind = type(value) if type(value) in _EDITABLE else None
+    if kind is int and annotated is float:  # ``lr: float = 1``: a float field, not an int one
+        kind, value = float, float(value)
+    return _KwField(name, value, given, kind, text="" if kind else _short(value))
+
+
+def _worker_fields(sig: Optional[WorkerSignature], kwargs: dict, choices: dict, where: str) -> List[_KwField]:
+    """The form's fields: the signature's keyword parameters after ``ctx``, with ``kwargs`` applied.
+
+    Raises:
+        ConfigError: a parameter has no default and no value in ``kwargs``, or ``kwargs`` /
+            ``choices`` name a parameter the function does not take.
+    """
+    params = {p.name: p for p in sig.params} if sig else {}
+    for name in [*kwargs, *choices]:
+        p = params.get(name)
+        if sig and p is None and not sig.var_kwargs:
+            raise ConfigError(f"{where} takes no parameter {name!r}; its keyword parameters: "
+                              f"{', '.join(q.name for q in sig.params if q.keyword) or 'none'}")
+        if p is not None and not p.keyword:
+            raise ConfigError(f"{where}: parameter {name!r} is positional-only, so it cannot be passed in kwargs")
+    fields = []
+    for p in params.values():
+        if not p.keyword and p.has_default:
+            continue
+        if p.name in kwargs:
+            fields.append(_kw_field(p.name, kwargs[p.name], True, p.kind, choices.get(p.name, p.choices)))
+        elif p.has_default and p.literal:
+            fields.append(_kw_field(p.name, p.default, False, p.kind, choices.get(p.name, p.choices)))
+        elif p.has_default:  # not a plain value: the worker keeps its own default
+            fields.append(_KwField(p.name, None, False, text=f"{p.default_text}  (the function's default)"))
+        else:
+            raise ConfigError(f"{where} needs a value for its parameter {p.name!r}, which has no default: pass it "
+                              f"with TrainingPanel(..., kwargs={{{p.name!r}: ...}})")
+    for name in dict.fromkeys([*kwargs, *choices]):
+        if name not in params:  # taken by **kwargs, or the signature could not be read
+            value = kwargs[name] if name in kwargs else tuple(choices[name])[0]
+            fields.append(_kw_field(name, value, True, None, choices.get(name)))
+    return fields
+
+
+def _planned(kwargs: dict) -> Tuple[Optional[int], Optional[int]]:
+    """A worker's planned ``(epochs, steps)`` from its ``epochs``/``steps`` arguments, for the progress bar."""
+    return tuple(kwargs[k] if type(kwargs.get(k)) is int and kwargs[k] > 0 else None  # type: ignore[return-value]
+                 for k in ("epochs", "steps"))
+
+
+def _kw_widget(f: _KwField) -> W.Widget:
+    if f.kind == "choice":
+        return _field(W.Dropdown, f.name, options=[(str(c), c) for c in f.choices], value=f.value, tooltip=f.name)
+    cls = {bool: W.Checkbox, int: W.IntText, float: W.FloatText, str: W.Text}[f.kind]
+    extra = {"indent": True} if f.kind is bool else {}
+    return _field(cls, f.name, value=f.value, tooltip=f.name, **extra)
+
+
 class TrainingPanel:
-    """A widget panel that builds a :class:`TrainConfig`, launches it and shows the run live.
+    """A widget panel that launches a run, shows it live, and stops it.
+
+    Either the built-in classifier, set up by a :class:`TrainConfig` (model, data, SyncBN,
+    freezing, weights...), or any worker function: ``"my_worker.py:train"``,
+    ``"package.module:train"`` or a function object, as :func:`nbddp.spawn_train` accepts. A
+    worker gets a form of its keyword arguments, from ``kwargs`` and the defaults in its
+    signature: an ``int`` gives an integer field, a ``float`` a number field, a ``bool`` a
+    checkbox, a ``str`` a text field, and a ``typing.Literal[...]`` annotation (or ``choices``)
+    a drop-down. The signature is read from the file with ``ast``: the kernel never runs it.
+    Any other value (``None``, a list, ``torch.device("cpu")``) is shown greyed out: a given
+    kwarg is passed as it is, a default is left to the function. A live chart draws every
+    scalar the worker reports with ``ctx.log(...)``, against ``step``, else ``epoch``.
 
     Args:
-        config: starting values; fields the panel does not show (``val_fraction``, ``seed``,
-            ``runs_dir``, ``name``, ``resume``...) are taken from it as they are.
+        target: a :class:`TrainConfig` (default: ``TrainConfig()``), or a worker target.
+        kwargs: a worker's starting keyword arguments (not with a ``TrainConfig``).
+        choices: ``{"opt": ["sgd", "adamw"]}``: the values a worker's argument may take.
+        nprocs: a worker's starting number of CPU processes (default 2; a ``TrainConfig``
+            brings its own).
+        gpus: a worker's starting GPU choice (default: every GPU).
+        runs_dir: where a worker's run folders go (default ``"runs"``).
+        name: suffix of a worker's run folders (default: file and function name).
+        config: the older name of ``target``, for a ``TrainConfig``.
 
     Attributes:
         handle: the :class:`RunHandle` of the current or last run (``None`` before the first).
         result: the last :class:`TrainResult` (``None`` before a run succeeded or was stopped).
         widget: the root ``VBox``; ``display(panel)`` or a cell ending in ``panel`` shows it.
+        kwargs_inputs: a worker's editable arguments, ``{name: widget}`` (empty for a config).
+        fixed_inputs: a worker's greyed-out arguments, ``{name: widget}``.
+        chart_keys: the logged keys the worker chart draws (after a redraw).
+
+    Raises:
+        ConfigError: the worker cannot be launched (no such file or function), a parameter
+            without a default is missing from ``kwargs``, or ``kwargs`` names an unknown one.
 
     Example:
         >>> panel = TrainingPanel(TrainConfig(data_path="data/digits", model="resnet18"))
         >>> panel                      # then click Train, or, in CI and scripts:
         >>> result = panel.run()       # same widgets, blocking, returns the TrainResult
+        >>> TrainingPanel("my_worker.py:train", kwargs={"steps": 500, "lr": 0.01})
     """
 
-    def __init__(self, config: Optional[TrainConfig] = None):
-        self._base = config if config is not None else TrainConfig()
-        self._given = config is not None
+    def __init__(self, target: Union[TrainConfig, str, Callable[..., Any], None] = None, *,
+                 kwargs: Optional[dict] = None, choices: Optional[Dict[str, Sequence]] = None,
+                 nprocs: Optional[int] = None, gpus: Optional[Sequence[int]] = None,
+                 runs_dir: Optional[str] = None, name: Optional[str] = None, config: Optional[TrainConfig] = None):
+        if config is not None:
+            if target is not None:
+                raise ConfigError("pass the TrainConfig once: TrainingPanel(cfg)")
+            target = config
+        self._worker: Optional[str] = None  # the worker's spec; None for the built-in classifier
+        self._fields: List[_KwField] = []
+        if target is None or isinstance(target, TrainConfig):
+            if any(v is not None for v in (kwargs, choices, nprocs, gpus, runs_dir, name)):
+                raise ConfigError("with a TrainConfig, put every setting in the config "
+                                  "(cfg.replace(nprocs=2, runs_dir=...)); kwargs/choices are for worker functions")
+            self._base = target if target is not None else TrainConfig()
+            self._given = target is not None
+            self._start_gpus, self._start_nprocs = set(self._base.gpus), self._base.nprocs if self._given else 2
+            self._plan: Tuple[Optional[int], Optional[int]] = (self._base.epochs, None)
+        else:
+            self._setup_worker(target, kwargs, choices)
+            self._start_gpus, self._start_nprocs = set(gpus or ()), nprocs or 2
+            self._runs_dir, self._name = runs_dir or "runs", name
+            self._plan = _planned({f.name: f.value for f in self._fields})
         self.handle: Optional[RunHandle] = None
         self.result: Optional[TrainResult] = None
-        self._cfg = self._base  # the config of the current run
+        self.chart_keys: List[str] = []
+        self.kwargs_inputs: Dict[str, W.Widget] = {}
+        self.fixed_inputs: Dict[str, W.Widget] = {}
         self._lock = threading.RLock()
+        self._draw_lock = threading.Lock()
         self._lines: deque = deque(maxlen=LOG_LINES)
         self._log_timer: Optional[threading.Timer] = None
+        self._chart_timer: Optional[threading.Timer] = None
+        self._chart_next, self._chart_cost = 0.0, 0.0
         self._ended = threading.Event()
         self._ended.set()
         self._busy = False
@@ -90,35 +240,69 @@ class TrainingPanel:
         self._gpus = list_gpus()  # NVML / nvidia-smi: the kernel never initialises CUDA
         self._build()
 
+    def _setup_worker(self, target: Union[str, Callable[..., Any]], kwargs: Optional[dict],
+                      choices: Optional[Dict[str, Sequence]]) -> None:
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ConfigError(f"kwargs must be a dict of keyword arguments, not {type(kwargs).__name__}")
+        if choices is not None and not isinstance(choices, dict):
+            raise ConfigError("choices must be a dict such as {'opt': ['sgd', 'adamw']}, "
+                              f"not {type(choices).__name__}")
+        for key, values in (choices or {}).items():
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+                raise ConfigError(f"choices[{key!r}] must be a non-empty list of values, e.g. ['sgd', 'adamw']")
+        self._worker = resolve_target(target)  # file exists, function defined: nothing runs yet
+        self._label = target if isinstance(target, str) else self._worker
+        self._signature = worker_signature(self._worker)
+        self._fields = _worker_fields(self._signature, dict(kwargs or {}), dict(choices or {}), f"worker {self._label}")
+
     # ------------------------------------------------------------------ building
     def _build(self) -> None:
-        b = self._base
+        title = "nbddp · DistributedDataParallel training"
+        if self._worker is not None:
+            title += f" · <code>{html.escape(self._label)}</code>"
+        self._form: List[W.Widget] = []  # what is locked while a run goes on
+        devices = self._devices_box()
+        form = self._config_form() if self._worker is None else self._kwargs_form()
+        controls = self._controls()
+        live = self._live_area()
+        if self._worker is None:
+            self._apply_freeze_rule()
+        self.widget = W.VBox([W.HTML(f"<b style='font-size:1.1em'>{title}</b>"), devices, *form, *controls, *live],
+                             layout=W.Layout(width="100%", max_width="1000px", padding="8px",
+                                             border="1px solid var(--jp-border-color2, #ddd)"))
+
+    def _devices_box(self) -> W.Box:
+        """The GPU picker (one checkbox per GPU, with its memory and load), or the CPU process count."""
         self.gpu_checkboxes: List[W.Checkbox] = []
         self.nprocs_input: Optional[W.BoundedIntText] = None
         if self._gpus:
-            chosen = set(b.gpus) or {g.index for g in self._gpus}
+            chosen = self._start_gpus or {g.index for g in self._gpus}
             self.gpu_checkboxes = [W.Checkbox(value=g.index in chosen, description=g.label(), indent=False,
                                               layout=W.Layout(width="auto")) for g in self._gpus]
             refresh = W.Button(description="Refresh", icon="refresh", tooltip="read memory and utilisation again",
                                layout=W.Layout(width="110px"))
             refresh.on_click(self._refresh_gpus)
             self.device_note = W.HTML("<b>GPUs</b> (one process each, nccl)")
-            devices = W.VBox([self.device_note, *self.gpu_checkboxes, refresh])
-        else:
-            default = b.nprocs if self._given else 2
-            cores = cpu_cores()
-            # 1..cores, unless the config asks for more (oversubscribing works, slowly): keep its value.
-            self.nprocs_input = W.BoundedIntText(value=default, min=1, max=max(cores, default), description="CPU processes",
-                                                 style=_LABEL, layout=W.Layout(width="220px"))
-            # Several MIG instances in CUDA_VISIBLE_DEVICES list no GPU: say why, not just "none".
-            problem = gpu_setup_problem()
-            why = f" ({html.escape(problem)})" if problem else ""
-            self.device_note = W.HTML(
-                f"<span style='color:var(--jp-ui-font-color2,#666)'>No GPU found{why}: training runs on CPU "
-                f"processes with gloo ({cores} cores here).</span>", layout=W.Layout(margin="0 0 0 12px"))
-            devices = W.HBox([self.nprocs_input, self.device_note], layout=W.Layout(align_items="center",
-                                                                                   flex_flow="row wrap"))
+            self._form += self.gpu_checkboxes
+            return W.VBox([self.device_note, *self.gpu_checkboxes, refresh])
+        default = self._start_nprocs
+        cores = cpu_cores()
+        # 1..cores, unless the caller asks for more (oversubscribing works, slowly): keep its value.
+        self.nprocs_input = W.BoundedIntText(value=default, min=1, max=max(cores, default), description="CPU processes",
+                                             style=_LABEL, layout=W.Layout(width="220px"))
+        # Several MIG instances in CUDA_VISIBLE_DEVICES list no GPU: say why, not just "none".
+        problem = gpu_setup_problem()
+        why = f" ({html.escape(problem)})" if problem else ""
+        self.device_note = W.HTML(
+            f"<span style='color:var(--jp-ui-font-color2,#666)'>No GPU found{why}: training runs on CPU "
+            f"processes with gloo ({cores} cores here).</span>", layout=W.Layout(margin="0 0 0 12px"))
+        self._form.append(self.nprocs_input)
+        return W.HBox([self.nprocs_input, self.device_note], layout=W.Layout(align_items="center",
+                                                                            flex_flow="row wrap"))
 
+    def _config_form(self) -> List[W.Widget]:
+        """The built-in classifier's settings: paths, numbers, then the SyncBN/freeze/AMP/data options."""
+        b = self._base
         self.model_input = _field(W.Combobox, "Model", value=b.model, options=COMMON_MODELS, ensure_option=False,
                                   placeholder="torchvision name, e.g. resnet34")
         self.data_input = _field(W.Text, "Data folder", value=b.data_path, placeholder="root/<class>/<image>")
@@ -128,12 +312,9 @@ class TrainingPanel:
         self.batch_size_input = _field(W.BoundedIntText, "Batch / process", value=b.batch_size, min=1, max=65_536)
         self.lr_input = _field(W.FloatText, "Learning rate", value=b.lr, step=0.0001)
         self.image_size_input = _field(W.BoundedIntText, "Image size", value=b.image_size, min=8, max=4096, step=32)
-        grid = dict(grid_gap="4px 16px", width="100%")
-        paths = W.GridBox([self.data_input, self.weights_input],
-                          layout=W.Layout(grid_template_columns="repeat(auto-fit, minmax(320px, 1fr))", **grid))
-        numbers = W.GridBox([self.model_input, self.epochs_input, self.batch_size_input, self.lr_input,
-                             self.image_size_input],
-                            layout=W.Layout(grid_template_columns="repeat(auto-fit, minmax(240px, 1fr))", **grid))
+        paths = _grid([self.data_input, self.weights_input], 320)
+        numbers = _grid([self.model_input, self.epochs_input, self.batch_size_input, self.lr_input,
+                         self.image_size_input], 240)
 
         self.sync_bn_toggle = W.Checkbox(value=b.sync_bn, description="SyncBN (BatchNorm statistics over all processes)",
                                          indent=False, layout=W.Layout(width="auto"))
@@ -151,7 +332,38 @@ class TrainingPanel:
         options = W.VBox([W.HBox([self.sync_bn_toggle, self.sync_bn_reason], layout=W.Layout(**row)),
                           self.freeze_toggle, W.HBox([self.amp_toggle, amp_note], layout=W.Layout(**row)),
                           self.tensor_toggle])
+        self._form += [self.model_input, self.data_input, self.weights_input, self.epochs_input, self.batch_size_input,
+                       self.lr_input, self.image_size_input, self.sync_bn_toggle, self.freeze_toggle, self.amp_toggle,
+                       self.tensor_toggle]
+        return [paths, numbers, options]
 
+    def _kwargs_form(self) -> List[W.Widget]:
+        """A worker's keyword arguments: editable fields, then the greyed-out ones with the reason."""
+        self.kwargs_inputs = {f.name: _kw_widget(f) for f in self._fields if f.kind}
+        self.fixed_inputs = {
+            f.name: _field(W.Text, f.name, value=f.text, disabled=True,
+                           tooltip=f"{f.name}: {'passed as given' if f.given else 'the function keeps its default'}")
+            for f in self._fields if not f.kind}
+        self._form += list(self.kwargs_inputs.values())
+        grey = "color:var(--jp-ui-font-color2,#666)"
+        parts: List[W.Widget] = [W.HTML(f"<b>Arguments</b> <span style='{grey}'>of {html.escape(self._label)} "
+                                        "(ctx comes first)</span>")]
+        if self.kwargs_inputs:
+            parts.append(_grid(list(self.kwargs_inputs.values()), 240))
+        if not self._fields:
+            parts.append(W.HTML(f"<i style='{grey}'>it takes no keyword arguments</i>"))
+        if self.fixed_inputs:
+            parts += [W.HTML(f"<i style='{grey}'>Greyed out: not a number, text, bool or choice. Given kwargs go "
+                             "to the worker as they are; defaults stay the function's. Pass another value in "
+                             "kwargs=.</i>"),
+                      _grid(list(self.fixed_inputs.values()), 240)]
+        if self._signature is None:
+            parts.append(W.HTML(f"<i style='{grey}'>The signature could not be read (the name is not a plain def "
+                                "in the file): the form shows the kwargs you passed.</i>"))
+        return parts
+
+    def _controls(self) -> List[W.Widget]:
+        """Train and Stop, and the status line under them."""
         self.train_button = W.Button(description="Train", icon="play", button_style="primary",
                                      layout=W.Layout(width="120px"))
         self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
@@ -159,27 +371,17 @@ class TrainingPanel:
         self.train_button.on_click(self._on_train)
         self.stop_button.on_click(lambda _b: self.stop())
         self.status = W.HTML("", layout=W.Layout(**_FULL))
+        return [W.HBox([self.train_button, self.stop_button]), self.status]
 
+    def _live_area(self) -> List[W.Widget]:
+        """Progress bar and label, the chart, rank 0's log."""
         self.progress_bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, layout=W.Layout(width="35%", min_width="160px"))
         self.progress_label = W.HTML("not started", layout=W.Layout(flex="1 1 auto", margin="0 0 0 10px"))
-        self.chart = W.Image(value=training_curves_png([], b.epochs), format="png",
+        self.chart = W.Image(value=self._chart_png([]), format="png",
                              layout=W.Layout(max_width="960px", height="auto", **_FULL))
         self.log = W.HTML(self._log_html(), layout=W.Layout(**_FULL))
-
-        self._form = [*self.gpu_checkboxes, self.model_input, self.data_input, self.weights_input, self.epochs_input,
-                      self.batch_size_input, self.lr_input, self.image_size_input, self.sync_bn_toggle,
-                      self.freeze_toggle, self.amp_toggle, self.tensor_toggle] + ([self.nprocs_input] if self.nprocs_input else [])
-        self._apply_freeze_rule()
-        self.widget = W.VBox([
-            W.HTML("<b style='font-size:1.1em'>nbddp · DistributedDataParallel training</b>"),
-            devices, paths, numbers, options,
-            W.HBox([self.train_button, self.stop_button]),
-            self.status,
-            W.HBox([self.progress_bar, self.progress_label], layout=W.Layout(align_items="center")),
-            self.chart,
-            W.HTML("<b>rank 0 log</b>"), self.log,
-        ], layout=W.Layout(width="100%", max_width="1000px", padding="8px",
-                           border="1px solid var(--jp-border-color2, #ddd)"))
+        return [W.HBox([self.progress_bar, self.progress_label], layout=W.Layout(align_items="center")),
+                self.chart, W.HTML("<b>rank 0 log</b>"), self.log]
 
     def _refresh_gpus(self, _button=None) -> None:
         fresh = {g.index: g for g in list_gpus()}
@@ -210,8 +412,11 @@ class TrainingPanel:
         """The :class:`TrainConfig` the widgets describe (validated).
 
         Raises:
-            ConfigError: a value is invalid; the message names the field and the fix.
+            ConfigError: a value is invalid; the message names the field and the fix, or the
+                panel runs a worker function (its settings are :attr:`worker_kwargs`).
         """
+        if self._worker is not None:
+            raise ConfigError(f"this panel runs the worker {self._label}: its settings are panel.worker_kwargs")
         data = self.data_input.value.strip()
         if not data:
             raise ConfigError("Data folder is empty: type the folder that holds one sub-folder per class")
@@ -225,14 +430,36 @@ class TrainingPanel:
             image_size=int(self.image_size_input.value), freeze_layers=bool(self.freeze_toggle.value),
             sync_bn=bool(self.sync_bn_toggle.value) and not self.freeze_toggle.value, amp=bool(self.amp_toggle.value),
             data_pipeline="tensor" if self.tensor_toggle.value else "pil")
-        if self._gpus:
-            chosen = tuple(g.index for g, box in zip(self._gpus, self.gpu_checkboxes) if box.value)
-            if not chosen:
-                raise ConfigError("no GPU selected: tick at least one GPU in the panel")
-            changes["gpus"] = chosen
-        else:
-            changes.update(gpus=(), nprocs=int(self.nprocs_input.value))
+        gpus, nprocs = self._chosen_devices()
+        changes.update(gpus=gpus, **({} if gpus else {"nprocs": nprocs}))
         return self._base.replace(**changes)
+
+    @property
+    def worker_kwargs(self) -> dict:
+        """The keyword arguments a worker panel passes at Train: the form's values and the given fixed ones.
+
+        A greyed-out argument that was not given is left out: the function keeps its default.
+        """
+        if self._worker is None:
+            raise ConfigError("this panel runs the built-in classifier: its settings are panel.config")
+        out = {}
+        for f in self._fields:
+            if not f.kind:
+                if f.given:
+                    out[f.name] = f.value
+                continue
+            value = self.kwargs_inputs[f.name].value
+            out[f.name] = f.kind(value) if f.kind in _EDITABLE else value
+        return out
+
+    def _chosen_devices(self) -> Tuple[Tuple[int, ...], Optional[int]]:
+        """``(gpus, None)`` from the ticked GPUs, or ``((), nprocs)`` on a machine without one."""
+        if not self._gpus:
+            return (), int(self.nprocs_input.value)
+        chosen = tuple(g.index for g, box in zip(self._gpus, self.gpu_checkboxes) if box.value)
+        if not chosen:
+            raise ConfigError("no GPU selected: tick at least one GPU in the panel")
+        return chosen, None
 
     # ------------------------------------------------------------------ public actions
     @property
@@ -309,20 +536,20 @@ class TrainingPanel:
             self._status("warn", "A run is in progress: stop it first.")
             raise NbddpError("a run is in progress: stop it first")
         try:
-            cfg = self.config
+            target, launch, gpus, nprocs = self._launch_args()
         except ConfigError as exc:
             self._show_error(exc, "Invalid setting")
             raise
-        self._cfg = cfg
         self._reset_live()
         self._set_busy(True)
-        where = f"GPU{'s' if len(cfg.gpus) > 1 else ''} {', '.join(map(str, cfg.gpus))}" if cfg.gpus \
-            else f"{cfg.nprocs} CPU process{'es' if cfg.nprocs > 1 else ''}"
-        self._status("info", f"Checking the data, then starting {where}…")
-        self.progress_label.value = f"starting {where} ({'nccl' if cfg.gpus else 'gloo'})…"
+        where = f"GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, gpus))}" if gpus \
+            else f"{nprocs} CPU process{'es' if nprocs > 1 else ''}"
+        self._status("info", f"Checking the data, then starting {where}…" if self._worker is None
+                     else f"Starting {where}…")
+        self.progress_label.value = f"starting {where} ({'nccl' if gpus else 'gloo'})…"
         self.progress_bar.bar_style = "info"
         try:
-            handle = spawn_train(cfg, block=False, echo=echo)  # here, on the main thread: see module doc
+            handle = spawn_train(target, block=False, echo=echo, **launch)  # here, on the main thread: see module doc
         except BaseException as exc:
             self._set_busy(False)
             self.progress_label.value = "not started"
@@ -343,20 +570,34 @@ class TrainingPanel:
             self._on_end(handle.outcome)
         return handle
 
+    def _launch_args(self) -> Tuple[Any, dict, Tuple[int, ...], Optional[int]]:
+        """``(target, spawn_train keywords, gpus, nprocs)`` from the widgets; sets the run's plan."""
+        if self._worker is None:
+            cfg = self.config
+            self._plan = (cfg.epochs, None)
+            return cfg, {}, tuple(cfg.gpus), cfg.nprocs
+        kwargs = self.worker_kwargs
+        gpus, nprocs = self._chosen_devices()
+        self._plan = _planned(kwargs)
+        launch = dict(kwargs=kwargs, runs_dir=self._runs_dir, name=self._name)
+        launch.update(gpus=list(gpus)) if gpus else launch.update(nprocs=nprocs)
+        return self._worker, launch, gpus, nprocs
+
     def _reset_live(self) -> None:
         with self._lock:
             self._lines.clear()
         self.log.value = self._log_html()
         self.progress_bar.value = 0.0
         self._got_progress = False
-        self.chart.value = training_curves_png([], self._cfg.epochs)
+        self.chart.value = self._chart_png([])
         self.result = None
 
     def _set_busy(self, busy: bool) -> None:
         self._busy = busy
         for w in self._form:
             w.disabled = busy
-        self._apply_freeze_rule()  # re-disables SyncBN while frozen
+        if self._worker is None:
+            self._apply_freeze_rule()  # re-disables SyncBN while frozen
         self.train_button.disabled = busy
         self.stop_button.disabled = not busy
         self.stop_button.description = "Stop"
@@ -394,15 +635,24 @@ class TrainingPanel:
 
     def _on_progress(self, p: dict) -> None:
         self._got_progress = True
-        total = self._cfg.epochs
-        epoch, step, steps = p.get("epoch"), p.get("step"), p.get("steps")
-        done = (epoch or 0) + (step / steps if step is not None and steps else 0)
-        self.progress_bar.value = max(0.0, min(1.0, done / total))
+        epochs, planned_steps = self._plan
+        epoch, step = _count(p.get("epoch")), _count(p.get("step"))
+        per_epoch = _count(p.get("steps")) or _count(p.get("total"))  # the built-in's and a worker's word
+        in_epoch = step / per_epoch if step is not None and per_epoch else 0
+        if epochs and (epoch is not None or per_epoch):
+            done: Optional[float] = ((epoch or 0) + in_epoch) / epochs
+        elif step is not None and (per_epoch or planned_steps):
+            done = step / (per_epoch or planned_steps)
+        else:
+            done = None  # nothing to measure against: the label still counts
+        if done is not None:
+            self.progress_bar.value = max(0.0, min(1.0, done))
         parts = []
         if epoch is not None:
-            parts.append(f"epoch {epoch + 1}/{total}")
+            parts.append(f"epoch {epoch + 1}/{epochs}" if epochs else f"epoch {epoch + 1}")
         if step is not None:
-            parts.append(f"step {step}/{steps}" if steps else f"step {step}")
+            of = per_epoch or (planned_steps if epoch is None else None)
+            parts.append(f"step {step}/{of}" if of else f"step {step}")
         if isinstance(p.get("loss"), (int, float)):
             parts.append(f"loss {p['loss']:.4f}")
         if isinstance(p.get("images_per_s"), (int, float)):
@@ -414,23 +664,49 @@ class TrainingPanel:
     def _on_metrics(self) -> None:
         handle = self.handle
         metrics = list(handle.metrics) if handle is not None else []  # appended before the event
-        self.chart.value = training_curves_png(metrics, self._cfg.epochs)
+        with self._lock:  # redrawn at most every CHART_EVERY_S: a worker may log every step
+            if self._chart_timer is None:
+                self._chart_timer = threading.Timer(max(0.0, self._chart_next - time.monotonic()), self._redraw_chart)
+                self._chart_timer.daemon = True
+                self._chart_timer.start()
+        if self._worker is not None:
+            if metrics and handle is not None and not handle.progress:
+                self._on_progress(metrics[-1])  # a worker that only logs: its records move the bar
+            return
         accs = [(m["val_accuracy"], m["epoch"]) for m in metrics if isinstance(m.get("val_accuracy"), (int, float))]
         if accs and self.running and not self.stop_button.disabled:
             best, at = max(accs, key=lambda a: (a[0], -a[1]))
             last = metrics[-1]
-            self._status("info", f"Training · epoch {last.get('epoch', 0) + 1}/{self._cfg.epochs} done · val accuracy "
+            self._status("info", f"Training · epoch {last.get('epoch', 0) + 1}/{self._plan[0]} done · val accuracy "
                                  f"{last.get('val_accuracy', float('nan')):.4f} · best {best:.4f} (epoch {at + 1}) · "
                                  f"run folder <code>{html.escape(str(handle.run_dir))}</code>")
+
+    def _redraw_chart(self) -> None:
+        with self._lock:
+            self._chart_timer = None
+            self._chart_next = time.monotonic() + max(CHART_EVERY_S, 3 * self._chart_cost)
+        with self._draw_lock:  # the list is read inside: the last drawing has every record
+            t0 = time.monotonic()
+            handle = self.handle
+            self.chart.value = self._chart_png(list(handle.metrics) if handle is not None else [])
+            self._chart_cost = time.monotonic() - t0
+
+    def _chart_png(self, metrics: List[dict]) -> bytes:
+        if self._worker is None:
+            return training_curves_png(metrics, self._plan[0])
+        self.chart_keys = list(scalar_series(metrics))
+        return scalar_charts_png(metrics)
 
     def _on_end(self, outcome: Any) -> None:
         with self._lock:
             if self._ended.is_set():
                 return
-            timer, self._log_timer = self._log_timer, None
-        if timer is not None:
-            timer.cancel()
+            timers, self._log_timer, self._chart_timer = (self._log_timer, self._chart_timer), None, None
+        for timer in timers:
+            if timer is not None:
+                timer.cancel()
         self._flush_log()
+        self._redraw_chart()  # every record, whatever the throttle held back
         handle = self.handle
         if isinstance(outcome, TrainResult):
             self.result = outcome
@@ -456,14 +732,18 @@ class TrainingPanel:
                              f"overflow-wrap:anywhere;padding:3px 0'>{text_html}</div>")
 
     def _show_result(self, r: TrainResult) -> None:
-        v = r.value if isinstance(r.value, dict) else {}
         unit = ("GPU" if r.backend == "nccl" else "CPU process") + ("" if r.world_size == 1 else
                                                                   "s" if r.backend == "nccl" else "es")
         n = len(r.metrics)
-        facts = [f"{n} epoch{'' if n == 1 else 's'} completed in {_duration(r.seconds)} on {r.world_size} {unit} "
-                 f"({r.backend})"]
-        if isinstance(v.get("best_accuracy"), (int, float)) and v.get("best_epoch", -1) >= 0:
-            facts.append(f"best val accuracy <b>{v['best_accuracy']:.4f}</b> (epoch {v['best_epoch'] + 1})")
+        on = f"in {_duration(r.seconds)} on {r.world_size} {unit} ({r.backend})"
+        if self._worker is None:
+            v = r.value if isinstance(r.value, dict) else {}
+            facts = [f"{n} epoch{'' if n == 1 else 's'} completed {on}"]
+            if isinstance(v.get("best_accuracy"), (int, float)) and v.get("best_epoch", -1) >= 0:
+                facts.append(f"best val accuracy <b>{v['best_accuracy']:.4f}</b> (epoch {v['best_epoch'] + 1})")
+        else:
+            facts = [f"ran {on}", f"{n} record{'' if n == 1 else 's'} logged",
+                     f"returned <code>{html.escape(_short(r.value))}</code>"]
         facts.append(f"run folder <code>{html.escape(str(r.run_dir))}</code>")
         if r.weights_path:
             facts.append(f"weights <code>{html.escape(str(r.weights_path))}</code>")
