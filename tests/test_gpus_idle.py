@@ -357,3 +357,27 @@ def test_cli_gpus_idle_with_none_idle_exits_with_the_reason(tree, tmp_path, monk
     assert "gpus='idle': no GPU is idle now" in err and "2 processes" in err and "Traceback" not in err
     assert cli.main(["train", "--gpus", "0,x"]) == 2
     assert "'idle' (the GPUs idle at launch)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- the panel's picker
+def test_the_panel_ticks_only_the_idle_gpus_and_says_the_rule(tmp_path, monkeypatch):
+    from nbddp import TrainingPanel
+
+    install_fake_nvml(monkeypatch, SHARED, procs=PROCS)
+    panel = TrainingPanel(TrainConfig(runs_dir=str(tmp_path / "runs")))
+    assert [b.value for b in panel.gpu_checkboxes] == [True, False, True, False]
+    note = panel.gpu_rule_note.value
+    assert IDLE_RULE in note and "not ticked, in use: 1 (" in note and "2 processes" in note
+    # a choice the caller made is kept, busy or not (the launch warns then)
+    chosen = TrainingPanel(TrainConfig(gpus=(1,), runs_dir=str(tmp_path / "runs")))
+    assert [b.value for b in chosen.gpu_checkboxes] == [False, True, False, False]
+    assert TrainingPanel(TrainConfig(gpus="idle", runs_dir=str(tmp_path / "runs"))).config.gpus == (0, 2)
+
+
+def test_the_panel_ticks_nothing_when_no_gpu_is_idle_and_says_why(tmp_path, monkeypatch):
+    from nbddp import TrainingPanel
+
+    install_fake_nvml(monkeypatch, BUSY, procs={0: [1], 1: [2]})
+    panel = TrainingPanel(f"{WORKERS / 'faulty.py'}:info", runs_dir=str(tmp_path / "runs"))
+    assert [b.value for b in panel.gpu_checkboxes] == [False, False]
+    assert "no idle GPU" in panel.gpu_rule_note.value and "tick one to share it" in panel.gpu_rule_note.value

@@ -30,7 +30,7 @@ import ipywidgets as W
 
 from ..config import TrainConfig
 from ..errors import ConfigError, NbddpError, TrainingInterrupted, WorkerError
-from ..gpus import gpu_setup_problem, list_gpus
+from ..gpus import IDLE, IDLE_RULE, gpu_setup_problem, list_gpus, preselected_gpus
 from ..handle import RunHandle, TrainResult
 from ..launch import spawn_train
 from ..procs import cpu_cores
@@ -54,6 +54,13 @@ _COLORS = {"info": "var(--jp-ui-font-color1, #333)", "ok": "var(--jp-success-col
 _LOG_BOX = ("max-height:180px;min-height:2.5em;overflow-y:auto;"
             "display:flex;flex-direction:column-reverse;"  # keeps the end in view
             "border:1px solid var(--jp-border-color2,#ddd);padding:4px 6px;background:var(--jp-layout-color1,#fff)")
+
+
+def _gpu_choice(gpus: Any) -> Optional[set]:
+    """The GPUs the caller chose (a set of ids), or None to pre-select the idle ones."""
+    if gpus is None or gpus == IDLE or (not isinstance(gpus, str) and not tuple(gpus)):
+        return None
+    return set(gpus)
 
 
 def _duration(seconds: float) -> str:
@@ -214,11 +221,11 @@ class TrainingPanel:
                                   "(cfg.replace(nprocs=2, runs_dir=...)); kwargs/choices are for worker functions")
             self._base = target if target is not None else TrainConfig()
             self._given = target is not None
-            self._start_gpus, self._start_nprocs = set(self._base.gpus), self._base.nprocs if self._given else 2
+            self._start_gpus, self._start_nprocs = _gpu_choice(self._base.gpus), self._base.nprocs if self._given else 2
             self._plan: Tuple[Optional[int], Optional[int]] = (self._base.epochs, None)
         else:
             self._setup_worker(target, kwargs, choices)
-            self._start_gpus, self._start_nprocs = set(gpus or ()), nprocs or 2
+            self._start_gpus, self._start_nprocs = _gpu_choice(gpus), nprocs or 2
             self._runs_dir, self._name = runs_dir or "runs", name
             self._plan = _planned({f.name: f.value for f in self._fields})
         self.handle: Optional[RunHandle] = None
@@ -276,15 +283,21 @@ class TrainingPanel:
         self.gpu_checkboxes: List[W.Checkbox] = []
         self.nprocs_input: Optional[W.BoundedIntText] = None
         if self._gpus:
-            chosen = self._start_gpus or {g.index for g in self._gpus}
+            # Chosen by the caller, else the idle ones only: a good colleague leaves busy GPUs alone.
+            idle, note = preselected_gpus(self._gpus)
+            chosen = self._start_gpus if self._start_gpus is not None else set(idle)
             self.gpu_checkboxes = [W.Checkbox(value=g.index in chosen, description=g.label(), indent=False,
                                               layout=W.Layout(width="auto")) for g in self._gpus]
             refresh = W.Button(description="Refresh", icon="refresh", tooltip="read memory and utilisation again",
                                layout=W.Layout(width="110px"))
             refresh.on_click(self._refresh_gpus)
             self.device_note = W.HTML("<b>GPUs</b> (one process each, nccl)")
+            muted = "color:var(--jp-ui-font-color2,#666)"
+            self.gpu_rule_note = W.HTML(
+                f"<span style='{muted}'>Pre-selected: the idle GPUs ({html.escape(IDLE_RULE)})"
+                f"{'. ' + html.escape(note) if note else ''}</span>")
             self._form += self.gpu_checkboxes
-            return W.VBox([self.device_note, *self.gpu_checkboxes, refresh])
+            return W.VBox([self.device_note, *self.gpu_checkboxes, self.gpu_rule_note, refresh])
         default = self._start_nprocs
         cores = cpu_cores()
         # 1..cores, unless the caller asks for more (oversubscribing works, slowly): keep its value.
