@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from .config import MIN_TIMEOUT_S, NAME_RULE, TrainConfig, name_problem
 from .errors import ConfigError
+from .forkserver import prepare as _prepare_forkserver
 from .gpus import cuda_visible_devices
 from .procs import cpu_cores, live_workers, start_time
 from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult, interrupts_held
@@ -86,23 +87,6 @@ def _bare_main():
     finally:
         if main is not None:
             sys.modules["__main__"] = main
-
-
-# What the forkserver imports once, so that forked workers start with it in memory: torch,
-# the distributed stack, DDP (whose constructor otherwise imports torch._dynamo, 1-2 s) and
-# nbddp's worker side. Never torch.cuda initialisation: the server only imports.
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-                       "torchvision", "nbddp.runtime", "nbddp.tasks.classification"]
-_forkserver_ready = False
-
-
-def _prepare_forkserver() -> None:
-    global _forkserver_ready
-    if not _forkserver_ready:
-        import multiprocessing
-
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
-        _forkserver_ready = True
 
 
 def _new_run_dir(runs_dir: Union[str, Path], name: str) -> Path:
