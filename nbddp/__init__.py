@@ -15,6 +15,7 @@ from .handle import RunHandle, TrainResult
 from .launch import spawn_train
 from .procs import cleanup
 from .runtime import Context
+from .forkserver import prewarm_in_kernel as _prewarm_in_kernel
 
 __version__ = "0.1.0"
 
@@ -54,3 +55,8 @@ def __getattr__(name):
 
         return getattr(ui, name)
     raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+
+
+# In a Jupyter kernel, start the warm forkserver now (a daemon thread), so the first launch
+# finds torch and DDP imported there; never in scripts or workers. NBDDP_PREWARM=0: off.
+_prewarm_in_kernel()

@@ -23,6 +23,7 @@ import ipywidgets as W
 
 from ..config import TrainConfig
 from ..errors import ConfigError, NbddpError, TrainingInterrupted, WorkerError
+from ..forkserver import prewarm
 from ..gpus import gpu_setup_problem, list_gpus
 from ..handle import RunHandle, TrainResult
 from ..launch import spawn_train
@@ -74,6 +75,7 @@ class TrainingPanel:
     """
 
     def __init__(self, config: Optional[TrainConfig] = None):
+        prewarm()  # the forkserver starts while the user fills in the panel (NBDDP_PREWARM=0: off)
         self._base = config if config is not None else TrainConfig()
         self._given = config is not None
         self.handle: Optional[RunHandle] = None
