@@ -187,7 +187,6 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     for step in range(total_steps):
         if ctx is not None:
             ctx.heartbeat(epoch=epoch, step=step)
-            ctx.fault_point(f"step{epoch}.{step}")
         x, y = _prepare(batch, device, batch_transform, channels_last)
         if ctx is not None:
             # From here on this rank may wait for the others (SyncBatchNorm and DDP's buffer
@@ -196,8 +195,6 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
         amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
         with amp:
             loss = F.cross_entropy(model(x), y)
-        if ctx is not None and ctx.fault_flag(f"nan{epoch}.{step}"):
-            loss = loss * float("nan")  # test-only: a non-finite loss on this rank alone
 
         last = step + 1 == total_steps
         if not last:

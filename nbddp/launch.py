@@ -161,7 +161,6 @@ def spawn_train(
     on_event: Optional[Callable[[str, Any], None]] = None,
     start_method: str = "forkserver",
     env: Optional[Dict[str, str]] = None,
-    _fault: Optional[str] = None,
 ) -> Union[TrainResult, RunHandle]:
     """Run a DDP worker function in one process per GPU (nccl) or ``nprocs`` CPU processes (gloo).
 
@@ -290,7 +289,7 @@ def spawn_train(
     # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
     snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
     spec = LaunchSpec(spec_target, tuple(args), kwargs, world, backend, tuple(gpus), "127.0.0.1",
-                      store.port, str(run_dir), None if warm else os.getpid(), threads, timeout_s, _fault,
+                      store.port, str(run_dir), None if warm else os.getpid(), threads, timeout_s,
                       env=snapshot, kernel=(os.getpid(), start_time(os.getpid())))
     if warm:
         _prepare_forkserver()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import json
 import os
 import random
@@ -499,8 +498,6 @@ def train(ctx, cfg: TrainConfig) -> dict:
         save_error = None
         if ctx.is_main:
             try:
-                if ctx.fault_flag(f"diskfull{epoch}"):
-                    raise OSError(errno.ENOSPC, f"No space left on device (injected) writing {ckpt_dir / 'last.pt'}")
                 ck = _checkpoint(model, optimizer, scheduler, scaler, epoch, best, best_epoch, cfg, classes, history)
                 atomic_save(ck, ckpt_dir / "last.pt")
                 if improved:
@@ -509,7 +506,6 @@ def train(ctx, cfg: TrainConfig) -> dict:
             except OSError as exc:  # disk full, quota, permissions: the previous checkpoint is intact
                 save_error = exc
         agree_on_error(save_error, f"saving the checkpoint of epoch {epoch}")
-        ctx.fault_point(f"epoch{epoch}")
 
     if writer is not None:
         writer.close()
