@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .dist import agree_on_error, cpu_group, get_rank, get_world_size, is_dist  # noqa: F401 - re-exported
+from .dist import cpu_group, get_rank, get_world_size, is_dist
 from .errors import NonFiniteLossError, PeerError
 
 

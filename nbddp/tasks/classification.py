@@ -24,8 +24,8 @@ from .. import data as D
 from .. import rundir
 from ..checkpoint import atomic_save, export_weights, load_checkpoint
 from ..config import TrainConfig
-from ..dist import barrier, check_same, data_parallel, sync_buffers_from_main
-from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, grad_scaler, train_one_epoch
+from ..dist import agree_on_error, barrier, check_same, data_parallel, sync_buffers_from_main
+from ..engine import autocast_dtype, cosine_lambda, evaluate, grad_scaler, train_one_epoch
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
 from ..sync_bn import convert_sync_batchnorm
