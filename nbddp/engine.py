@@ -309,3 +309,22 @@ def evaluate(model, loader, device, amp_dtype: Optional[torch.dtype] = None, cha
             gathered = sorted(mine)
     return EvalResult(accuracy=totals[0].item() / max(n, 1), loss=totals[1].item() / max(n, 1), count=n,
                       predictions=gathered)
+
+
+def warmup_cosine_lambda(epochs: int, lrf: float, warmup_epochs: int = 0) -> Callable[[int], float]:
+    """LR factor per epoch: a linear warm-up of ``warmup_epochs``, then :func:`cosine_lambda` over the rest.
+
+    Warm-up epoch ``e`` trains at ``(e + 1) / (warmup_epochs + 1)`` of the base rate, so the rate
+    climbs in equal steps and the first epoch after the warm-up starts the cosine at 1, which
+    then ends at ``lrf`` as it does without a warm-up. ``warmup_epochs=0`` is
+    :func:`cosine_lambda` itself (the same values, bit for bit).
+
+    Args:
+        epochs: the run's epochs, warm-up included.
+        lrf: final factor of the cosine.
+        warmup_epochs: epochs of warm-up, ``0 <= warmup_epochs < epochs``.
+    """
+    if warmup_epochs <= 0:
+        return cosine_lambda(epochs, lrf)
+    cosine = cosine_lambda(epochs - warmup_epochs, lrf)
+    return lambda e: (e + 1) / (warmup_epochs + 1) if e < warmup_epochs else cosine(e - warmup_epochs)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import ipywidgets as W
 
-from ..config import TrainConfig
+from ..config import OPTIMIZERS, TrainConfig
 from ..errors import ConfigError, NbddpError, TrainingInterrupted, WorkerError
 from ..gpus import IDLE, IDLE_RULE, gpu_setup_problem, list_gpus, preselected_gpus
 from ..handle import RunHandle, TrainResult
@@ -348,7 +348,33 @@ class TrainingPanel:
         self._form += [self.model_input, self.data_input, self.weights_input, self.epochs_input, self.batch_size_input,
                        self.lr_input, self.image_size_input, self.sync_bn_toggle, self.freeze_toggle, self.amp_toggle,
                        self.tensor_toggle]
-        return [paths, numbers, options]
+        return [paths, numbers, options, self._advanced_form()]
+
+    def _advanced_form(self) -> W.Accordion:
+        """The training recipe, in a collapsed "Advanced" section: optimizer, accumulation, warm-up..."""
+        b = self._base
+        self.optimizer_input = _field(W.Dropdown, "Optimizer", options=list(OPTIMIZERS), value=b.optimizer)
+        self.grad_accum_input = _field(W.BoundedIntText, "Accumulate", value=b.grad_accum_steps, min=1, max=4096,
+                                       tooltip="batches per optimizer step (gradient accumulation)")
+        self.warmup_input = _field(W.BoundedIntText, "Warm-up epochs", value=b.warmup_epochs, min=0, max=100_000,
+                                   tooltip="epochs of linear learning-rate warm-up before the cosine schedule")
+        self.label_smoothing_input = _field(W.BoundedFloatText, "Label smoothing", value=b.label_smoothing, min=0.0,
+                                            max=0.99, step=0.05, tooltip="of the training loss, in [0, 1)")
+        self.early_stop_input = _field(W.BoundedIntText, "Early stop after", value=b.early_stop_patience, min=0,
+                                       max=100_000, tooltip="epochs without a better validation accuracy (0: off)")
+        self.compile_toggle = W.Checkbox(value=b.compile, indent=False, layout=W.Layout(width="auto"),
+                                         description="torch.compile (the first epoch reports the compile time)")
+        grey = "color:var(--jp-ui-font-color2,#666)"
+        note = W.HTML(f"<i style='{grey}'>Accumulate k: one optimizer step every k batches (k × the global batch). "
+                      "Early stop after n: every process stops once validation accuracy has not improved for n "
+                      "epochs (0: off); the export keeps the best epoch.</i>", layout=W.Layout(**_FULL))
+        inputs = [self.optimizer_input, self.grad_accum_input, self.warmup_input, self.label_smoothing_input,
+                  self.early_stop_input]
+        self._form += inputs + [self.compile_toggle]
+        self.advanced = W.Accordion(children=[W.VBox([_grid(inputs, 240), self.compile_toggle, note])],
+                                    selected_index=None, layout=W.Layout(**_FULL))
+        self.advanced.set_title(0, "Advanced")
+        return self.advanced
 
     def _kwargs_form(self) -> List[W.Widget]:
         """A worker's keyword arguments: editable fields, then the greyed-out ones with the reason."""
@@ -442,7 +468,10 @@ class TrainingPanel:
             epochs=int(self.epochs_input.value), batch_size=int(self.batch_size_input.value), lr=lr,
             image_size=int(self.image_size_input.value), freeze_layers=bool(self.freeze_toggle.value),
             sync_bn=bool(self.sync_bn_toggle.value) and not self.freeze_toggle.value, amp=bool(self.amp_toggle.value),
-            data_pipeline="tensor" if self.tensor_toggle.value else "pil")
+            data_pipeline="tensor" if self.tensor_toggle.value else "pil",
+            optimizer=self.optimizer_input.value, grad_accum_steps=int(self.grad_accum_input.value),
+            warmup_epochs=int(self.warmup_input.value), label_smoothing=float(self.label_smoothing_input.value),
+            early_stop_patience=int(self.early_stop_input.value), compile=bool(self.compile_toggle.value))
         gpus, nprocs = self._chosen_devices()
         changes.update(gpus=gpus, **({} if gpus else {"nprocs": nprocs}))
         return self._base.replace(**changes)
