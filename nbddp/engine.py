@@ -10,7 +10,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -328,3 +328,21 @@ def warmup_cosine_lambda(epochs: int, lrf: float, warmup_epochs: int = 0) -> Cal
         return cosine_lambda(epochs, lrf)
     cosine = cosine_lambda(epochs - warmup_epochs, lrf)
     return lambda e: (e + 1) / (warmup_epochs + 1) if e < warmup_epochs else cosine(e - warmup_epochs)
+
+
+def reset_gpu_memory_peaks(device: torch.device) -> None:
+    """Start a new peak-memory window on ``device`` (a GPU rank's epoch); nothing off the GPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def gpu_memory_peaks(device: torch.device) -> Optional[Tuple[float, float]]:
+    """``(allocated, reserved)`` peaks on ``device`` since the last reset, in GiB; ``None`` off the GPU.
+
+    Allocated is what tensors held at most (``torch.cuda.max_memory_allocated``); reserved is
+    what PyTorch's caching allocator held from the driver (``max_memory_reserved``), what
+    ``nvidia-smi`` shows plus the CUDA context. Reading them does not synchronise the GPU.
+    """
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30

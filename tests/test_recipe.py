@@ -92,3 +92,37 @@ def test_warmup_climbs_linearly_then_runs_the_whole_cosine():
     plain, same = cosine_lambda(10, 0.1), warmup_cosine_lambda(10, 0.1, 0)
     assert all(plain(e) == same(e) for e in range(11)), "no warm-up is the reference schedule, bit for bit"
     assert all(math.isfinite(warmup_cosine_lambda(2, 0.0, 1)(e)) for e in range(3))
+
+
+# ------------------------------------------------------------------------------ GPU memory in view
+GPU_RECORDS = [{"epoch": 0, "train_loss": 1.0, "val_accuracy": 0.5, "gpu_mem_alloc_gib": 3.25, "gpu_mem_reserved_gib": 4.0},
+               {"epoch": 1, "train_loss": 0.5, "val_accuracy": 0.75, "gpu_mem_alloc_gib": 3.5, "gpu_mem_reserved_gib": 4.0}]
+
+
+def test_panel_shows_the_epochs_gpu_memory_peaks(monkeypatch, tmp_path):
+    import re
+    import time
+    from types import SimpleNamespace
+
+    import nbddp.ui.panel as panel_mod
+    from nbddp.handle import TrainResult
+    from nbddp.ui import TrainingPanel
+
+    assert panel_mod.gpu_memory_text(GPU_RECORDS[0]) == "GPU memory 3.2 GiB peak, 4.0 reserved"
+    assert panel_mod.gpu_memory_text({"epoch": 0, "val_accuracy": 0.5}) is None  # a CPU run's record
+    monkeypatch.setattr(panel_mod, "list_gpus", lambda: [])
+    panel = TrainingPanel(TrainConfig(data_path="d", epochs=5, nprocs=1))
+    panel.handle = SimpleNamespace(metrics=list(GPU_RECORDS), started_at=time.time(), progress={}, run_dir=tmp_path)
+    panel._on_progress({"epoch": 2, "step": 3, "steps": 10, "loss": 0.25, "images_per_s": 100.0})
+    label = panel.progress_label.value
+    assert label.startswith("epoch 3/5 · step 3/10 · loss 0.2500") and label.endswith("GPU memory 3.5 GiB peak, 4.0 reserved")
+    panel._ended.clear()  # a run in progress: the epoch's status line
+    panel.stop_button.disabled = False
+    panel._on_metrics()
+    assert "epoch 2/5 done · val accuracy 0.7500 · best 0.7500 (epoch 2) · GPU memory 3.5 GiB peak" in panel.status.value
+    result = TrainResult({"best_accuracy": 0.75, "best_epoch": 1, "early_stopped": True, "early_stop_patience": 3},
+                         tmp_path, list(GPU_RECORDS), 12.0, 2, "nccl")
+    panel._show_result(result)
+    text = re.sub(r"<[^>]+>", "", panel.status.value)
+    assert "stopped early: no better val accuracy for 3 epochs" in text
+    assert "GPU memory 3.5 GiB peak, 4.0 reserved (epoch 2)" in text

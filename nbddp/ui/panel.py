@@ -81,6 +81,15 @@ def _count(v: Any) -> Optional[int]:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
+def gpu_memory_text(record: dict) -> Optional[str]:
+    """``"GPU memory 3.2 GiB peak, 4.0 reserved"`` from an epoch record's peaks, or None off the GPU."""
+    alloc, reserved = record.get("gpu_mem_alloc_gib"), record.get("gpu_mem_reserved_gib")
+    if not isinstance(alloc, (int, float)) or isinstance(alloc, bool) or not math.isfinite(alloc):
+        return None
+    more = f", {reserved:.1f} reserved" if isinstance(reserved, (int, float)) and math.isfinite(reserved) else ""
+    return f"GPU memory {alloc:.1f} GiB peak{more}"
+
+
 def _short(value: Any, limit: int = 160) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 1] + "…"
@@ -701,6 +710,10 @@ class TrainingPanel:
             parts.append(f"{p['images_per_s']:,.0f} img/s")
         if self.handle is not None:
             parts.append(f"{_duration(time.time() - self.handle.started_at)} elapsed")
+            # The last finished epoch's peaks, max over the GPUs (the built-in worker's records).
+            memory = gpu_memory_text(self.handle.metrics[-1]) if self.handle.metrics else None
+            if memory:
+                parts.append(memory)
         self.progress_label.value = " · ".join(parts)
 
     def _on_metrics(self) -> None:
@@ -719,8 +732,10 @@ class TrainingPanel:
         if accs and self.running and not self.stop_button.disabled:
             best, at = max(accs, key=lambda a: (a[0], -a[1]))
             last = metrics[-1]
+            memory = gpu_memory_text(last)
             self._status("info", f"Training · epoch {last.get('epoch', 0) + 1}/{self._plan[0]} done · val accuracy "
                                  f"{last.get('val_accuracy', float('nan')):.4f} · best {best:.4f} (epoch {at + 1}) · "
+                                 f"{html.escape(memory) + ' · ' if memory else ''}"
                                  f"run folder <code>{html.escape(str(handle.run_dir))}</code>")
 
     def _redraw_chart(self) -> None:
@@ -781,8 +796,14 @@ class TrainingPanel:
         if self._worker is None:
             v = r.value if isinstance(r.value, dict) else {}
             facts = [f"{n} epoch{'' if n == 1 else 's'} completed {on}"]
+            if v.get("early_stopped"):
+                facts.append(f"stopped early: no better val accuracy for {v.get('early_stop_patience')} epochs")
             if isinstance(v.get("best_accuracy"), (int, float)) and v.get("best_epoch", -1) >= 0:
                 facts.append(f"best val accuracy <b>{v['best_accuracy']:.4f}</b> (epoch {v['best_epoch'] + 1})")
+            peaks = [m for m in r.metrics if gpu_memory_text(m)]
+            if peaks:
+                top = max(peaks, key=lambda m: m["gpu_mem_alloc_gib"])
+                facts.append(html.escape(gpu_memory_text(top)) + f" (epoch {top.get('epoch', 0) + 1})")
         else:
             facts = [f"ran {on}", f"{n} record{'' if n == 1 else 's'} logged",
                      f"returned <code>{html.escape(_short(r.value))}</code>"]
