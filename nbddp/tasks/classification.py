@@ -526,15 +526,13 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
             if writer is not None:
                 writer.add_scalar("train_loss_step", loss, _base + step)
 
-        compiling = t.compiled and epoch == progress.start_epoch  # the launch's first steps compile
-        compiled_before = _compile_seconds() if compiling else None
+        # The launch's first steps compile: its first epoch reports how long that took.
+        compiled_before = _compile_seconds() if t.compiled and epoch == progress.start_epoch else None
         stats = train_one_epoch(t.ddp, t.optimizer, data.loaders.train, ctx.device, epoch, ctx=ctx, scaler=t.scaler,
                                 amp_dtype=t.amp_dtype, channels_last=t.channels_last, on_step=on_step,
                                 batch_transform=data.loaders.train_transform, accum_steps=cfg.grad_accum_steps,
                                 label_smoothing=cfg.label_smoothing)
-        compiled_after = _compile_seconds() if compiling else None
-        compile_s = (compiled_after - compiled_before
-                     if compiled_before is not None and compiled_after is not None else None)
+        compile_s = _compile_seconds() - compiled_before if compiled_before is not None else None
         global_step += stats.steps
         if stats.stopped:
             progress.stopped = True
