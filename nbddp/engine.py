@@ -1,4 +1,4 @@
-"""One epoch of training, exact evaluation, and the cosine learning-rate schedule.
+"""One epoch of training (with gradient accumulation), exact evaluation, the learning-rate schedule, GPU memory peaks.
 
 Worker side. Everything here works on CPU (gloo) and GPU (nccl) alike: collectives run on the
 device the backend needs, never a hard-coded ``"cuda"``.
