@@ -41,7 +41,8 @@ def main(argv=None) -> dict:
             rows[seed, pipeline] = (r.value["best_accuracy"], statistics.median(steady))
             print(f"seed {seed} {pipeline}: accuracy {rows[seed, pipeline][0]:.4f}, "
                   f"{rows[seed, pipeline][1]:.0f} img/s", flush=True)
-    print("\n| seed | pil accuracy | tensor accuracy | pil img/s | tensor img/s | tensor / pil |\n|---|---|---|---|---|---|")
+    print("\n| seed | pil accuracy | tensor accuracy | pil img/s | tensor img/s | tensor / pil |")
+    print("|---|---|---|---|---|---|")
     for seed in a.seeds:
         (pa, ps), (ta, ts) = rows[seed, "pil"], rows[seed, "tensor"]
         print(f"| {seed} | {pa:.4f} | {ta:.4f} | {ps:.0f} | {ts:.0f} | {ts / ps:.2f} |")
