@@ -1,4 +1,4 @@
-"""One epoch of training, exact evaluation, and the cosine learning-rate schedule.
+"""One epoch of training (with gradient accumulation), exact evaluation, the learning-rate schedule, GPU memory peaks.
 
 Worker side. Everything here works on CPU (gloo) and GPU (nccl) alike: collectives run on the
 device the backend needs, never a hard-coded ``"cuda"``.
@@ -472,11 +472,11 @@ def _evaluate_shard(model, loader, device, amp_dtype, channels_last, batch_trans
 
 
 def _agree_on_shards(shard: _Shard) -> torch.Tensor:
-    """``[correct, loss_sum, count, failed[world], alloc[world], reserved[world]]`` summed over ranks, in one all-reduce.
+    """``[correct, loss_sum, count, failed[world], alloc[world], reserved[world]]`` summed over ranks.
 
-    The error flags travel with the totals: an unreadable validation image on one rank stops
-    every rank here, instead of leaving them waiting in the next step. So do the GPU memory
-    peaks, each rank in its own slot (-1 off the GPU), so that every rank learns the highest.
+    One all-reduce. The error flags travel with the totals: an unreadable validation image on
+    one rank stops every rank here, instead of leaving them waiting in the next step. So do the
+    GPU memory peaks, each rank in its own slot (-1 off the GPU), so every rank learns the highest.
     """
     world, rank = get_world_size(), get_rank()
     totals = torch.zeros(3 + 3 * world, dtype=torch.float64)

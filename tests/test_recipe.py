@@ -95,8 +95,10 @@ def test_warmup_climbs_linearly_then_runs_the_whole_cosine():
 
 
 # ------------------------------------------------------------------------------ GPU memory in view
-GPU_RECORDS = [{"epoch": 0, "train_loss": 1.0, "val_accuracy": 0.5, "gpu_mem_alloc_gib": 3.25, "gpu_mem_reserved_gib": 4.0},
-               {"epoch": 1, "train_loss": 0.5, "val_accuracy": 0.75, "gpu_mem_alloc_gib": 3.5, "gpu_mem_reserved_gib": 4.0}]
+GPU_RECORDS = [
+    {"epoch": 0, "train_loss": 1.0, "val_accuracy": 0.5, "gpu_mem_alloc_gib": 3.25, "gpu_mem_reserved_gib": 4.0},
+    {"epoch": 1, "train_loss": 0.5, "val_accuracy": 0.75, "gpu_mem_alloc_gib": 3.5, "gpu_mem_reserved_gib": 4.0},
+]
 
 
 def test_panel_shows_the_epochs_gpu_memory_peaks(monkeypatch, tmp_path):
@@ -115,11 +117,13 @@ def test_panel_shows_the_epochs_gpu_memory_peaks(monkeypatch, tmp_path):
     panel.handle = SimpleNamespace(metrics=list(GPU_RECORDS), started_at=time.time(), progress={}, run_dir=tmp_path)
     panel._on_progress({"epoch": 2, "step": 3, "steps": 10, "loss": 0.25, "images_per_s": 100.0})
     label = panel.progress_label.value
-    assert label.startswith("epoch 3/5 · step 3/10 · loss 0.2500") and label.endswith("GPU memory 3.5 GiB peak, 4.0 reserved")
+    assert label.startswith("epoch 3/5 · step 3/10 · loss 0.2500")
+    assert label.endswith("GPU memory 3.5 GiB peak, 4.0 reserved")
     panel._ended.clear()  # a run in progress: the epoch's status line
     panel.stop_button.disabled = False
     panel._on_metrics()
-    assert "epoch 2/5 done · val accuracy 0.7500 · best 0.7500 (epoch 2) · GPU memory 3.5 GiB peak" in panel.status.value
+    status = panel.status.value
+    assert "epoch 2/5 done · val accuracy 0.7500 · best 0.7500 (epoch 2) · GPU memory 3.5 GiB peak" in status
     result = TrainResult({"best_accuracy": 0.75, "best_epoch": 1, "early_stopped": True, "early_stop_patience": 3},
                          tmp_path, list(GPU_RECORDS), 12.0, 2, "nccl")
     panel._show_result(result)
