@@ -9,6 +9,12 @@ process (as a fresh kernel would be), the median quoted:
 - torch.multiprocessing.spawn of the same plain function;
 - Accelerate's notebook_launcher (fork), if accelerate is installed (it is not a dependency).
 The driver imports torch before the clock starts, as a notebook kernel would have.
+
+And the first launch in a fresh Jupyter kernel (jupyter_client, this Python's ``python3``
+kernelspec), 5 s after ``import nbddp``, with the forkserver pre-warmed at import (the default)
+and without (``NBDDP_PREWARM=0``), interleaved: time of ``import nbddp`` (torch already
+imported), then the launch call to the worker's first line and to the end of its first step,
+then the same for a relaunch in that kernel. ``--part kernel`` runs only these rows.
 """
 
 import argparse
@@ -70,19 +76,81 @@ def run_torchrun(tmp: Path) -> float:
     return json.loads(out.read_text().splitlines()[-1])["first_step"] - t0
 
 
+KERNEL_SETUP = "import sys, json, time; sys.path.insert(0, {here!r}); import torch, torch.distributed"
+KERNEL_IMPORT = "t = time.perf_counter(); import nbddp; print(json.dumps(time.perf_counter() - t))"
+KERNEL_LAUNCH = """t0 = time.time()
+r = nbddp.spawn_train({here!r} + "/workers.py:train", nprocs=2, kwargs=dict(steps=2, warmup=1),
+                      runs_dir={runs!r}, echo=False)
+print(json.dumps([r.value["first_line"] - t0, r.value["first_step"] - t0]))"""
+KERNEL_VARIANTS = {"pre-warmed (default)": "1", "NBDDP_PREWARM=0": "0"}
+
+
+def run_kernel(prewarm: str, runs: Path, wait_s: float = 5.0) -> dict:
+    """One fresh kernel: import time, then first launch ``wait_s`` after the import, then a relaunch."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo", NBDDP_PREWARM=prewarm)
+    runs.mkdir(parents=True, exist_ok=True)
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(runs), env=env)
+
+    def cell(code: str):
+        out = []
+        hook = lambda m: out.append(m["content"]["text"]) if m["msg_type"] == "stream" else None  # noqa: E731
+        reply = kc.execute_interactive(code, timeout=300, output_hook=hook)
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"kernel cell failed: {reply['content'].get('evalue')}\n{''.join(out)}")
+        return json.loads("".join(out).strip().splitlines()[-1]) if out else None
+
+    try:
+        cell(KERNEL_SETUP.format(here=str(HERE)))
+        got = {"import": cell(KERNEL_IMPORT)}
+        time.sleep(wait_s)
+        got["first"] = cell(KERNEL_LAUNCH.format(here=str(HERE), runs=str(runs)))
+        got["relaunch"] = cell(KERNEL_LAUNCH.format(here=str(HERE), runs=str(runs)))
+        return got
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def print_kernel_table(results: dict, repeats: int) -> None:
+    med = lambda vals: statistics.median(vals)  # noqa: E731
+    print(f"\nfirst launch in a fresh kernel, 5 s after `import nbddp` (torch imported before); 2 CPU ranks, "
+          f"small CNN; seconds, median of {repeats}")
+    print("| kernel | import nbddp | first launch: worker's first line | first launch: first step "
+          "| relaunch: first line | relaunch: first step |")
+    print("|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        first, again = [r["first"] for r in runs], [r["relaunch"] for r in runs]
+        print(f"| {name} | {med([r['import'] for r in runs]):.3f} | {med([f[0] for f in first]):.2f} | "
+              f"{med([f[1] for f in first]):.2f} | {med([f[0] for f in again]):.2f} | {med([f[1] for f in again]):.2f} |")
+    for name, runs in results.items():
+        print(f"{name}, every run: import {[round(r['import'], 3) for r in runs]}, first line "
+              f"{[round(r['first'][0], 2) for r in runs]}, relaunch first line {[round(r['relaunch'][0], 2) for r in runs]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--part", choices=["all", "launchers", "kernel"], default="all")
     a = ap.parse_args()
-    methods = ["spawn", "forkserver", "torchrun", "mp.spawn"]
-    try:
-        import accelerate  # noqa: F401
+    methods = [] if a.part == "kernel" else ["spawn", "forkserver", "torchrun", "mp.spawn"]
+    if methods:
+        try:
+            import accelerate  # noqa: F401
 
-        methods.append("notebook_launcher")
-    except ImportError:
-        print("(accelerate not installed: notebook_launcher skipped; pip install accelerate to include it)")
+            methods.append("notebook_launcher")
+        except ImportError:
+            print("(accelerate not installed: notebook_launcher skipped; pip install accelerate to include it)")
+    kernels = a.part != "launchers"
+    if kernels:
+        try:
+            import jupyter_client  # noqa: F401
+        except ImportError:
+            print("(jupyter_client not installed: the kernel rows are skipped; pip install -e '.[test]')")
+            kernels = False
     tmp = Path(tempfile.mkdtemp())
-    results = {}
+    results, kernel_results = {}, {}
     for r in range(a.repeats):
         for m in methods:  # interleaved: machine noise hits every method alike
             if m == "torchrun":
@@ -91,13 +159,18 @@ def main():
                 got = run_driver(m, tmp / "runs")
             for k, v in got.items():
                 results.setdefault((m, k), []).append(v)
-    torchrun = statistics.median(results[("torchrun", "cold")])
-    print(f"\nlaunch -> end of first step, 2 CPU ranks, small CNN; median of {a.repeats} (cores: {os.cpu_count()})")
-    print(f"| {'method':<28} | {'seconds':>8} | {'vs torchrun':>11} |")
-    print(f"|{'-' * 30}|{'-' * 10}|{'-' * 13}|")
-    for (m, k), vals in results.items():
-        med = statistics.median(vals)
-        print(f"| {m + ' (' + k + ')':<28} | {med:8.2f} | {med / torchrun:10.2f}x |")
+        for name, prewarm in (KERNEL_VARIANTS.items() if kernels else ()):
+            kernel_results.setdefault(name, []).append(run_kernel(prewarm, tmp / "kernel-runs"))
+    if methods:
+        torchrun = statistics.median(results[("torchrun", "cold")])
+        print(f"\nlaunch -> end of first step, 2 CPU ranks, small CNN; median of {a.repeats} (cores: {os.cpu_count()})")
+        print(f"| {'method':<28} | {'seconds':>8} | {'vs torchrun':>11} |")
+        print(f"|{'-' * 30}|{'-' * 10}|{'-' * 13}|")
+        for (m, k), vals in results.items():
+            med = statistics.median(vals)
+            print(f"| {m + ' (' + k + ')':<28} | {med:8.2f} | {med / torchrun:10.2f}x |")
+    if kernel_results:
+        print_kernel_table(kernel_results, a.repeats)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ shared      ``system``           process identity (pid + start time), CPU cores,
 shared      ``targets``          ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (kernel), loaded (rank)
 shared      ``gpus``             GPUs from NVML or nvidia-smi, never through CUDA
 kernel      ``launch``           ``spawn_train``: plan, run folder, store, environment, start
+kernel      ``forkserver``       the warm server workers fork from; pre-warmed in a kernel
 kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
 kernel      ``report``           a failed run's root-cause rank and its one error
 kernel      ``procs``            ``cleanup`` of an earlier launch's workers, proven by marker
@@ -50,6 +51,7 @@ from .handle import RunHandle, TrainResult
 from .launch import spawn_train
 from .procs import cleanup
 from .runtime import Context
+from .forkserver import prewarm_in_kernel as _prewarm_in_kernel
 
 __version__ = "0.1.0"
 
@@ -89,3 +91,8 @@ def __getattr__(name):
 
         return getattr(ui, name)
     raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+
+
+# In a Jupyter kernel, start the warm forkserver now (a daemon thread), so the first launch
+# finds torch and DDP imported there; never in scripts or workers. NBDDP_PREWARM=0: off.
+_prewarm_in_kernel()

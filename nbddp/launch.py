@@ -25,6 +25,7 @@ from . import rundir, tasks
 from .config import MIN_TIMEOUT_S, TrainConfig
 from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError
+from .forkserver import prepare as _prepare_forkserver
 from .gpus import IDLE, cuda_visible_devices, resolve_gpus
 from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult, interrupts_held
 from .procs import MARKER_ENV, live_workers
@@ -89,21 +90,6 @@ def _bare_main():
             sys.modules["__main__"] = main
 
 
-# What the forkserver imports once, so that forked workers start with it in memory: torch,
-# the distributed stack, DDP (whose constructor otherwise imports torch._dynamo, 1-2 s) and
-# nbddp's worker side. Never torch.cuda initialisation: the server only imports.
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-                       "torchvision", "nbddp.runtime", "nbddp.tasks.classification"]
-_forkserver_ready = False
-
-
-def _prepare_forkserver() -> None:
-    global _forkserver_ready
-    if not _forkserver_ready:
-        import multiprocessing
-
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
-        _forkserver_ready = True
 
 
 def _check_picklable(args: tuple, kwargs: dict) -> None:

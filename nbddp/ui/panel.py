@@ -30,6 +30,7 @@ import ipywidgets as W
 
 from ..config import TrainConfig
 from ..errors import ConfigError, NbddpError, TrainingInterrupted, WorkerError
+from ..forkserver import prewarm
 from ..gpus import IDLE, IDLE_RULE, gpu_setup_problem, list_gpus, preselected_gpus
 from ..handle import RunHandle, TrainResult
 from ..launch import spawn_train
@@ -209,6 +210,7 @@ class TrainingPanel:
                  kwargs: Optional[dict] = None, choices: Optional[Dict[str, Sequence]] = None,
                  nprocs: Optional[int] = None, gpus: Optional[Sequence[int]] = None,
                  runs_dir: Optional[str] = None, name: Optional[str] = None, config: Optional[TrainConfig] = None):
+        prewarm()  # the forkserver starts while the user fills in the panel (NBDDP_PREWARM=0: off)
         if config is not None:
             if target is not None:
                 raise ConfigError("pass the TrainConfig once: TrainingPanel(cfg)")

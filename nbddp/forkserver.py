@@ -1,0 +1,155 @@
+"""The warm forkserver: one server process per kernel with torch and DDP imported, started early.
+
+``spawn_train``'s workers fork from multiprocessing's forkserver, a fresh interpreter (never a
+fork of the kernel) that has imported :data:`PRELOAD`. Starting it and importing torch there
+costs seconds; without help the first launch of a kernel pays for it. So in a Jupyter kernel
+``import nbddp`` (and building a ``TrainingPanel`` anywhere) starts the server at once from a
+daemon thread, and the first launch finds it ready, as a relaunch does. ``NBDDP_PREWARM=0``
+turns that off; scripts, ``python -m nbddp``, workers and the server itself never pre-warm.
+
+The server is multiprocessing's own (``multiprocessing.forkserver._forkserver``): a launch that
+comes while the pre-warm is still starting it waits on the server's lock and then uses it, and
+the server ends with the kernel as before (it exits when the kernel's end of its "alive" pipe
+closes, which a kernel killed by SIGKILL closes too).
+
+The kernel's ``__main__`` is the notebook's namespace. Starting the server asks
+``multiprocessing.spawn.get_preparation_data`` about the parent, which reads ``__main__`` and
+also fixes multiprocessing's default start method (a later ``set_start_method`` in the notebook
+would then fail). The pre-warm thread therefore hands the server only what it uses, the
+kernel's ``sys.path``, and leaves ``__main__`` and the start method alone; other threads are
+answered as before. The server never imports ``__main__`` since it is not in the preload list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from typing import Optional
+
+#: What the forkserver imports once, so that forked workers start with it in memory: torch,
+#: the distributed stack, DDP (whose constructor otherwise imports torch._dynamo, 1-2 s) and
+#: nbddp's worker side. Never torch.cuda initialisation: the server only imports.
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+           "torchvision", "torch.utils.tensorboard", "nbddp.runtime", "nbddp.tasks.classification"]
+
+#: ``NBDDP_PREWARM=0`` (or ``false``, ``no``, ``off``) turns the pre-warm off.
+ENV_VAR = "NBDDP_PREWARM"
+
+_prepared = False
+_lock = threading.Lock()
+_thread: Optional[threading.Thread] = None
+_local = threading.local()
+
+#: Why the last pre-warm failed, if it did (the next launch then starts the server itself).
+last_error: Optional[BaseException] = None
+
+
+def prepare() -> None:
+    """Set the preload list of multiprocessing's forkserver (before it starts; idempotent)."""
+    global _prepared
+    if not _prepared:
+        import multiprocessing
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        _prepared = True
+
+
+def enabled() -> bool:
+    """False when ``NBDDP_PREWARM`` says no, and in any process multiprocessing started (workers)."""
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    import multiprocessing
+
+    return multiprocessing.parent_process() is None
+
+
+def in_kernel() -> bool:
+    """True inside a running IPython kernel (ipykernel's application is up), never in a script."""
+    if "ipykernel" not in sys.modules:
+        return False
+    app = sys.modules.get("ipykernel.kernelapp")
+    try:
+        return app is not None and bool(app.IPKernelApp.initialized())
+    except Exception:  # noqa: BLE001 - an unusual ipykernel: no pre-warm, nothing else changes
+        return False
+
+
+def prewarm() -> Optional[threading.Thread]:
+    """Start the forkserver (with :data:`PRELOAD`) in a daemon thread, unless one is running.
+
+    Returns the thread, or None when pre-warming is off here (see :func:`enabled`). Calling it
+    again while the server runs costs nothing; if the server has died, it starts a new one.
+    """
+    global _thread
+    if not enabled():
+        return None
+    with _lock:
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_start, name="nbddp-prewarm", daemon=True)
+            _thread.start()
+        return _thread
+
+
+def prewarm_in_kernel() -> Optional[threading.Thread]:
+    """What ``import nbddp`` does: :func:`prewarm` in a Jupyter kernel, nothing elsewhere."""
+    return prewarm() if in_kernel() else None
+
+
+def server_pid() -> Optional[int]:
+    """The pid of this process's forkserver, or None before it was started."""
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def _start() -> None:
+    global last_error
+    try:
+        prepare()
+        from multiprocessing import forkserver
+
+        with _sys_path_only():
+            forkserver.ensure_running()  # under the server's lock: a launch waits for it
+        last_error = None
+    except BaseException as exc:  # noqa: BLE001 - never into the notebook: the launch retries
+        last_error = exc
+
+
+def _kernel_sys_path() -> list:
+    """``sys.path`` as ``spawn.get_preparation_data`` reports it (``''`` as the start folder)."""
+    from multiprocessing import process
+
+    path = sys.path.copy()
+    with contextlib.suppress(ValueError):
+        path[path.index("")] = process.ORIGINAL_DIR
+    return path
+
+
+@contextlib.contextmanager
+def _sys_path_only():
+    """In this thread, ``spawn.get_preparation_data`` reports only ``sys.path``.
+
+    It otherwise reads the parent's ``__main__`` and fixes the default start method. The
+    replacement answers every other thread with the original, so a launch or the notebook's own
+    multiprocessing running meanwhile see no difference; it is put back unless someone else
+    replaced it in the meantime.
+    """
+    from multiprocessing import spawn
+
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name):
+        if getattr(_local, "sys_path_only", False):
+            return {"sys_path": _kernel_sys_path()}
+        return original(name)
+
+    spawn.get_preparation_data = get_preparation_data
+    _local.sys_path_only = True
+    try:
+        yield
+    finally:
+        _local.sys_path_only = False
+        if spawn.get_preparation_data is get_preparation_data:
+            spawn.get_preparation_data = original
