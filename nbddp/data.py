@@ -48,8 +48,9 @@ IMAGE_EXTENSIONS: frozenset[str] = frozenset(
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-# Folder names that are never classes: Jupyter's autosave folder is the classic trap (it would
-# become an extra, empty class and silently shift every label index after it).
+# Names skipped like hidden ones (see _is_hidden): never a class, never scanned. Jupyter's
+# checkpoint folder, the classic trap, needs no entry: ".ipynb_checkpoints" is hidden (a leading
+# "."). As a class it would sort first and shift every label index by one.
 _IGNORED_DIRS = {"__pycache__"}
 
 

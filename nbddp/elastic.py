@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import rundir
 from .dist import init_process_group
 from .system import cpu_cores
-from .runtime import Context, run_rank
+from .runtime import Context, run_rank, run_rank_hook
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,7 @@ def run_under_launcher(le: LauncherEnv, target: str, args: tuple, kwargs: dict,
         choose_run_dir: called on global rank 0 only, after the process group is up.
         timeout_s: process-group timeout.
     """
+    run_rank_hook(le.rank)  # first, as in a spawned rank
     device = init_from_env(le, timeout_s)
     run_dir = agree_run_dir(choose_run_dir)
     log_path = rundir.rank_log(run_dir, le.rank)
@@ -150,11 +151,9 @@ def run_under_launcher(le: LauncherEnv, target: str, args: tuple, kwargs: dict,
     log.write(f"--- {le.kind} rank {le.rank}/{le.world_size} (restart {le.restart_count}) "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
-    # Test-only fault hook; applies to the first attempt only so that restarts can recover.
-    fault = os.environ.get("NBDDP_FAULT") if le.restart_count == 0 else None
-    ctx = Context(le.rank, le.local_rank, le.world_size, device, dist.get_backend(), run_dir, fault)
+    ctx = Context(le.rank, le.local_rank, le.world_size, device, dist.get_backend(), run_dir)
     try:
-        return run_rank(ctx, lambda: None, target, args, kwargs, fault)
+        return run_rank(ctx, lambda: None, target, args, kwargs)
     finally:
         sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
         log.close()

@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .dist import agree_on_error, cpu_group, get_rank, get_world_size, is_dist  # noqa: F401 - re-exported
+from .dist import cpu_group, get_rank, get_world_size, is_dist
 from .errors import NonFiniteLossError, PeerError
 
 
@@ -81,6 +81,32 @@ def freeze_bn_statistics(model: torch.nn.Module) -> None:
                 m.eval()
 
 
+class NoContext:
+    """The part of a run's :class:`nbddp.runtime.Context` the loops use, doing nothing.
+
+    Stands in when :func:`train_one_epoch` or :func:`evaluate` runs outside a launched run (a
+    plain loop, a test): no heartbeat, no progress, never a stop request.
+    """
+
+    epoch: Optional[int] = None
+    step: Optional[int] = None
+    phase = "train"
+
+    def heartbeat(self, epoch: Optional[int] = None, step: Optional[int] = None, waiting: bool = False,
+                  phase: Optional[str] = None) -> None:
+        pass
+
+    def progress(self, **fields) -> None:
+        pass
+
+    def should_stop(self) -> bool:
+        return False
+
+
+def _context(ctx):
+    return ctx if ctx is not None else NoContext()
+
+
 @dataclass
 class EpochStats:
     loss: float  # mean over steps of the loss averaged over ranks
@@ -120,6 +146,144 @@ def _prepare(batch, device, batch_transform, channels_last):
     return x, y
 
 
+def _autocast(device: torch.device, amp_dtype: Optional[torch.dtype]):
+    return torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+
+
+@dataclass
+class _Epoch:
+    """What every step of one epoch uses: :func:`train_one_epoch`'s arguments and this rank's place."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    epoch: int
+    ctx: Any
+    scaler: Any
+    amp_dtype: Optional[torch.dtype]
+    channels_last: bool
+    batch_transform: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    world: int = field(default_factory=get_world_size)
+    rank: int = field(default_factory=get_rank)
+    flag_device: torch.device = field(init=False)  # where the step's agreement is reduced
+
+    def __post_init__(self):
+        self.flag_device = _flag_device(self.device)
+
+
+@dataclass
+class _Agreed:
+    """What the ranks agreed on in one step."""
+
+    loss_sum: float         # the step's loss summed over ranks
+    stop: bool              # some rank was asked to stop
+    nonfinite: List[int]    # ranks whose loss is NaN or infinite
+    unreadable: List[int]   # ranks that could not read their next batch
+
+
+class _StepAgreement:
+    """A step's one all-reduce, ``[loss, stop, nonfinite[world], unreadable_next[world]]``.
+
+    Started right after the forward and waited for after the backward, so it overlaps DDP's
+    gradient all-reduce instead of adding a synchronisation point.
+    """
+
+    def __init__(self, run: _Epoch, loss: torch.Tensor, stop: bool, read_error: Optional[BaseException]):
+        self.world = run.world
+        flags = torch.zeros(2 + 2 * run.world)  # CPU facts first, then one copy to the flag device
+        flags[1] = 1.0 if stop else 0.0
+        flags[2 + run.world + run.rank] = 1.0 if read_error is not None else 0.0
+        self.tensor = flags.to(run.flag_device, non_blocking=True)
+        self.tensor[0] = loss.detach().float()
+        self.tensor[2 + run.rank] = (~torch.isfinite(loss.detach())).float()
+        self.work = dist.all_reduce(self.tensor, async_op=True) if is_dist() else None
+
+    def wait(self) -> _Agreed:
+        if self.work is not None:
+            self.work.wait()
+        values = self.tensor.tolist()  # the step's one host synchronisation
+        world = self.world
+        return _Agreed(values[0], values[1] > 0, [r for r in range(world) if values[2 + r] > 0],
+                       [r for r in range(world) if values[2 + world + r] > 0])
+
+
+def _first_batch(run: _Epoch, batches, total_steps: int) -> tuple:
+    """Read the first batch and agree on it: ``(batch, stop)``; raises if a rank could not read it.
+
+    The first batch has no earlier step to carry its agreement: one up-front all-reduce of
+    ``[stop, unreadable[world]]``.
+    """
+    ctx = run.ctx
+    ctx.heartbeat(epoch=run.epoch, step=0, phase="train")
+    batch, error = _next_batch(batches) if total_steps else (None, None)
+    ctx.heartbeat(epoch=run.epoch, step=0, waiting=True)
+    first = torch.zeros(1 + run.world)
+    first[0] = 1.0 if ctx.should_stop() else 0.0
+    first[1 + run.rank] = 1.0 if error is not None else 0.0
+    if is_dist():
+        dist.all_reduce(first, group=cpu_group())
+    failed = [r for r in range(run.world) if first[1 + r] > 0]
+    if failed:
+        _raise_read_error(error, failed, run.epoch, 0)
+    return batch, bool(first[0] > 0)
+
+
+def _forward(run: _Epoch, batch, step: int) -> tuple:
+    """The step's forward on this rank: ``(loss, images in the batch)``."""
+    run.ctx.heartbeat(epoch=run.epoch, step=step)
+    x, y = _prepare(batch, run.device, run.batch_transform, run.channels_last)
+    # From here on this rank may wait for the others (SyncBatchNorm and DDP's buffer
+    # broadcast talk in the forward): a rank that hangs before this point lags behind.
+    run.ctx.heartbeat(epoch=run.epoch, step=step, waiting=True)
+    with _autocast(run.device, run.amp_dtype):
+        loss = F.cross_entropy(run.model(x), y)
+    return loss, x.shape[0]
+
+
+def _read_ahead(run: _Epoch, batches, step: int) -> tuple:
+    """The next step's batch, read now so that a read error travels in this step's agreement."""
+    run.ctx.heartbeat(epoch=run.epoch, step=step)  # reading data: local work again
+    batch, error = _next_batch(batches)
+    run.ctx.heartbeat(epoch=run.epoch, step=step, waiting=True)
+    return batch, error
+
+
+def _backward(run: _Epoch, loss: torch.Tensor) -> None:
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.scaler is not None:
+        run.scaler.scale(loss).backward()  # DDP averages the gradients over ranks here
+    else:
+        loss.backward()
+
+
+def _optimizer_step(run: _Epoch) -> None:
+    if run.scaler is not None:
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        run.optimizer.step()
+
+
+def _train_step(run: _Epoch, step: int, batch, batches) -> tuple:
+    """One step: forward, read ahead (``batches=None`` on the last step), agree, backward, update.
+
+    Returns ``(agreed, images, next batch, its read error)``. Raises ``NonFiniteLossError`` on
+    every rank, before the update, when the loss is not finite on any of them.
+    """
+    loss, images = _forward(run, batch, step)
+    batch, error = _read_ahead(run, batches, step) if batches is not None else (None, None)
+    agreement = _StepAgreement(run, loss, run.ctx.should_stop(), error)
+    _backward(run, loss)
+    agreed = agreement.wait()
+    if agreed.nonfinite:
+        bad = agreed.nonfinite
+        raise NonFiniteLossError(
+            f"loss is {loss.item() if run.rank in bad else 'non-finite'} on rank(s) {bad} at epoch {run.epoch}, "
+            f"step {step}: lower the learning rate, check the data, or turn amp off", rank=bad[0])
+    _optimizer_step(run)
+    return agreed, images, batch, error
+
+
 def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scaler=None,
                     amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False,
                     on_step: Optional[Callable[[int, float], None]] = None,
@@ -136,98 +300,33 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     forward (SyncBatchNorm, buffer broadcast) may talk to the other ranks.
 
     The tensor is ``[loss, stop, nonfinite[world], unreadable_next[world]]``; the loss is
-    reported as the mean over ranks.
+    reported as the mean over ranks. ``ctx`` (heartbeats, progress, stop requests) may be
+    ``None`` outside a launched run.
     """
     model.train()
     freeze_bn_statistics(model)
-    world, rank = get_world_size(), get_rank()
+    run = _Epoch(model, optimizer, device, epoch, _context(ctx), scaler, amp_dtype, channels_last, batch_transform)
     total_steps = len(loader)
-    loss_sum, steps, images = 0.0, 0, 0
     t0 = time.perf_counter()
-    stopped = False
-    flag_device = _flag_device(device)
     batches = iter(loader)
-    if ctx is not None:
-        ctx.heartbeat(epoch=epoch, step=0, phase="train")
-    batch, error = _next_batch(batches) if total_steps else (None, None)
-    if ctx is not None:
-        ctx.heartbeat(epoch=epoch, step=0, waiting=True)
-    # The first batch has no earlier step to carry its agreement: one up-front all-reduce.
-    first = torch.zeros(1 + world)
-    first[0] = 1.0 if (ctx is not None and ctx.should_stop()) else 0.0
-    first[1 + rank] = 1.0 if error is not None else 0.0
-    if is_dist():
-        dist.all_reduce(first, group=cpu_group())
-    failed = [r for r in range(world) if first[1 + r] > 0]
-    if failed:
-        _raise_read_error(error, failed, epoch, 0)
-    if first[0] > 0 or total_steps == 0:
-        return EpochStats(0.0, 0, 0, time.perf_counter() - t0, bool(first[0] > 0))
-
+    batch, stop = _first_batch(run, batches, total_steps)
+    if stop or total_steps == 0:
+        return EpochStats(0.0, 0, 0, time.perf_counter() - t0, stop)
+    loss_sum, steps, images, stopped = 0.0, 0, 0, False
     for step in range(total_steps):
-        if ctx is not None:
-            ctx.heartbeat(epoch=epoch, step=step)
-            ctx.fault_point(f"step{epoch}.{step}")
-        x, y = _prepare(batch, device, batch_transform, channels_last)
-        if ctx is not None:
-            # From here on this rank may wait for the others (SyncBatchNorm and DDP's buffer
-            # broadcast talk in the forward): a rank that hangs before this point lags behind.
-            ctx.heartbeat(epoch=epoch, step=step, waiting=True)
-        amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-        with amp:
-            loss = F.cross_entropy(model(x), y)
-        if ctx is not None and ctx.fault_flag(f"nan{epoch}.{step}"):
-            loss = loss * float("nan")  # test-only: a non-finite loss on this rank alone
-
         last = step + 1 == total_steps
-        if not last:
-            if ctx is not None:
-                ctx.heartbeat(epoch=epoch, step=step)  # reading data: local work again
-            batch, error = _next_batch(batches)
-            if ctx is not None:
-                ctx.heartbeat(epoch=epoch, step=step, waiting=True)
-        flags = torch.zeros(2 + 2 * world)  # CPU facts first, then one copy to the flag device
-        flags[1] = 1.0 if (ctx is not None and ctx.should_stop()) else 0.0
-        flags[2 + world + rank] = 1.0 if error is not None else 0.0
-        agreed = flags.to(flag_device, non_blocking=True)
-        agreed[0] = loss.detach().float()
-        agreed[2 + rank] = (~torch.isfinite(loss.detach())).float()
-        work = dist.all_reduce(agreed, async_op=True) if is_dist() else None
-
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()  # DDP averages the gradients over ranks here
-        else:
-            loss.backward()
-        if work is not None:
-            work.wait()
-        agreed = agreed.tolist()  # the step's one host synchronisation
-        bad = [r for r in range(world) if agreed[2 + r] > 0]
-        if bad:
-            raise NonFiniteLossError(
-                f"loss is {loss.item() if rank in bad else 'non-finite'} on rank(s) {bad} at epoch {epoch}, "
-                f"step {step}: lower the learning rate, check the data, or turn amp off", rank=bad[0])
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        mean_loss = agreed[0] / world
-        loss_sum += mean_loss
-        steps += 1
-        images += x.shape[0] * world
-        if ctx is not None:
-            elapsed = time.perf_counter() - t0
-            ctx.progress(epoch=epoch, step=step + 1, steps=total_steps, loss=mean_loss,
+        agreed, batch_images, batch, error = _train_step(run, step, batch, None if last else batches)
+        mean_loss = agreed.loss_sum / run.world
+        loss_sum, steps, images = loss_sum + mean_loss, steps + 1, images + batch_images * run.world
+        elapsed = time.perf_counter() - t0
+        run.ctx.progress(epoch=epoch, step=step + 1, steps=total_steps, loss=mean_loss,
                          images_per_s=images / elapsed if elapsed > 0 else 0.0)
         if on_step is not None:
             on_step(step, mean_loss)
-        failed = [r for r in range(world) if agreed[2 + world + r] > 0]
-        if failed:
-            if ctx is not None:
-                ctx.heartbeat(epoch=epoch, step=step + 1)  # the step whose batch failed
-            _raise_read_error(error, failed, epoch, step + 1)
-        if agreed[1] > 0 and not last:
+        if agreed.unreadable:
+            run.ctx.heartbeat(epoch=epoch, step=step + 1)  # the step whose batch failed
+            _raise_read_error(error, agreed.unreadable, epoch, step + 1)
+        if agreed.stop and not last:
             stopped = True
             break
     return EpochStats(loss_sum / max(steps, 1), steps, images, time.perf_counter() - t0, stopped)
@@ -239,6 +338,63 @@ class EvalResult:
     loss: float
     count: int  # images evaluated over all ranks: exactly the validation set
     predictions: Optional[list] = None  # (dataset index, predicted class), gathered on every rank
+
+
+@dataclass
+class _Shard:
+    """One rank's share of an evaluation, before the ranks agree."""
+
+    correct: torch.Tensor  # on the device: no host synchronisation per batch
+    loss_sum: torch.Tensor
+    count: int = 0
+    predictions: list = field(default_factory=list)
+    error: Optional[BaseException] = None  # raised once every rank knows of it
+
+
+def _evaluate_shard(model, loader, device, amp_dtype, channels_last, batch_transform, ctx, keep: bool) -> _Shard:
+    """This rank's batches; an exception is kept, to be raised after the ranks agree."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    shard = _Shard(zero, zero.clone())
+    try:
+        for i, batch in enumerate(loader):
+            ctx.heartbeat(step=i, phase="eval")
+            x, y = _prepare(batch, device, batch_transform, channels_last)
+            with _autocast(device, amp_dtype):
+                out = model(x)
+            shard.loss_sum += F.cross_entropy(out.float(), y, reduction="sum").double()
+            p = out.argmax(dim=1)
+            shard.correct += (p == y).sum()
+            shard.count += y.numel()
+            if keep:
+                shard.predictions.append(p)
+    except Exception as exc:  # noqa: BLE001 - re-raised by evaluate, after the ranks agree
+        shard.error = exc
+    return shard
+
+
+def _agree_on_shards(shard: _Shard) -> torch.Tensor:
+    """``[correct, loss_sum, count, failed[world]]`` summed over ranks, in one all-reduce.
+
+    The error flags travel with the totals: an unreadable validation image on one rank stops
+    every rank here, instead of leaving them waiting in the next step.
+    """
+    world, rank = get_world_size(), get_rank()
+    totals = torch.zeros(3 + world, dtype=torch.float64)
+    totals[0], totals[1], totals[2] = shard.correct.cpu(), shard.loss_sum.cpu(), float(shard.count)
+    totals[3 + rank] = 1.0 if shard.error is not None else 0.0
+    if is_dist():
+        dist.all_reduce(totals, group=cpu_group())
+    return totals
+
+
+def _gather_predictions(indices: list, predictions: list) -> list:
+    """``(dataset index, predicted class)`` of every rank, sorted, on every rank."""
+    mine = list(zip(indices, torch.cat(predictions).tolist() if predictions else []))
+    if not is_dist():
+        return sorted(mine)
+    parts = [None] * get_world_size()
+    dist.all_gather_object(parts, mine, group=cpu_group())
+    return sorted(p for part in parts for p in part)
 
 
 @torch.no_grad()
@@ -253,59 +409,22 @@ def evaluate(model, loader, device, amp_dtype: Optional[torch.dtype] = None, cha
     Totals stay on the device until the end: no host synchronisation per batch. With ``ctx``,
     each batch is a heartbeat of phase ``"eval"``, so a rank hung in validation is named.
     """
+    ctx = _context(ctx)
     model.eval()
-    correct = torch.zeros((), dtype=torch.float64, device=device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    count, batches = 0, 0
-    preds = []
     indices = list(iter(loader.sampler)) if gather_predictions else None
-    error: Optional[BaseException] = None
-    step = ctx.step if ctx is not None else None  # the training step every rank left the epoch at
-    try:
-        for batch in loader:
-            if ctx is not None:
-                ctx.heartbeat(step=batches, phase="eval")
-            x, y = _prepare(batch, device, batch_transform, channels_last)
-            amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-            with amp:
-                out = model(x)
-            loss_sum += F.cross_entropy(out.float(), y, reduction="sum").double()
-            p = out.argmax(dim=1)
-            correct += (p == y).sum()
-            count += y.numel()
-            batches += 1
-            if gather_predictions:
-                preds.append(p)
-    except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agree
-        error = exc
-    if ctx is not None:
-        # Shards differ by a batch, so every rank waits at the same place: the end of evaluation.
-        ctx.step = step
-        ctx.heartbeat(phase="eval-end", waiting=True)
-    # Totals and one error flag per rank in one all-reduce: an unreadable validation image
-    # on one rank stops every rank here, instead of leaving them waiting in the next step.
-    world, rank = get_world_size(), get_rank()
-    totals = torch.zeros(3 + world, dtype=torch.float64)
-    totals[0], totals[1], totals[2] = correct.cpu(), loss_sum.cpu(), float(count)
-    totals[3 + rank] = 1.0 if error is not None else 0.0
-    if is_dist():
-        dist.all_reduce(totals, group=cpu_group())
-    if ctx is not None:
-        ctx.heartbeat(phase="eval-end")
-    failed = [r for r in range(world) if totals[3 + r] > 0]
-    if error is not None:
-        raise error
+    step = ctx.step  # the training step every rank left the epoch at
+    shard = _evaluate_shard(model, loader, device, amp_dtype, channels_last, batch_transform, ctx, gather_predictions)
+    # Shards differ by a batch, so every rank waits at the same place: the end of evaluation.
+    ctx.step = step
+    ctx.heartbeat(phase="eval-end", waiting=True)
+    totals = _agree_on_shards(shard)
+    ctx.heartbeat(phase="eval-end")
+    failed = [r for r in range(get_world_size()) if totals[3 + r] > 0]
+    if shard.error is not None:
+        raise shard.error
     if failed:
         raise PeerError(f"rank {failed[0]} failed during evaluation; every rank stopped", rank=failed[0])
     n = int(totals[2].item())
-    gathered = None
-    if gather_predictions:
-        mine = list(zip(indices, torch.cat(preds).tolist() if preds else []))
-        if is_dist():
-            parts = [None] * get_world_size()
-            dist.all_gather_object(parts, mine, group=cpu_group())
-            gathered = sorted(p for part in parts for p in part)
-        else:
-            gathered = sorted(mine)
+    gathered = _gather_predictions(indices, shard.predictions) if gather_predictions else None
     return EvalResult(accuracy=totals[0].item() / max(n, 1), loss=totals[1].item() / max(n, 1), count=n,
                       predictions=gathered)

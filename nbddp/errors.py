@@ -22,12 +22,8 @@ class WeightsError(NbddpError):
     """A weights or checkpoint file cannot be used (missing, wrong shapes, not weights-only safe)."""
 
 
-class NonFiniteLossError(NbddpError, FloatingPointError):
-    """The loss became NaN or infinite on at least one rank; every rank stops at the same step.
-
-    Attributes:
-        rank: the first rank that saw a non-finite loss (the root cause).
-    """
+class _RankError(NbddpError):
+    """An error raised in a worker that names the rank at its root (``rank``, kept when pickled)."""
 
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
@@ -35,6 +31,14 @@ class NonFiniteLossError(NbddpError, FloatingPointError):
 
     def __reduce__(self):  # keep ``rank`` when pickled between processes
         return (type(self), (str(self), self.rank))
+
+
+class NonFiniteLossError(_RankError, FloatingPointError):
+    """The loss became NaN or infinite on at least one rank; every rank stops at the same step.
+
+    Attributes:
+        rank: the first rank that saw a non-finite loss (the root cause).
+    """
 
 
 class WorkerError(NbddpError):
@@ -71,6 +75,12 @@ class TrainingInterrupted(NbddpError):
         super().__init__(message)
         self.run_dir = run_dir
 
+    @classmethod
+    def for_run(cls, what: str, world_size: int, run_dir) -> "TrainingInterrupted":
+        """The error for a run that was ``what`` (``"interrupted"``, ``"stopped"``) once every worker is gone."""
+        return cls(f"training {what}: all {world_size} workers were stopped and reaped. "
+                   f"Logs and the last checkpoint are kept in {run_dir}", run_dir=run_dir)
+
 
 class RunAbandoned(NbddpError):
     """nbddp could not go on watching a run (its folder vanished, say); every worker was ended."""
@@ -80,16 +90,9 @@ class RunAbandoned(NbddpError):
         self.run_dir = run_dir
 
 
-class PeerError(NbddpError):
+class PeerError(_RankError):
     """Raised on the healthy ranks when another rank hit an error they all agreed to stop on.
 
     Attributes:
         rank: the rank that hit the error (the root cause).
     """
-
-    def __init__(self, message: str, rank: int | None = None):
-        super().__init__(message)
-        self.rank = rank
-
-    def __reduce__(self):
-        return (type(self), (str(self), self.rank))

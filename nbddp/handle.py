@@ -484,9 +484,7 @@ class RunHandle:
             # An interrupted cell always ends in an exception, even when the workers obeyed the
             # stop request and returned: the user asked the cell to stop.
             what = "interrupted" if reason == "interrupt" else "stopped"
-            outcome = TrainingInterrupted(
-                f"training {what}: all {self.world_size} workers were stopped and reaped. "
-                f"Logs and the last checkpoint are kept in {self.run_dir}", run_dir=self.run_dir)
+            outcome = TrainingInterrupted.for_run(what, self.world_size, self.run_dir)
         self._outcome = outcome
         for p in self._procs.processes:
             with contextlib.suppress(Exception):

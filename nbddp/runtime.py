@@ -5,6 +5,7 @@ Order matters and each step has a reason:
 2. leave the kernel's process group and ignore SIGINT: Jupyter's Interrupt signals the whole
    group, and a worker that gets it exits 0 (looks like success) or, inside a collective,
    ignores it. The kernel side turns an interrupt into a staged shutdown instead;
+   then the user's per-rank start-up hook, if ``NBDDP_RANK_HOOK`` names one (:func:`run_rank_hook`);
 3. stdout/stderr redirected at file-descriptor level, so C++ (gloo/NCCL) messages land in the
    rank's log too;
 4. process group from a store the launcher owns (no fixed port, no port race);
@@ -115,7 +116,6 @@ class LaunchSpec:
     parent_pid: Optional[int]  # None: started by a forkserver (the parent is the server)
     threads: int
     timeout_s: float
-    fault: Optional[str] = None  # test-only fault hook, see _inject_fault
     env: dict = field(default_factory=dict)  # set in the child: a forkserver's children do not
                                              # inherit the kernel's environment of the moment
     kernel: Optional[tuple] = None  # (pid, start time) of the launching process, watched
@@ -136,7 +136,7 @@ class Context:
     """
 
     def __init__(self, rank: int, local_rank: int, world_size: int, device: torch.device,
-                 backend: str, run_dir: Path, fault: Optional[str] = None):
+                 backend: str, run_dir: Path):
         self.rank = rank
         self.local_rank = local_rank
         self.world_size = world_size
@@ -156,7 +156,6 @@ class Context:
         self._progress_file: Optional[RecordFile] = None
         self._tensorboard = None
         self._logged = 0  # ctx.log calls so far: TensorBoard's step when a record names none
-        self._fault = fault
         self._beat: Optional["_Heartbeat"] = None
         rundir.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
 
@@ -309,15 +308,6 @@ class Context:
             if self._stop and self._beat is not None:
                 self._beat.beat()  # tells the launcher this rank obeys: it lets it finish
         return self._stop
-
-    def fault_point(self, where: str) -> None:
-        """Test-only: fail here if the launch asked for a fault at ``where`` (see ``_inject_fault``)."""
-        if self._fault:
-            _inject_fault(self._fault, self.rank, where)
-
-    def fault_flag(self, where: str) -> bool:
-        """Test-only: True if the launch asked for the fault ``"<where>:<rank>:on"`` on this rank."""
-        return bool(self._fault) and f"{where}:{self.rank}:on" in self._fault.split(",")
 
     def close(self) -> None:
         if self._tensorboard is not None:
@@ -515,22 +505,27 @@ def _error_record(exc: BaseException, ctx: Optional[Context], rank: int, during_
     }
 
 
-def _inject_fault(fault: Optional[str], rank: int, where: str) -> None:
-    """Test-only fault hook: ``"<where>:<rank>:<action>"``, e.g. ``"start:1:raise"``."""
-    if not fault:
-        return
-    for item in fault.split(","):
-        f_where, f_rank, action = item.split(":")
-        if f_where == where and int(f_rank) == rank:
-            if action == "raise":
-                raise RuntimeError(f"injected fault on rank {rank}")
-            if action == "exit3":
-                os._exit(3)
-            if action == "sigkill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if action == "hang":
-                while True:
-                    time.sleep(1)
+#: The environment variable naming the per-rank start-up hook (see :func:`run_rank_hook`).
+RANK_HOOK_ENV = "NBDDP_RANK_HOOK"
+
+
+def run_rank_hook(rank: int) -> None:
+    """Call the per-rank start-up hook, if ``$NBDDP_RANK_HOOK`` names one.
+
+    ``NBDDP_RANK_HOOK="path/to/file.py:function"`` (or ``"package.module:function"``) is loaded
+    and called as ``function(rank)`` once in every rank, first thing: before the rank's output
+    goes to its log, before its process group exists and before the worker function is loaded.
+    It is the place for per-process set-up that must precede everything else: logging
+    configuration, ``faulthandler.enable()``, instrumentation or monkeypatches (nbddp's own tests
+    inject their faults this way, ``tests/workers/faults.py``). Set it with
+    ``spawn_train(..., env={"NBDDP_RANK_HOOK": "hooks.py:setup"})``, or export it before
+    torchrun/srun (it then runs at every restart; ``TORCHELASTIC_RESTART_COUNT`` says which).
+    ``RANK`` and friends may not be set yet: use the ``rank`` argument. An exception it raises
+    fails the rank like any other start-up error.
+    """
+    spec = os.environ.get(RANK_HOOK_ENV)
+    if spec:
+        load_target(spec)(rank)
 
 
 def entry(local_rank: int, spec: LaunchSpec) -> None:
@@ -546,7 +541,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
         os.environ.clear()  # exactly the launching kernel's environment of this launch
         os.environ.update(spec.env)
     rank = local_rank  # single-machine launch: global rank == local rank
-    _inject_fault(spec.fault, rank, "entry")
+    run_rank_hook(rank)
     run_dir = Path(spec.run_dir)
     redirect_output(rundir.rank_log(run_dir, rank))
     warnings.formatwarning = one_line_warning  # rank 0's log is echoed into the cell line by line
@@ -559,7 +554,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     # No CUDA call here: device set-up runs inside run_rank's error handling, so "invalid
     # device ordinal" or "no NVIDIA driver" reach the notebook as this rank's error.
     device = torch.device("cuda", local_rank) if spec.backend == "nccl" else torch.device("cpu")
-    ctx = Context(rank, local_rank, spec.world_size, device, spec.backend, run_dir, spec.fault)
+    ctx = Context(rank, local_rank, spec.world_size, device, spec.backend, run_dir)
 
     def init_process_group():
         from .dist import init_process_group as init_group
@@ -570,7 +565,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
         init_group(spec.backend, store, rank, spec.world_size, spec.timeout_s, device)
 
-    code, _ = run_rank(ctx, init_process_group, spec.target, spec.args, spec.kwargs, spec.fault, watch=spec.kernel,
+    code, _ = run_rank(ctx, init_process_group, spec.target, spec.args, spec.kwargs, watch=spec.kernel,
                        all_values=spec.all_values)
     # os._exit skips interpreter teardown: atexit hooks and non-daemon threads (DataLoader,
     # gloo) can deadlock there after the process group is gone; everything is flushed already.
@@ -578,7 +573,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
 
 
 def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs: dict,
-             fault: Optional[str] = None, watch: Optional[tuple] = None, all_values: bool = False) -> tuple:
+             watch: Optional[tuple] = None, all_values: bool = False) -> tuple:
     """Run one rank's target around heartbeats and error records; shared by every launcher.
 
     Returns:
@@ -591,11 +586,9 @@ def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs:
     beat.start()
     code, value = 0, None
     try:
-        _inject_fault(fault, ctx.rank, "start")
         init_process_group()
         beat.state = "running"
         fn = load_target(target)
-        _inject_fault(fault, ctx.rank, "run")
         value = fn(ctx, *args, **kwargs)
         if ctx.rank == 0 or all_values:
             rundir.write_result(ctx.run_dir, to_cpu(value), ctx.rank)

@@ -93,3 +93,8 @@ def make_tree(root: Path, classes=("a", "b", "c"), per_class: int = 12, size: in
 @pytest.fixture
 def tree(tmp_path):
     return make_tree(tmp_path / "data")
+
+
+def fault_env(spec: str) -> dict:
+    """Worker environment that injects the faults ``spec`` ("<where>:<rank>:<action>", see tests/workers/faults.py)."""
+    return {"NBDDP_RANK_HOOK": f"{WORKERS / 'faults.py'}:install", "NBDDP_FAULT": spec}

@@ -11,7 +11,7 @@ from nbddp.checkpoint import load_checkpoint, load_state_dict_file
 from nbddp.engine import evaluate
 from nbddp.inference import load_model, predict
 from nbddp.models import build_model
-from conftest import ROOT, WORKERS, make_tree, worker_children
+from conftest import ROOT, WORKERS, fault_env, make_tree, worker_children
 
 DIGITS = ROOT / "data" / "digits"
 
@@ -118,7 +118,7 @@ def test_resume_after_a_crash_ends_with_the_same_weights(tree, runs_dir, pipelin
     cfg = small_cfg(tree, runs_dir, epochs=3, data_pipeline=pipeline, num_workers=workers)
     straight = spawn_train(cfg.replace(name="straight"), echo=False)
     with pytest.raises(WorkerError) as info:
-        spawn_train(cfg.replace(name="crashy"), echo=False, _fault="epoch0:0:exit3")
+        spawn_train(cfg.replace(name="crashy"), echo=False, env=fault_env("epoch0:0:exit3"))
     crashed_dir = info.value.run_dir
     assert load_checkpoint(crashed_dir / "checkpoints" / "last.pt")["epoch"] == 0
     resumed = spawn_train(cfg.replace(name="crashy", resume=True), echo=False)
@@ -177,7 +177,7 @@ def test_config_round_trips_and_names_bad_fields(tmp_path):
 
 def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tree, runs_dir):
     with pytest.raises(WorkerError) as info:
-        spawn_train(small_cfg(tree, runs_dir), echo=False, _fault="nan0.1:1:on")
+        spawn_train(small_cfg(tree, runs_dir), echo=False, env=fault_env("nan0.1:1:on"))
     err = info.value
     assert err.rank == 1 and err.exc_type == "NonFiniteLossError"
     assert (err.epoch, err.step) == (0, 1)

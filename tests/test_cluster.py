@@ -14,7 +14,7 @@ from nbddp import TrainConfig, spawn_train
 from nbddp.checkpoint import load_checkpoint
 from nbddp.cluster import cli_flags
 from nbddp.elastic import first_host
-from conftest import ROOT, WORKERS
+from conftest import ROOT, WORKERS, fault_env
 
 PY = sys.executable
 
@@ -92,7 +92,7 @@ def test_torchrun_restart_resumes_from_the_checkpoint(tree, runs_dir, tmp_path):
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
            "--max-restarts=1", "-m", "nbddp", "train", *cli_flags(cfg), "--run-dir", str(run_dir)]
     # rank 0 dies (SIGKILL) right after checkpointing epoch 0, on the first attempt only
-    out = subprocess.run(cmd, env=child_env(NBDDP_FAULT="epoch0:0:sigkill"), capture_output=True, text=True, timeout=400)
+    out = subprocess.run(cmd, env=child_env(**fault_env("epoch0:0:sigkill")), capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "(restart 1)" in log and f"resumed from {run_dir / 'checkpoints' / 'last.pt'} at epoch 1" in log
@@ -130,12 +130,12 @@ def test_resume_across_launchers_notebook_torchrun_notebook(tree, runs_dir):
     straight = spawn_train(cfg_for(tree, runs_dir, epochs=3, name="straight"), echo=False)
     cfg = cfg_for(tree, runs_dir, epochs=3, name="hop")
     with pytest.raises(WorkerError):  # the notebook run dies after epoch 0
-        spawn_train(cfg, echo=False, _fault="epoch0:0:exit3")
+        spawn_train(cfg, echo=False, env=fault_env("epoch0:0:exit3"))
     run_dir = next(runs_dir.glob("*-hop"))
     # torchrun continues it, and dies after epoch 1
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2", "-m", "nbddp",
            "train", "--config", str(run_dir / "config.json"), "--resume", str(run_dir)]
-    out = subprocess.run(cmd, env=child_env(NBDDP_FAULT="epoch1:0:exit3"), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, env=child_env(**fault_env("epoch1:0:exit3")), capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["epoch"] == 1
     # and the notebook finishes it

@@ -19,7 +19,7 @@ import pytest
 
 from nbddp import ConfigError, TrainConfig, WeightsError, WorkerError, cleanup, spawn_train
 from nbddp.checkpoint import load_checkpoint
-from conftest import WORKERS, make_tree, survivors, wait_for, worker_children
+from conftest import WORKERS, fault_env, make_tree, survivors, wait_for, worker_children
 
 FAULTY = str(WORKERS / "faulty.py")
 
@@ -66,13 +66,19 @@ def test_fault_in_builtin_worker(tree, runs_dir, name):
     cfg = cfg_for(tree, runs_dir)
     t0 = time.time()
     with pytest.raises(WorkerError) as info:
-        spawn_train(cfg, echo=False, grace_s=1.0, _fault=fault, **launch_kw)
+        spawn_train(cfg, echo=False, grace_s=1.0, env=fault_env(fault), **launch_kw)
     err = info.value
     assert time.time() - t0 < 90, "bounded by grace + a few seconds, never the default timeout"
     assert err.rank == root, str(err)
     assert err.epoch == epoch and (step is None or err.step == step), str(err)
     assert text in str(err)
     assert_recoverable(err, cfg)
+
+
+def test_rank_hook_runs_first_in_every_rank(runs_dir):
+    result = spawn_train(f"{FAULTY}:env_var", nprocs=2, runs_dir=runs_dir, echo=False, kwargs={"name": "HOOKED"},
+                         env={"NBDDP_RANK_HOOK": f"{FAULTY}:mark_rank"})
+    assert result.value == "0 None", "called with the rank, before the rank's variables are set"
 
 
 def test_external_sigterm_to_a_worker(runs_dir):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from nbddp import WorkerError, spawn_train
 from nbddp.report import RankEnd, build_worker_error
 from nbddp.runtime import is_secondary, one_line_warning
-from conftest import EXAMPLES, WORKERS, make_tree, survivors
+from conftest import EXAMPLES, WORKERS, fault_env, make_tree, survivors
 from fake_gpu import install_fake_nvidia_smi
 
 EVAL = f"{WORKERS / 'eval_worker.py'}"
@@ -31,7 +31,7 @@ def _torch_error_files():
 def test_failure_before_nbddp_error_handling_is_quoted_and_its_torch_error_file_removed(runs_dir):
     before = _torch_error_files()
     h = spawn_train(f"{EVAL}:warn_once", nprocs=2, runs_dir=runs_dir, block=False, echo=False,
-                    _fault="entry:1:raise")
+                    env=fault_env("entry:1:raise"))
     with pytest.raises(WorkerError) as info:
         h.wait(timeout=120)
     err = info.value

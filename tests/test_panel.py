@@ -14,7 +14,7 @@ import nbddp.ui.panel as panel_mod
 from nbddp import ConfigError, DataError, TrainConfig, TrainingInterrupted, TrainResult, WorkerError
 from nbddp.gpus import GPUInfo
 from nbddp.ui import TrainingPanel
-from conftest import make_tree, survivors, wait_for, worker_children
+from conftest import fault_env, make_tree, survivors, wait_for, worker_children
 
 PROGRESS = re.compile(r"epoch \d+/(\d+) · step \d+/\d+ · loss \d+\.\d{4} · [\d,]+ img/s")
 
@@ -261,9 +261,9 @@ print(json.dumps({{k: getattr(panel, k).model_id for k in ('train_button', 'prog
 
 @pytest.mark.timeout(120)
 def test_a_failing_rank_is_named_in_red(tmp_path, monkeypatch):
-    # The launcher's test-only fault hook: rank 1 raises after its first epoch.
+    # The test fault hook (tests/workers/faults.py): rank 1 raises after its first epoch.
     real = panel_mod.spawn_train
-    monkeypatch.setattr(panel_mod, "spawn_train", lambda cfg, **kw: real(cfg, _fault="epoch0:1:raise", **kw))
+    monkeypatch.setattr(panel_mod, "spawn_train", lambda cfg, **kw: real(cfg, env=fault_env("epoch0:1:raise"), **kw))
     panel = TrainingPanel(small_cfg(tmp_path))
     panel.train_button.click()
     with pytest.raises(WorkerError) as err:

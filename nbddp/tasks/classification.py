@@ -10,34 +10,26 @@ once (no sampler padding), and checkpoints hold plain values that load with
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import errno
 import json
 import os
 import random
-import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import data as D
-from ..checkpoint import atomic_save, cleanup_temp_files, export_weights, load_checkpoint
+from .. import rundir
+from ..checkpoint import atomic_save, export_weights, load_checkpoint
 from ..config import TrainConfig
-from ..dist import barrier, check_same, data_parallel, sync_buffers_from_main
-from ..engine import agree_on_error, autocast_dtype, cosine_lambda, evaluate, grad_scaler, train_one_epoch
+from ..dist import agree_on_error, barrier, check_same, data_parallel, sync_buffers_from_main
+from ..engine import autocast_dtype, cosine_lambda, evaluate, grad_scaler, train_one_epoch
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
-from .. import rundir
-from ..rundir import STATE_DIR
 from ..sync_bn import convert_sync_batchnorm
 from . import LaunchPlan
-
-CKPT_DIR = "checkpoints"
-EXPORT_DIR = "export"
-
 
 # ------------------------------------------------------------------------------ kernel side
 TARGET = "nbddp.tasks.classification:train"
@@ -193,60 +185,6 @@ def _check_writable(folder: Path) -> None:
         raise ConfigError(f"TrainConfig.runs_dir={str(folder)!r} is not writable ({exc}); choose another folder") from exc
 
 
-#: Folder names ``spawn_train`` gives runs: ``<YYYYmmdd-HHMMSS>-<name>``, then ``-2``, ``-3``... for
-#: runs of the same name started in the same second.
-_STAMPED_RUN = re.compile(r"(\d{8}-\d{6})-(.+?)(?:-(\d+))?\Z")
-
-
-def _recorded_name(run_dir: Path) -> Optional[str]:
-    try:
-        name = json.loads((run_dir / "config.json").read_text(encoding="utf-8")).get("name")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return name if isinstance(name, str) else None
-
-
-def _is_run_of(run_dir: Path, name: str) -> bool:
-    """The run's own config names it ``name``; without a config, its folder name must match exactly."""
-    recorded = _recorded_name(run_dir)
-    if recorded is not None:
-        return recorded == name
-    return re.fullmatch(r"\d{8}-\d{6}-" + re.escape(name) + r"(-\d+)?", run_dir.name) is not None
-
-
-def _run_started(run_dir: Path) -> tuple:
-    """Sort key: when the run was last launched, from its own records, newest last.
-
-    The launch record's ``started`` (spawn_train), else the time config.json was written (every
-    launch writes it, torchrun/srun ones too), else the time stamp in the folder name; the
-    same-second counter ``-N`` breaks ties. Folder times are not used: copying, exporting or
-    writing a file into a run changes them.
-    """
-    m = _STAMPED_RUN.match(run_dir.name)
-    counter = int(m.group(3)) if m and m.group(3) else 1
-    with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):
-        record = json.loads((run_dir / STATE_DIR / "launch.json").read_text())
-        return (float(record["started"]), counter, run_dir.name)
-    with contextlib.suppress(OSError):
-        return ((run_dir / "config.json").stat().st_mtime, counter, run_dir.name)
-    if m:
-        with contextlib.suppress(ValueError):
-            return (datetime.datetime.strptime(m.group(1), "%Y%m%d-%H%M%S").timestamp(), counter, run_dir.name)
-    return ((run_dir / CKPT_DIR / "last.pt").stat().st_mtime, counter, run_dir.name)
-
-
-def _newest_run(cfg: TrainConfig) -> Path:
-    runs_dir = Path(cfg.runs_dir)
-    # Listing, not glob: a name is matched as text, never as a pattern.
-    folders = [p for p in runs_dir.iterdir() if p.is_dir()] if runs_dir.is_dir() else []
-    candidates = [p for p in folders if (p / CKPT_DIR / "last.pt").is_file() and _is_run_of(p, cfg.name)]
-    if not candidates:
-        raise ConfigError(
-            f"TrainConfig.resume=True but no run named {cfg.name!r} with a checkpoint is in {cfg.runs_dir}; "
-            "pass the run folder as resume='runs/<run>' or start without resume")
-    return max(candidates, key=_run_started)
-
-
 def _check_same_run(run_dir: Path, ckpt: dict, cfg: TrainConfig, classes: Optional[list]) -> None:
     """Refuse to continue a checkpoint with another model or other classes: it would mix two runs."""
     trained = ckpt.get("config", {}).get("model")
@@ -279,7 +217,7 @@ def find_resume_dir(cfg: TrainConfig, classes: Optional[list] = None) -> Path:
 
     Args:
         cfg: the config; ``resume=True`` takes the newest run named exactly ``cfg.name`` in
-            ``cfg.runs_dir`` (by recorded start, see :func:`_run_started`), a path takes that run.
+            ``cfg.runs_dir`` (by recorded start, see :func:`nbddp.rundir.run_started`), a path takes that run.
         classes: the class names found in ``cfg.data_path``; when given, a checkpoint trained on
             other classes is refused.
 
@@ -289,11 +227,15 @@ def find_resume_dir(cfg: TrainConfig, classes: Optional[list] = None) -> Path:
     """
     if isinstance(cfg.resume, str):
         run_dir = Path(cfg.resume)
-        if run_dir.name == "last.pt":
+        if run_dir.name == rundir.checkpoint_path(run_dir, rundir.LAST).name:  # .../checkpoints/last.pt
             run_dir = run_dir.parent.parent
     else:
-        run_dir = _newest_run(cfg)
-    last = run_dir / CKPT_DIR / "last.pt"
+        run_dir = rundir.newest_run(cfg.runs_dir, cfg.name)
+        if run_dir is None:
+            raise ConfigError(
+                f"TrainConfig.resume=True but no run named {cfg.name!r} with a checkpoint is in {cfg.runs_dir}; "
+                "pass the run folder as resume='runs/<run>' or start without resume")
+    last = rundir.checkpoint_path(run_dir, rundir.LAST)
     if not last.exists():
         raise ConfigError(f"TrainConfig.resume={cfg.resume!r}: no checkpoint at {last}; nothing to resume")
     ckpt = load_checkpoint(last)  # weights-only: a tampered or truncated file is refused here
@@ -318,27 +260,55 @@ def _seed_epoch(seed: int, epoch: int, rank: int) -> None:
     random.seed(s)
 
 
-def _loaders(cfg: TrainConfig, ctx, classes, train_s, val_s):
-    """``(sampler, train_loader, val_loader, train_transform, val_transform)`` for the config.
+@dataclass
+class _Loaders:
+    """This rank's loaders; the transforms are batch transforms run on the device (tensor pipeline), else None."""
 
-    The transforms are ``None`` for the PIL pipeline (the loaders apply them per image) and
-    batch transforms run on the device for the tensor pipeline.
-    """
-    cuda = ctx.device.type == "cuda"
+    sampler: DistributedSampler  # the training shuffle: set_epoch every epoch
+    train: Any
+    val: Any
+    train_transform: Optional[Callable] = None
+    val_transform: Optional[Callable] = None
+
+
+@dataclass
+class _Data:
+    classes: List[str]
+    num_classes: int
+    train_samples: list
+    val_samples: list
+    loaders: _Loaders
+
+
+@dataclass
+class _Trainer:
+    """The model and what trains it."""
+
+    model: torch.nn.Module  # the bare model: checkpoints, evaluation, export
+    ddp: torch.nn.Module    # what trains: DDP around the model, or the model itself when it is the only rank
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any             # a GradScaler for fp16 autocast, else None
+    amp_dtype: Optional[torch.dtype]
+    channels_last: bool
+
+
+@dataclass
+class _Progress:
+    """Where the run stands: what a checkpoint keeps and a resumed run starts from."""
+
+    start_epoch: int = 0
+    best: float = -1.0
+    best_epoch: int = -1
+    history: list = field(default_factory=list)
+    stopped: bool = False
+
+
+def _loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
+    """The loaders of the configured pipeline: decoded tensors on the device, or PIL images per item."""
     if cfg.data_pipeline == "tensor":
-        from .. import tensor_data as TD
-
-        workers = D.loader_workers(ctx.world_size) if cfg.num_workers is None else cfg.num_workers
-        train_cache = TD.TensorCache(train_s, cfg.image_size, ctx.device, workers)
-        val_cache = TD.TensorCache(val_s, cfg.image_size, ctx.device, workers)
-        sampler = DistributedSampler(train_cache, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                     seed=cfg.seed)
-        train_loader = TD.TensorBatches(train_cache, sampler, cfg.batch_size, drop_last=True)
-        val_loader = TD.TensorBatches(val_cache, D.ShardSampler(len(val_cache), ctx.rank, ctx.world_size),
-                                      cfg.batch_size)
-        return (sampler, train_loader, val_loader,
-                TD.BatchAugment(cfg.image_size, cfg.crop_scale, cfg.hflip), TD.CenterCropNormalize(cfg.image_size))
-
+        return _tensor_loaders(cfg, ctx, train_s, val_s)
+    cuda = ctx.device.type == "cuda"
     train_tf, val_tf = D.build_transforms(cfg.image_size, cfg.crop_scale, cfg.hflip)
     train_ds = D.ImageListDataset(train_s, train_tf, cache=cfg.cache_images)
     val_ds = D.ImageListDataset(val_s, val_tf, cache=cfg.cache_images)
@@ -360,10 +330,35 @@ def _loaders(cfg: TrainConfig, ctx, classes, train_s, val_s):
                               **common)
     val_loader = DataLoader(val_ds, batch_size=cfg.batch_size,
                             sampler=D.ShardSampler(len(val_ds), ctx.rank, ctx.world_size), **common)
-    return sampler, train_loader, val_loader, None, None
+    return _Loaders(sampler, train_loader, val_loader)
 
 
-def _build(cfg: TrainConfig, ctx, num_classes: int):
+def _tensor_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
+    from .. import tensor_data as TD
+
+    workers = D.loader_workers(ctx.world_size) if cfg.num_workers is None else cfg.num_workers
+    train_cache = TD.TensorCache(train_s, cfg.image_size, ctx.device, workers)
+    val_cache = TD.TensorCache(val_s, cfg.image_size, ctx.device, workers)
+    sampler = DistributedSampler(train_cache, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                 seed=cfg.seed)
+    train_loader = TD.TensorBatches(train_cache, sampler, cfg.batch_size, drop_last=True)
+    val_loader = TD.TensorBatches(val_cache, D.ShardSampler(len(val_cache), ctx.rank, ctx.world_size),
+                                  cfg.batch_size)
+    return _Loaders(sampler, train_loader, val_loader,
+                    TD.BatchAugment(cfg.image_size, cfg.crop_scale, cfg.hflip), TD.CenterCropNormalize(cfg.image_size))
+
+
+def _load_data(cfg: TrainConfig, ctx) -> _Data:
+    classes, samples = D.scan_class_folders(cfg.data_path)
+    train_s, val_s = D.split_samples(samples, cfg.val_fraction, cfg.seed)
+    if ctx.is_main:
+        rundir.write_class_indices(ctx.run_dir, classes)
+        print(f"data: {len(classes)} classes, {len(train_s)} train / {len(val_s)} val images; "
+              f"{ctx.world_size} x {ctx.device.type} ({ctx.backend})", flush=True)
+    return _Data(classes, cfg.num_classes or len(classes), train_s, val_s, _loaders(cfg, ctx, train_s, val_s))
+
+
+def _build(cfg: TrainConfig, ctx, num_classes: int) -> _Trainer:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts)
     model = build_model(cfg.model, num_classes)
     if cfg.weights:
@@ -381,7 +376,8 @@ def _build(cfg: TrainConfig, ctx, num_classes: int):
     # The input shape is fixed, so cuDNN may time its algorithms once and keep the fastest
     # (at the price of run-to-run bit-exactness on GPUs; the CPU path is unaffected).
     torch.backends.cudnn.benchmark = cuda
-    model = model.to(ctx.device, memory_format=torch.channels_last if cfg.channels_last and cuda else torch.preserve_format)
+    channels_last = cfg.channels_last and cuda
+    model = model.to(ctx.device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     ddp = data_parallel(model, ctx.device)  # the bare model when this is the only rank
     lr = cfg.lr * ctx.world_size if cfg.scale_lr else cfg.lr
     params = [p for p in model.parameters() if p.requires_grad]
@@ -389,7 +385,24 @@ def _build(cfg: TrainConfig, ctx, num_classes: int):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=cosine_lambda(cfg.epochs, cfg.lrf))
     amp_dtype = autocast_dtype(ctx.device) if cfg.amp else None
     scaler = grad_scaler(ctx.device, amp_dtype)  # fp16 only (GPUs before compute capability 8.0)
-    return model, ddp, optimizer, scheduler, scaler, amp_dtype
+    return _Trainer(model, ddp, optimizer, scheduler, scaler, amp_dtype, channels_last)
+
+
+def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
+    """Continue from the run's last checkpoint when resuming: weights, optimizer, schedule, history."""
+    last = rundir.checkpoint_path(ctx.run_dir, rundir.LAST)
+    if not (cfg.resume and last.exists()):
+        return _Progress()
+    ck = load_checkpoint(last)
+    t.model.load_state_dict(ck["model"])
+    t.optimizer.load_state_dict(ck["optimizer"])
+    t.scheduler.load_state_dict(ck["scheduler"])
+    if t.scaler is not None and ck.get("scaler"):
+        t.scaler.load_state_dict(ck["scaler"])
+    progress = _Progress(ck["epoch"] + 1, ck["best_accuracy"], ck["best_epoch"], list(ck.get("history", [])))
+    if ctx.is_main:
+        print(f"resumed from {last} at epoch {progress.start_epoch}", flush=True)
+    return progress
 
 
 def _writer(cfg: TrainConfig, ctx):
@@ -398,7 +411,7 @@ def _writer(cfg: TrainConfig, ctx):
     from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
-    writer = SummaryWriter(str(ctx.run_dir / "tensorboard"), flush_secs=2)
+    writer = SummaryWriter(str(rundir.tensorboard_dir(ctx.run_dir)), flush_secs=2)
     hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in cfg.to_dict().items()}
     hp["world_size"] = ctx.world_size
     # Written into the run's own event file (add_hparams would make a second run folder).
@@ -407,132 +420,133 @@ def _writer(cfg: TrainConfig, ctx):
     return writer
 
 
-def _checkpoint(model, optimizer, scheduler, scaler, epoch, best, best_epoch, cfg, classes, history) -> dict:
+def _checkpoint(t: _Trainer, progress: _Progress, epoch: int, cfg: TrainConfig, classes) -> dict:
     # Plain values only, so it loads with torch.load(weights_only=True).
     return {
-        "model": model.state_dict(),  # the bare model: no "module." prefix
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else None,
+        "model": t.model.state_dict(),  # the bare model: no "module." prefix
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
+        "scaler": t.scaler.state_dict() if t.scaler is not None else None,
         "epoch": epoch,
-        "best_accuracy": best,
-        "best_epoch": best_epoch,
+        "best_accuracy": progress.best,
+        "best_epoch": progress.best_epoch,
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []},
         "config": cfg.to_dict(),
         "classes": list(classes),
-        "history": history,
+        "history": progress.history,
     }
 
 
 def train(ctx, cfg: TrainConfig) -> dict:
     """Train, evaluate exactly, checkpoint, export. Returns a small summary (rank 0's is kept)."""
-    classes, samples = D.scan_class_folders(cfg.data_path)
-    num_classes = cfg.num_classes or len(classes)
-    train_s, val_s = D.split_samples(samples, cfg.val_fraction, cfg.seed)
+    data = _load_data(cfg, ctx)
+    t = _build(cfg, ctx, data.num_classes)
+    progress = _resume(cfg, ctx, t)
     if ctx.is_main:
-        rundir.write_class_indices(ctx.run_dir, classes)
-        print(f"data: {len(classes)} classes, {len(train_s)} train / {len(val_s)} val images; "
-              f"{ctx.world_size} x {ctx.device.type} ({ctx.backend})", flush=True)
-    sampler, train_loader, val_loader, train_tf, val_tf = _loaders(cfg, ctx, classes, train_s, val_s)
-    model, ddp, optimizer, scheduler, scaler, amp_dtype = _build(cfg, ctx, num_classes)
-    channels_last = cfg.channels_last and ctx.device.type == "cuda"
-
-    ckpt_dir = ctx.run_dir / CKPT_DIR
-    start_epoch, best, best_epoch, history = 0, -1.0, -1, []
-    if cfg.resume and (ckpt_dir / "last.pt").exists():
-        ck = load_checkpoint(ckpt_dir / "last.pt")
-        model.load_state_dict(ck["model"])
-        optimizer.load_state_dict(ck["optimizer"])
-        scheduler.load_state_dict(ck["scheduler"])
-        if scaler is not None and ck.get("scaler"):
-            scaler.load_state_dict(ck["scaler"])
-        start_epoch, best, best_epoch = ck["epoch"] + 1, ck["best_accuracy"], ck["best_epoch"]
-        history = list(ck.get("history", []))
-        if ctx.is_main:
-            print(f"resumed from {ckpt_dir / 'last.pt'} at epoch {start_epoch}", flush=True)
-    if ctx.is_main:
-        cleanup_temp_files(ckpt_dir)  # leftovers of a crash between temp write and rename
-
-    check_same(len(train_loader), "training steps per epoch")
+        rundir.cleanup_temp_files(rundir.checkpoints_dir(ctx.run_dir))  # a crash between temp write and rename
+    check_same(len(data.loaders.train), "training steps per epoch")
     writer = _writer(cfg, ctx)
-    stopped = False
-    global_step = start_epoch * len(train_loader)
-    for epoch in range(start_epoch, cfg.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+    _train_epochs(cfg, ctx, data, t, progress, writer)
+    if writer is not None:
+        writer.close()
+    barrier()  # best.pt is complete before any rank reads it
+    return _final_pass(cfg, ctx, data, t, progress)
+
+
+def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress, writer) -> None:
+    """Epochs from ``progress.start_epoch`` on: train, validate, log, save; a stop request ends them."""
+    global_step = progress.start_epoch * len(data.loaders.train)
+    for epoch in range(progress.start_epoch, cfg.epochs):
+        data.loaders.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         _seed_epoch(cfg.seed, epoch, ctx.rank)
-        lr = optimizer.param_groups[0]["lr"]
+        lr = t.optimizer.param_groups[0]["lr"]
 
         def on_step(step, loss, _base=global_step):
             if writer is not None:
                 writer.add_scalar("train_loss_step", loss, _base + step)
 
-        stats = train_one_epoch(ddp, optimizer, train_loader, ctx.device, epoch, ctx=ctx, scaler=scaler,
-                                amp_dtype=amp_dtype, channels_last=channels_last, on_step=on_step,
-                                batch_transform=train_tf)
+        stats = train_one_epoch(t.ddp, t.optimizer, data.loaders.train, ctx.device, epoch, ctx=ctx, scaler=t.scaler,
+                                amp_dtype=t.amp_dtype, channels_last=t.channels_last, on_step=on_step,
+                                batch_transform=data.loaders.train_transform)
         global_step += stats.steps
         if stats.stopped:
-            stopped = True
+            progress.stopped = True
             if ctx.is_main:
                 saved = f"the last checkpoint is epoch {epoch}" if epoch > 0 else "no epoch was completed"
                 print(f"stop requested: leaving epoch {epoch + 1} at step {stats.steps}; {saved}", flush=True)
-            break
-        sync_buffers_from_main(model)
-        ev = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last, batch_transform=val_tf, ctx=ctx)
-        scheduler.step()
-        record = {"epoch": epoch, "train_loss": stats.loss, "val_loss": ev.loss, "val_accuracy": ev.accuracy,
-                  "val_images": ev.count, "lr": lr, "seconds": stats.seconds, "images_per_s": stats.images_per_s,
-                  "rss_mb": _rss_mb()}
-        history.append(record)
-        ctx.log(**record)
-        improved = ev.accuracy > best
-        if improved:
-            best, best_epoch = ev.accuracy, epoch
-        if ctx.is_main:
-            print(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {stats.loss:.4f}  val_loss {ev.loss:.4f}  "
-                  f"val_acc {ev.accuracy:.4f}  lr {lr:.5f}  {stats.seconds:.1f}s  "
-                  f"{stats.images_per_s:.0f} img/s{'  *best*' if improved else ''}", flush=True)
-            writer.add_scalar("loss", stats.loss, epoch)
-            writer.add_scalar("val_loss", ev.loss, epoch)
-            writer.add_scalar("accuracy", ev.accuracy, epoch)
-            writer.add_scalar("learning_rate", lr, epoch)
-            writer.flush()
-        save_error = None
-        if ctx.is_main:
-            try:
-                if ctx.fault_flag(f"diskfull{epoch}"):
-                    raise OSError(errno.ENOSPC, f"No space left on device (injected) writing {ckpt_dir / 'last.pt'}")
-                ck = _checkpoint(model, optimizer, scheduler, scaler, epoch, best, best_epoch, cfg, classes, history)
-                atomic_save(ck, ckpt_dir / "last.pt")
-                if improved:
-                    atomic_save({"model": ck["model"], "epoch": epoch, "accuracy": best, "classes": list(classes),
-                                 "config": ck["config"]}, ckpt_dir / "best.pt")
-            except OSError as exc:  # disk full, quota, permissions: the previous checkpoint is intact
-                save_error = exc
-        agree_on_error(save_error, f"saving the checkpoint of epoch {epoch}")
-        ctx.fault_point(f"epoch{epoch}")
+            return
+        sync_buffers_from_main(t.model)
+        ev = evaluate(t.model, data.loaders.val, ctx.device, t.amp_dtype, t.channels_last,
+                      batch_transform=data.loaders.val_transform, ctx=ctx)
+        t.scheduler.step()
+        improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr)
+        _save_epoch(cfg, ctx, data, t, progress, epoch, improved)
 
-    if writer is not None:
-        writer.close()
-    barrier()  # best.pt is complete before any rank reads it
-    summary = {"run_dir": str(ctx.run_dir), "classes": list(classes), "best_accuracy": best,
-               "best_epoch": best_epoch, "metrics": history, "stopped": stopped, "weights_path": None}
-    if best_epoch < 0:
-        return summary
-    # Final pass with the best weights: the exported model's own validation predictions.
-    best_state = load_checkpoint(ckpt_dir / "best.pt")["model"]
-    model.load_state_dict(best_state)
-    final = evaluate(model, val_loader, ctx.device, amp_dtype, channels_last, gather_predictions=True,
-                     batch_transform=val_tf, ctx=ctx)
+
+def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int, stats, ev, lr: float) -> bool:
+    """The epoch's metrics into the history, ctx.log, the cell and TensorBoard; True if it is the best so far."""
+    record = {"epoch": epoch, "train_loss": stats.loss, "val_loss": ev.loss, "val_accuracy": ev.accuracy,
+              "val_images": ev.count, "lr": lr, "seconds": stats.seconds, "images_per_s": stats.images_per_s,
+              "rss_mb": _rss_mb()}
+    progress.history.append(record)
+    ctx.log(**record)
+    improved = ev.accuracy > progress.best
+    if improved:
+        progress.best, progress.best_epoch = ev.accuracy, epoch
     if ctx.is_main:
-        meta = {"model": cfg.model, "num_classes": num_classes, "image_size": cfg.image_size,
-                "epoch": best_epoch, "val_accuracy": final.accuracy}
-        paths = export_weights(best_state, ctx.run_dir / EXPORT_DIR, classes, extra=meta)
-        preds = [{"path": os.path.abspath(val_s[i][0]), "label": val_s[i][1], "pred": p}
-                 for i, p in final.predictions]
-        (ctx.run_dir / "val_predictions.json").write_text(json.dumps(preds))
-        summary["weights_path"] = str(paths["pth"])
-        print(f"best val_acc {final.accuracy:.4f} (epoch {best_epoch + 1}); weights exported to "
-              f"{ctx.run_dir / EXPORT_DIR}", flush=True)
+        print(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {stats.loss:.4f}  val_loss {ev.loss:.4f}  "
+              f"val_acc {ev.accuracy:.4f}  lr {lr:.5f}  {stats.seconds:.1f}s  "
+              f"{stats.images_per_s:.0f} img/s{'  *best*' if improved else ''}", flush=True)
+        for tag, value in (("loss", stats.loss), ("val_loss", ev.loss), ("accuracy", ev.accuracy),
+                           ("learning_rate", lr)):
+            writer.add_scalar(tag, value, epoch)
+        writer.flush()
+    return improved
+
+
+def _save_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress, epoch: int,
+                improved: bool) -> None:
+    """Rank 0 saves last.pt (and best.pt); every rank raises if that failed, the rest PeerError."""
+    save_error = None
+    if ctx.is_main:
+        try:
+            ck = _checkpoint(t, progress, epoch, cfg, data.classes)
+            atomic_save(ck, rundir.checkpoint_path(ctx.run_dir, rundir.LAST))
+            if improved:
+                atomic_save({"model": ck["model"], "epoch": epoch, "accuracy": progress.best,
+                             "classes": list(data.classes), "config": ck["config"]},
+                            rundir.checkpoint_path(ctx.run_dir, rundir.BEST))
+        except OSError as exc:  # disk full, quota, permissions: the previous checkpoint is intact
+            save_error = exc
+    agree_on_error(save_error, f"saving the checkpoint of epoch {epoch}")
+
+
+def _final_pass(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress) -> dict:
+    """Evaluate the best weights (the exported model's own validation predictions) and export them."""
+    summary = {"run_dir": str(ctx.run_dir), "classes": list(data.classes), "best_accuracy": progress.best,
+               "best_epoch": progress.best_epoch, "metrics": progress.history, "stopped": progress.stopped,
+               "weights_path": None}
+    if progress.best_epoch < 0:
+        return summary
+    best_state = load_checkpoint(rundir.checkpoint_path(ctx.run_dir, rundir.BEST))["model"]
+    t.model.load_state_dict(best_state)
+    final = evaluate(t.model, data.loaders.val, ctx.device, t.amp_dtype, t.channels_last, gather_predictions=True,
+                     batch_transform=data.loaders.val_transform, ctx=ctx)
+    if ctx.is_main:
+        summary["weights_path"] = str(_export(cfg, ctx, data, best_state, progress.best_epoch, final))
     summary["final_accuracy"] = final.accuracy
     return summary
+
+
+def _export(cfg: TrainConfig, ctx, data: _Data, best_state, best_epoch: int, final) -> Path:
+    """Rank 0: the export folder and val_predictions.json; returns the exported .pth."""
+    meta = {"model": cfg.model, "num_classes": data.num_classes, "image_size": cfg.image_size,
+            "epoch": best_epoch, "val_accuracy": final.accuracy}
+    export_dir = rundir.export_dir(ctx.run_dir)
+    paths = export_weights(best_state, export_dir, data.classes, extra=meta)
+    preds = [{"path": os.path.abspath(data.val_samples[i][0]), "label": data.val_samples[i][1], "pred": p}
+             for i, p in final.predictions]
+    rundir.atomic_write_text(json.dumps(preds), rundir.val_predictions_path(ctx.run_dir))
+    print(f"best val_acc {final.accuracy:.4f} (epoch {best_epoch + 1}); weights exported to {export_dir}", flush=True)
+    return paths["pth"]

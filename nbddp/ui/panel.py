@@ -521,9 +521,7 @@ class TrainingPanel:
             self._ended.wait()
             if isinstance(handle.outcome, BaseException):
                 raise handle.outcome from None
-            raise TrainingInterrupted(f"training interrupted: all {handle.world_size} workers were stopped and "
-                                      f"reaped. Logs and the last checkpoint are kept in {handle.run_dir}",
-                                      run_dir=handle.run_dir) from None
+            raise TrainingInterrupted.for_run("interrupted", handle.world_size, handle.run_dir) from None
         if isinstance(handle.outcome, BaseException):
             raise handle.outcome
         return handle.outcome

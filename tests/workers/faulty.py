@@ -103,3 +103,8 @@ def barrier_then_wait_for_file(ctx, path: str):
         time.sleep(0.1)
     dist.barrier()
     return "done"
+
+
+def mark_rank(rank: int):
+    """A rank start-up hook (NBDDP_RANK_HOOK): leaves its rank and the environment it saw."""
+    os.environ["HOOKED"] = f"{rank} {os.environ.get('RANK')}"

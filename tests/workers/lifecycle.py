@@ -38,10 +38,10 @@ def _builtin_loaders(ctx, data_path: str, num_workers: int):
 
     cfg = TrainConfig(data_path=data_path, image_size=16, batch_size=2, num_workers=num_workers,
                       nprocs=ctx.world_size, hflip=False)
-    classes, samples = D.scan_class_folders(data_path)
+    _, samples = D.scan_class_folders(data_path)
     train_s, val_s = D.split_samples(samples, cfg.val_fraction, cfg.seed)
-    sampler, train_loader, val_loader, _, _ = _loaders(cfg, ctx, classes, train_s, val_s)
-    return sampler, train_loader, val_loader
+    loaders = _loaders(cfg, ctx, train_s, val_s)
+    return loaders.sampler, loaders.train, loaders.val
 
 
 class _Pid(Dataset):

@@ -1,0 +1,193 @@
+"""The fault matrix, injected through nbddp's per-rank start-up hook (``NBDDP_RANK_HOOK``).
+
+``NBDDP_FAULT`` lists ``"<where>:<rank>:<action>"`` items, comma-separated; :func:`install` runs
+first thing in every rank (``nbddp.runtime.run_rank_hook``) and arms the items of its own rank by
+wrapping what the rank calls at that point. ``conftest.fault_env(spec)`` builds the environment
+that turns it on. Nothing here is in nbddp's own code paths.
+
+where:
+    ``entry``         at once, in the hook: before the rank's log, process group or worker
+    ``start``         just before the process group is set up (inside nbddp's error handling)
+    ``run``           after the process group is up, just before the worker function is called
+    ``step<E>.<S>``   at the top of training step S of epoch E, once its heartbeat is written
+                      and before its batch moves to the device
+    ``epoch<E>``      once the ranks agreed that epoch E's checkpoint was saved (``last.pt``
+                      holds epoch E)
+    ``nan<E>.<S>``    (action ``on``) the loss of step S of epoch E is NaN on this rank alone
+    ``diskfull<E>``   (action ``on``) saving epoch E's ``last.pt`` fails with ENOSPC
+
+action: ``raise`` (RuntimeError), ``exit3`` (``os._exit(3)``), ``sigkill``, ``hang``, or ``on``.
+
+Under torchrun/srun the faults apply to the first attempt only, so that a restart can recover.
+"""
+
+import errno
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+FAULT_ENV = "NBDDP_FAULT"
+_ACTIONS = ("raise", "exit3", "sigkill", "hang")
+_FLAGS = ("nan", "diskfull")
+
+#: The rank's Context, recorded when the rank creates it: where training is (epoch, step, phase).
+_rank_ctx = None
+
+
+def _act(action: str, rank: int) -> None:
+    if action == "raise":
+        raise RuntimeError(f"injected fault on rank {rank}")
+    if action == "exit3":
+        os._exit(3)
+    if action == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "hang":
+        while True:
+            time.sleep(1)
+
+
+def _parse(spec: str, rank: int) -> dict:
+    """``{where: action}`` of this rank's items; refuses what it does not know."""
+    mine = {}
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        where, f_rank, action = item.split(":")
+        kind = re.match(r"[a-z]+", where).group(0)
+        known = (action == "on") if kind in _FLAGS else (action in _ACTIONS)
+        if not known or kind not in ("entry", "start", "run", "step", "epoch", *_FLAGS):
+            raise ValueError(f"{FAULT_ENV}: cannot inject {item!r}")
+        if int(f_rank) == rank:
+            mine[where] = action
+    return mine
+
+
+def _training_at(epoch: int, step: int) -> bool:
+    """This rank is in training step ``step`` of epoch ``epoch`` (its last heartbeat says so)."""
+    ctx = _rank_ctx
+    return ctx is not None and ctx.phase == "train" and (ctx.epoch, ctx.step) == (epoch, step)
+
+
+def install(rank: int) -> None:
+    """The rank hook: arm this rank's faults from ``$NBDDP_FAULT``."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+        return  # a launcher's restart: let it recover
+    faults = _parse(os.environ.get(FAULT_ENV, ""), rank)
+    if "entry" in faults:
+        _act(faults.pop("entry"), rank)
+    if faults:
+        _record_context()
+    for where, action in faults.items():
+        kind, numbers = re.fullmatch(r"([a-z]+)([\d.]*)", where).groups()
+        at = tuple(int(n) for n in numbers.split(".")) if numbers else ()
+        _ARM[kind](rank, action, *at)
+
+
+def _record_context() -> None:
+    from nbddp import runtime
+
+    init = runtime.Context.__init__
+
+    def recording_init(self, *args, **kwargs):
+        global _rank_ctx
+        init(self, *args, **kwargs)
+        _rank_ctx = self
+
+    runtime.Context.__init__ = recording_init
+
+
+def _arm_start(rank: int, action: str) -> None:
+    """Wrap the process-group set-up that ``run_rank`` receives (spawn_train's and elastic's)."""
+    from nbddp import runtime
+
+    run_rank = runtime.run_rank
+
+    def faulty_run_rank(ctx, init_process_group, *args, **kwargs):
+        def init():
+            _act(action, rank)
+            init_process_group()
+
+        return run_rank(ctx, init, *args, **kwargs)
+
+    for module in (runtime, sys.modules.get("nbddp.elastic")):
+        if module is not None:
+            module.run_rank = faulty_run_rank
+
+
+def _arm_run(rank: int, action: str) -> None:
+    """Wrap the worker function ``run_rank`` loads, after the process group is up."""
+    from nbddp import runtime
+
+    load_target = runtime.load_target
+
+    def faulty_load_target(spec):
+        fn = load_target(spec)
+
+        def target(*args, **kwargs):
+            _act(action, rank)
+            return fn(*args, **kwargs)
+
+        return target
+
+    runtime.load_target = faulty_load_target
+
+
+def _arm_step(rank: int, action: str, epoch: int, step: int) -> None:
+    """The engine's first act of a step after its heartbeat is moving the batch to the device."""
+    from nbddp import engine
+
+    prepare = engine._prepare
+
+    def faulty_prepare(*args, **kwargs):
+        if _training_at(epoch, step):
+            _act(action, rank)
+        return prepare(*args, **kwargs)
+
+    engine._prepare = faulty_prepare
+
+
+def _arm_nan(rank: int, action: str, epoch: int, step: int) -> None:
+    """The training loss of that step is NaN on this rank (evaluation's losses are untouched)."""
+    import torch.nn.functional as F
+
+    cross_entropy = F.cross_entropy
+
+    def nan_cross_entropy(*args, **kwargs):
+        loss = cross_entropy(*args, **kwargs)
+        return loss * float("nan") if _training_at(epoch, step) else loss
+
+    F.cross_entropy = nan_cross_entropy
+
+
+def _arm_diskfull(rank: int, action: str, epoch: int) -> None:
+    """Rank 0's save of epoch ``epoch``'s ``last.pt`` fails as on a full disk."""
+    from nbddp import rundir
+    from nbddp.tasks import classification
+
+    atomic_save = classification.atomic_save
+
+    def full_atomic_save(obj, path, *args, **kwargs):
+        if Path(path) == rundir.checkpoint_path(_rank_ctx.run_dir, rundir.LAST) and obj.get("epoch") == epoch:
+            raise OSError(errno.ENOSPC, f"No space left on device (injected) writing {path}")
+        return atomic_save(obj, path, *args, **kwargs)
+
+    classification.atomic_save = full_atomic_save
+
+
+def _arm_epoch(rank: int, action: str, epoch: int) -> None:
+    """After the ranks agreed on epoch ``epoch``'s checkpoint: it is saved, the next epoch not begun."""
+    from nbddp.tasks import classification
+
+    agree_on_error = classification.agree_on_error
+
+    def faulty_agree_on_error(*args, **kwargs):
+        agree_on_error(*args, **kwargs)
+        if _rank_ctx.epoch == epoch:  # ctx.log(epoch=...) of this epoch's metrics set it
+            _act(action, rank)
+
+    classification.agree_on_error = faulty_agree_on_error
+
+
+_ARM = {"start": _arm_start, "run": _arm_run, "step": _arm_step, "nan": _arm_nan, "diskfull": _arm_diskfull,
+        "epoch": _arm_epoch}
