@@ -108,6 +108,13 @@ class TrainConfig:
         runs_dir: folder that holds one sub-folder per run.
         name: short name appended to the run folder.
         resume: ``True`` continues the newest run of this ``name``; a path continues that run.
+            A checkpoint written in the middle of an epoch (a Stop, an Interrupt,
+            ``checkpoint_every_s``) continues at the step it was written after, with the same
+            weights an uninterrupted run would have.
+        checkpoint_every_s: besides the checkpoint at the end of each epoch, write one in the
+            middle of an epoch at most this often (seconds; ``0`` turns it off), so a killed run
+            loses at most that much work. Rank 0 keeps the time and every rank agrees in the
+            step's existing all-reduce, so it costs nothing between checkpoints.
         check_images: open every image in the kernel before launching (names corrupt files).
         cache_images: decode each image once and keep it in memory (small datasets; the
             random augmentation still runs every epoch). For ``data_pipeline="pil"``.
@@ -154,6 +161,7 @@ class TrainConfig:
     runs_dir: str = "runs"
     name: str = "train"
     resume: Union[bool, str] = False
+    checkpoint_every_s: float = 600.0
     check_images: bool = True
     cache_images: bool = False
     data_pipeline: str = "pil"
@@ -213,6 +221,10 @@ class TrainConfig:
                 bad(name, "must be a finite number")
             if v < low or (v == low and not low_ok) or v > high:
                 bad(name, f"must be in {'[' if low_ok else '('}{low}, {high}]")
+        every = self.checkpoint_every_s
+        if isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
+            bad("checkpoint_every_s", "must be a finite number of seconds >= 0: how often, at most, a checkpoint "
+                "is written in the middle of an epoch (0 writes them at the end of epochs only)")
         if self.timeout_s < MIN_TIMEOUT_S:
             bad("timeout_s", f"must be at least {MIN_TIMEOUT_S:g} seconds: every rank has to start and reach the "
                 "process group within it (a smaller value fails at start-up with a connection error)")

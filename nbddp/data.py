@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -537,6 +538,61 @@ class SeededSampler(Sampler):
         return len(self.sampler)
 
 
+class SkipSampler(Sampler):
+    """Wraps a sampler so that one pass can leave out its first items: a resumed epoch's batches already done.
+
+    ``skip(n)`` drops the first ``n`` items of the *next* pass only; ``len()`` is what remains of
+    it, so a ``DataLoader`` (or :class:`nbddp.tensor_data.TensorBatches`) over this sampler has
+    exactly the remaining steps, and a ``drop_last`` loader that skips ``steps * batch_size``
+    items yields the very batches an uninterrupted pass would have yielded after ``steps``. The
+    pass ends at the next ``set_epoch`` or the next iteration, after which nothing is skipped.
+    Everything else (``set_epoch``, ``epoch``) is the wrapped sampler's.
+
+    Example:
+        >>> sampler = SkipSampler(DistributedSampler(ds, num_replicas=2, rank=0))
+        >>> sampler.set_epoch(3)
+        >>> sampler.skip(5 * batch_size)        # epoch 3 resumes at its step 5
+        >>> loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=True)
+    """
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self._skip = 0
+        self._state = "done"  # "armed" (next pass skips), "active" (this pass skips), "done"
+
+    def skip(self, n: int) -> None:
+        """Leave out the first ``n`` items of the next pass (``0``: leave out nothing)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"SkipSampler.skip({n!r}): need an integer >= 0")
+        self._skip, self._state = n, "armed" if n else "done"
+
+    @property
+    def skipping(self) -> int:
+        """Items the next (or current) pass leaves out."""
+        return self._skip if self._state != "done" else 0
+
+    @property
+    def epoch(self) -> int:
+        return getattr(self.sampler, "epoch", 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        if self._state == "active":
+            self._state = "done"  # a new epoch is a new pass
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator:
+        if self._state == "active":
+            self._state = "done"  # a second pass over the same epoch skips nothing
+        n = self.skipping
+        if self._state == "armed":
+            self._state = "active"
+        it = iter(self.sampler)
+        return itertools.islice(it, n, None) if n else it
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skipping)
+
+
 class SeededDataset(Dataset):
     """Reads ``(index, seed)`` keys: seeds torch and ``random`` with ``seed``, then returns ``dataset[index]``.
 
@@ -750,6 +806,7 @@ __all__ = [
     "SeededDataset",
     "SeededSampler",
     "ShardSampler",
+    "SkipSampler",
     "build_transforms",
     "check_batch_fits",
     "check_images",

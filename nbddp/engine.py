@@ -129,7 +129,7 @@ def _context(ctx):
 @dataclass
 class EpochStats:
     loss: float  # mean over steps of the loss averaged over ranks
-    steps: int  # batches trained (with gradient accumulation, several per optimizer step)
+    steps: int  # batches of the epoch done, those before a resume included: the next step's index
     images: int  # images seen by all ranks
     seconds: float
     stopped: bool  # every rank agreed to stop early (notebook's Stop)
@@ -185,6 +185,7 @@ class _Epoch:
     batch_transform: Optional[Callable[[torch.Tensor], torch.Tensor]]
     accum_steps: int = 1          # batches per optimizer step
     label_smoothing: float = 0.0  # of the training loss
+    checkpoint_due: Optional[Callable[[], bool]] = None  # asked every step: save in the middle of the epoch?
     world: int = field(default_factory=get_world_size)
     rank: int = field(default_factory=get_rank)
     flag_device: torch.device = field(init=False)  # where the step's agreement is reduced
@@ -199,25 +200,27 @@ class _Agreed:
 
     loss_sum: float         # the step's loss summed over ranks
     stop: bool              # some rank was asked to stop
+    save: bool              # some rank (rank 0, by the clock) asked for a checkpoint after this step
     nonfinite: List[int]    # ranks whose loss is NaN or infinite
     unreadable: List[int]   # ranks that could not read their next batch
 
 
 class _StepAgreement:
-    """A step's one all-reduce, ``[loss, stop, nonfinite[world], unreadable_next[world]]``.
+    """A step's one all-reduce, ``[loss, stop, save, nonfinite[world], unreadable_next[world]]``.
 
     Started right after the forward and waited for after the backward, so it overlaps DDP's
     gradient all-reduce instead of adding a synchronisation point.
     """
 
-    def __init__(self, run: _Epoch, loss: torch.Tensor, stop: bool, read_error: Optional[BaseException]):
+    def __init__(self, run: _Epoch, loss: torch.Tensor, stop: bool, save: bool, read_error: Optional[BaseException]):
         self.world = run.world
-        flags = torch.zeros(2 + 2 * run.world)  # CPU facts first, then one copy to the flag device
+        flags = torch.zeros(3 + 2 * run.world)  # CPU facts first, then one copy to the flag device
         flags[1] = 1.0 if stop else 0.0
-        flags[2 + run.world + run.rank] = 1.0 if read_error is not None else 0.0
+        flags[2] = 1.0 if save else 0.0
+        flags[3 + run.world + run.rank] = 1.0 if read_error is not None else 0.0
         self.tensor = flags.to(run.flag_device, non_blocking=True)
         self.tensor[0] = loss.detach().float()
-        self.tensor[2 + run.rank] = (~torch.isfinite(loss.detach())).float()
+        self.tensor[3 + run.rank] = (~torch.isfinite(loss.detach())).float()
         self.work = dist.all_reduce(self.tensor, async_op=True) if is_dist() else None
 
     def wait(self) -> _Agreed:
@@ -225,20 +228,20 @@ class _StepAgreement:
             self.work.wait()
         values = self.tensor.tolist()  # the step's one host synchronisation
         world = self.world
-        return _Agreed(values[0], values[1] > 0, [r for r in range(world) if values[2 + r] > 0],
-                       [r for r in range(world) if values[2 + world + r] > 0])
+        return _Agreed(values[0], values[1] > 0, values[2] > 0, [r for r in range(world) if values[3 + r] > 0],
+                       [r for r in range(world) if values[3 + world + r] > 0])
 
 
-def _first_batch(run: _Epoch, batches, total_steps: int) -> tuple:
-    """Read the first batch and agree on it: ``(batch, stop)``; raises if a rank could not read it.
+def _first_batch(run: _Epoch, batches, step: int, total_steps: int) -> tuple:
+    """Read the first batch (of step ``step``) and agree on it: ``(batch, stop)``; raises if a rank could not read it.
 
     The first batch has no earlier step to carry its agreement: one up-front all-reduce of
     ``[stop, unreadable[world]]``.
     """
     ctx = run.ctx
-    ctx.heartbeat(epoch=run.epoch, step=0, phase="train")
-    batch, error = _next_batch(batches) if total_steps else (None, None)
-    ctx.heartbeat(epoch=run.epoch, step=0, waiting=True)
+    ctx.heartbeat(epoch=run.epoch, step=step, phase="train")
+    batch, error = _next_batch(batches) if step < total_steps else (None, None)
+    ctx.heartbeat(epoch=run.epoch, step=step, waiting=True)
     first = torch.zeros(1 + run.world)
     first[0] = 1.0 if ctx.should_stop() else 0.0
     first[1 + run.rank] = 1.0 if error is not None else 0.0
@@ -246,7 +249,7 @@ def _first_batch(run: _Epoch, batches, total_steps: int) -> tuple:
         dist.all_reduce(first, group=cpu_group())
     failed = [r for r in range(run.world) if first[1 + r] > 0]
     if failed:
-        _raise_read_error(error, failed, run.epoch, 0)
+        _raise_read_error(error, failed, run.epoch, step)
     return batch, bool(first[0] > 0)
 
 
@@ -329,7 +332,8 @@ def _train_step(run: _Epoch, step: int, batch, batches, group: _Group) -> tuple:
     with _grad_sync(run.model, group.syncs):
         loss, images = _forward(run, batch, step)
         batch, error = _read_ahead(run, batches, step) if batches is not None else (None, None)
-        agreement = _StepAgreement(run, loss, run.ctx.should_stop(), error)
+        save = run.checkpoint_due is not None and run.checkpoint_due()
+        agreement = _StepAgreement(run, loss, run.ctx.should_stop(), save, error)
         _backward(run, loss, group)
     agreed = agreement.wait()
     if agreed.nonfinite:
@@ -346,7 +350,10 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
                     amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False,
                     on_step: Optional[Callable[[int, float], None]] = None,
                     batch_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                    accum_steps: int = 1, label_smoothing: float = 0.0) -> EpochStats:
+                    accum_steps: int = 1, label_smoothing: float = 0.0,
+                    start: Optional[EpochStats] = None,
+                    checkpoint: Optional[Callable[[EpochStats], None]] = None,
+                    checkpoint_due: Optional[Callable[[], bool]] = None) -> EpochStats:
     """Train for one pass over ``loader``; every rank leaves at the same step.
 
     Conditions only one rank sees end every rank at the same step instead of leaving the
@@ -358,7 +365,7 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     ranks then stop before the forward that batch would feed, as they must, since DDP's
     forward (SyncBatchNorm, buffer broadcast) may talk to the other ranks.
 
-    The tensor is ``[loss, stop, nonfinite[world], unreadable_next[world]]``; the loss is
+    The tensor is ``[loss, stop, save, nonfinite[world], unreadable_next[world]]``; the loss is
     reported as the mean over ranks. ``ctx`` (heartbeats, progress, stop requests) may be
     ``None`` outside a launched run.
 
@@ -371,22 +378,39 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     before any update of its group, an unreadable batch at the batch it feeds, and a stop
     request at the end of the group it falls in, so a stopped epoch has completed all its
     optimizer steps. ``label_smoothing`` goes to ``F.cross_entropy``.
+
+    Checkpoints in the middle of the epoch: after a step at which the ranks agreed to stop, or
+    at which ``checkpoint_due()`` said yes on some rank (the worker asks its clock on rank 0
+    only), at the end of that step's accumulation group, every rank calls
+    ``checkpoint(stats)`` together (it may use collectives), with the epoch's totals so far:
+    ``stats.steps`` is the index of the next step to run. Not after the epoch's last step: the
+    end-of-epoch checkpoint follows it.
+
+    Args:
+        start: the part of this epoch done before (a resumed epoch), ``None`` for a whole epoch.
+            ``loader`` then yields the remaining batches only (``nbddp.data.SkipSampler``); step
+            numbers, progress and the returned totals continue from ``start``.
     """
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r}: batches per optimizer step, an integer >= 1")
     model.train()
     freeze_bn_statistics(model)
     run = _Epoch(model, optimizer, device, epoch, _context(ctx), scaler, amp_dtype, channels_last, batch_transform,
-                 accum_steps=accum_steps, label_smoothing=label_smoothing)
-    total_steps = len(loader)
-    t0 = time.perf_counter()
+                 accum_steps=accum_steps, label_smoothing=label_smoothing, checkpoint_due=checkpoint_due)
+    start = start or EpochStats(0.0, 0, 0, 0.0, False)
+    first_step, total_steps = start.steps, start.steps + len(loader)
+    t0 = time.perf_counter() - start.seconds
     batches = iter(loader)
-    batch, stop = _first_batch(run, batches, total_steps)
-    if stop or total_steps == 0:
-        return EpochStats(0.0, 0, 0, time.perf_counter() - t0, stop, 0)
-    loss_sum, steps, images, stopped = 0.0, 0, 0, False
-    updates, stop_asked = 0, False
-    for step in range(total_steps):
+    batch, stop = _first_batch(run, batches, first_step, total_steps)
+    loss_sum, steps, images = start.loss * start.steps, start.steps, start.images
+    updates, stop_asked, save_asked = start.optimizer_steps, False, False
+
+    def totals(stopped: bool) -> EpochStats:
+        return EpochStats(loss_sum / max(steps, 1), steps, images, time.perf_counter() - t0, stopped, updates)
+
+    if stop or first_step == total_steps:
+        return totals(stop)
+    for step in range(first_step, total_steps):
         last = step + 1 == total_steps
         group = _group(step, total_steps, accum_steps)
         agreed, batch_images, batch, error = _train_step(run, step, batch, None if last else batches, group)
@@ -401,11 +425,19 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
         if agreed.unreadable:
             run.ctx.heartbeat(epoch=epoch, step=step + 1)  # the step whose batch failed
             _raise_read_error(error, agreed.unreadable, epoch, step + 1)
-        stop_asked = stop_asked or agreed.stop  # every rank saw the same agreement: the same decision
-        if stop_asked and group.syncs and not last:
-            stopped = True
-            break
-    return EpochStats(loss_sum / max(steps, 1), steps, images, time.perf_counter() - t0, stopped, updates)
+        # Every rank saw the same agreements, so every rank takes the same decisions. A stop or a
+        # checkpoint waits for the end of the accumulation group: the state saved, or left
+        # with, has applied every batch it counts.
+        stop_asked = stop_asked or agreed.stop
+        save_asked = save_asked or agreed.save
+        if last or not group.syncs:
+            continue
+        if checkpoint is not None and (stop_asked or save_asked):
+            checkpoint(totals(stop_asked))
+            save_asked = False
+        if stop_asked:
+            return totals(True)
+    return totals(False)
 
 
 def reset_gpu_memory_peaks(device: torch.device) -> None:

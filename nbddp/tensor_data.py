@@ -100,13 +100,16 @@ class TensorBatches:
     def __init__(self, cache: TensorCache, sampler: Sampler[int], batch_size: int, drop_last: bool = False):
         self.cache, self.sampler, self.batch_size, self.drop_last = cache, sampler, batch_size, drop_last
 
-    def __len__(self) -> int:
-        n = len(self.sampler)
+    def _batches(self, n: int) -> int:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def __len__(self) -> int:
+        # The sampler's length: with nbddp.data.SkipSampler, what remains of a resumed epoch.
+        return self._batches(len(self.sampler))
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         order = torch.as_tensor(list(iter(self.sampler)), dtype=torch.long).to(self.cache.labels.device)
-        for b in range(len(self)):
+        for b in range(self._batches(len(order))):  # the pass's own items, whatever len() says later
             idx = order[b * self.batch_size:(b + 1) * self.batch_size]
             yield self.cache.images[idx], self.cache.labels[idx]
 

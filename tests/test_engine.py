@@ -36,10 +36,13 @@ def test_unreadable_batch_on_one_rank_stops_both_before_that_step(runs_dir, bad_
 
 
 def test_stop_request_seen_by_one_rank_ends_both_at_the_same_step(runs_dir):
-    r0, r1 = run(runs_dir, stop_rank=0, stop_step=3)
+    # And a checkpoint asked for by rank 1 alone at step 1: both ranks save after it, and again
+    # after the step they stop at.
+    r0, r1 = run(runs_dir, stop_rank=0, stop_step=3, save_rank=1, save_step=1)
     assert r0["stopped"] and r1["stopped"]
     assert r0["steps"] == r1["steps"] == 4, "the step in flight is finished, then both leave"
     assert r0["same_weights"]
+    assert r0["saves"] == r1["saves"] == [2, 4], "the next step to run, on every rank together"
 
 
 def test_stop_before_the_first_step_trains_nothing(runs_dir):
@@ -81,3 +84,26 @@ def test_ddp_buffer_option_is_accepted_without_deprecation_warnings():
         assert model.module.running_mean.abs().sum() > 0  # the rank's own statistics
     finally:
         dist.destroy_process_group()
+
+
+def test_checkpoints_in_the_middle_of_an_epoch_and_a_resumed_epoch_continue_its_steps():
+    import torch
+
+    from nbddp.engine import EpochStats, train_one_epoch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(5)]
+    saves = []
+    train_one_epoch(model, opt, data, torch.device("cpu"), 0, checkpoint=saves.append, checkpoint_due=lambda: True)
+    assert [s.steps for s in saves] == [1, 2, 3, 4], "none after the last step: the epoch's own save follows"
+    assert saves[1].images == 8 and not saves[1].stopped
+
+    steps = []
+    start = EpochStats(loss=2.0, steps=3, images=12, seconds=1.5, stopped=False)
+    stats = train_one_epoch(model, opt, data[3:], torch.device("cpu"), 0, start=start,
+                            on_step=lambda step, loss: steps.append((step, loss)))
+    assert [s for s, _ in steps] == [3, 4], "the numbering continues"
+    assert (stats.steps, stats.images) == (5, 20) and stats.seconds >= 1.5
+    assert stats.loss == pytest.approx((2.0 * 3 + sum(loss for _, loss in steps)) / 5)

@@ -3,6 +3,7 @@ epochs, seeded per image so that the number of workers changes nothing."""
 
 import random
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -69,3 +70,34 @@ def test_each_items_randomness_depends_on_seed_epoch_and_index_only():
     by_index = [{int(r[0]): (r[1].item(), r[2].item()) for r in e} for e in ref]
     assert by_index[0][3] != by_index[1][3]
     assert item_seed(0, 1, 2) != item_seed(0, 2, 1)
+
+
+def test_skip_sampler_leaves_out_the_batches_done_for_one_pass_only():
+    from nbddp.data import SkipSampler
+
+    def loader(sampler, workers):
+        return DataLoader(SeededDataset(_Random()), batch_size=4, sampler=sampler, drop_last=True,
+                          num_workers=workers, multiprocessing_context="fork" if workers else None)
+
+    base = DistributedSampler(_Random(), num_replicas=1, rank=0, shuffle=True, seed=5)
+    base.set_epoch(3)
+    full = list(loader(SeededSampler(base, 5), 0))
+    assert len(full) == 6
+    for workers in (0, 2):
+        sampler = SkipSampler(SeededSampler(DistributedSampler(_Random(), num_replicas=1, rank=0, shuffle=True,
+                                                               seed=5), 5))
+        sampler.set_epoch(3)
+        sampler.skip(2 * 4)  # two steps of batch 4 done
+        dl = loader(sampler, workers)
+        assert len(sampler) == 16 and len(dl) == 4, "the loader's length is the steps that remain"
+        rest = list(dl)
+        assert len(rest) == 4 and all(torch.equal(a, b) for a, b in zip(full[2:], rest)), workers
+        assert len(dl) == 4, "still this pass's length until the next epoch"
+        sampler.set_epoch(4)
+        assert len(dl) == 6 and len(list(dl)) == 6, "the next epoch is whole"
+    again = SkipSampler(DistributedSampler(_Random(), num_replicas=1, rank=0, shuffle=False))
+    again.skip(20)
+    assert list(again) == [20, 21, 22, 23] and list(again) == list(range(24)), "the skip is for one pass"
+    assert again.epoch == 0 and len(again) == 24
+    with pytest.raises(ValueError, match="integer >= 0"):
+        again.skip(-1)

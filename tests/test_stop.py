@@ -40,3 +40,26 @@ def test_workers_that_do_not_finish_are_ended(runs_dir, how):
     with pytest.raises(TrainingInterrupted, match="stopped"):
         h.wait(timeout=120)  # the workers alone would take 600 s: the launcher ended them
     assert survivors(h.pids) == {}
+
+
+def test_an_interrupt_in_the_middle_of_an_epoch_checkpoints_it_before_any_sigterm(tmp_path, runs_dir):
+    from nbddp import TrainConfig, rundir
+    from nbddp.checkpoint import load_checkpoint
+    from conftest import make_tree
+
+    # 192 training images, 2 ranks, batch 2: 48 steps per epoch, far more than the steps
+    # between the interrupt and the moment the workers see it.
+    tree = make_tree(tmp_path / "data", per_class=80)
+    cfg = TrainConfig(data_path=str(tree), model="mobilenet_v3_small", image_size=32, epochs=2, batch_size=2,
+                      nprocs=2, runs_dir=str(runs_dir), name="interrupted")
+    h = spawn_train(cfg, block=False, echo=False)  # grace_s: 3 s from the request to SIGTERM
+    assert wait_for(lambda: (h.progress.get("step") or 0) >= 2, 120)
+    with pytest.raises(TrainingInterrupted, match="interrupted"):
+        h.end_interrupted()  # what Jupyter's Interrupt does in a cell waiting on the run
+    log = rundir.rank_log(h.run_dir, 0).read_text()
+    ck = load_checkpoint(rundir.checkpoint_path(h.run_dir))
+    assert ck["epoch"] == 0 and 2 <= ck["step"] < 48, "the steps done in epoch 0, in the middle of it"
+    assert f"checkpoint of epoch 1 step {ck['step']} written to" in log
+    assert f"stop requested: leaving epoch 1 at step {ck['step']}" in log
+    assert [e.exitcode for e in sorted(h._ends.values(), key=lambda e: e.rank)] == [0, 0], "no SIGTERM was needed"
+    assert survivors(h.pids) == {}

@@ -135,3 +135,26 @@ def test_builtin_worker_learns_the_digits_with_the_tensor_pipeline(runs_dir):
     assert result.metrics[-1]["train_loss"] < result.metrics[0]["train_loss"]
     assert result.value["best_accuracy"] >= 0.7, result.metrics  # 0.86 seen; chance is 0.1
     assert result.weights_path and result.weights_path.exists()
+
+
+def test_tensor_batches_after_a_skip_are_the_rest_of_the_pass(tmp_path):
+    from torch.utils.data import DistributedSampler
+
+    from conftest import make_tree
+
+    tree = make_tree(tmp_path / "data", per_class=6, size=12)
+    _, samples = D.scan_class_folders(tree)
+    cache = TensorCache(samples, 8, torch.device("cpu"))
+
+    def batches(skip):
+        sampler = D.SkipSampler(DistributedSampler(cache, num_replicas=2, rank=1, shuffle=True, seed=3))
+        sampler.set_epoch(2)
+        sampler.skip(skip)
+        loader = TensorBatches(cache, sampler, batch_size=2, drop_last=True)
+        return len(loader), [b for b in loader]
+
+    n, full = batches(0)
+    assert n == len(full) == 4
+    n, rest = batches(3 * 2)
+    assert n == len(rest) == 1
+    assert torch.equal(rest[0][0], full[3][0]) and torch.equal(rest[0][1], full[3][1])

@@ -13,19 +13,21 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import data as D
 from .. import rundir
 from ..checkpoint import atomic_save, export_weights, load_checkpoint
 from ..config import TrainConfig
-from ..dist import agree_on_error, barrier, check_same, data_parallel, sync_buffers_from_main
-from ..engine import (autocast_dtype, evaluate, grad_scaler, reset_gpu_memory_peaks, train_one_epoch,
+from ..dist import agree_on_error, barrier, check_same, cpu_group, data_parallel, is_dist, sync_buffers_from_main
+from ..engine import (EpochStats, autocast_dtype, evaluate, grad_scaler, reset_gpu_memory_peaks, train_one_epoch,
                       warmup_cosine_lambda)
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
@@ -270,7 +272,7 @@ def _seed_epoch(seed: int, epoch: int, rank: int) -> None:
 class _Loaders:
     """This rank's loaders; the transforms are batch transforms run on the device (tensor pipeline), else None."""
 
-    sampler: DistributedSampler  # the training shuffle: set_epoch every epoch
+    sampler: D.SkipSampler  # the training order: set_epoch every epoch, skip(n) to resume in the middle of one
     train: Any
     val: Any
     train_transform: Optional[Callable] = None
@@ -314,6 +316,11 @@ class _Progress:
     history: list = field(default_factory=list)
     stopped: bool = False
     early_stopped: bool = False
+    # A checkpoint written in the middle of start_epoch: the steps done (totals included), the
+    # images each rank's loader gave them, and every rank's random state after them, in rank order.
+    start: Optional[EpochStats] = None
+    start_items: int = 0
+    rng: Optional[list] = None
 
 
 def _loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
@@ -332,17 +339,21 @@ def _loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
     sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
     # Each image's augmentation is seeded by (seed, epoch, index): the same with any number of
     # workers, and with workers that persist between epochs (their own seeds are drawn once).
-    seeded = D.SeededSampler(sampler, cfg.seed)
+    # A resumed epoch leaves out the batches done before the checkpoint (SkipSampler).
+    order = D.SkipSampler(D.SeededSampler(sampler, cfg.seed))
     # Forked (not spawned: no torch import per worker), dying with the rank, and kept between
     # epochs: re-creating them costs a fork and the first batches' latency every epoch.
     common = dict(pin_memory=cuda, persistent_workers=cfg.persistent_workers and workers > 0,
                   **D.loader_processes(workers))
     # drop_last: a tiny final batch gives noisy BatchNorm statistics and uneven step counts.
-    train_loader = DataLoader(D.SeededDataset(train_ds), batch_size=cfg.batch_size, sampler=seeded, drop_last=True,
-                              **common)
+    # Its own generator: a DataLoader draws its workers' base seed whenever it starts a pass,
+    # from torch's global generator by default, which training draws from too (dropout); a run
+    # resumed in the middle of an epoch starts a pass where an uninterrupted one does not.
+    train_loader = DataLoader(D.SeededDataset(train_ds), batch_size=cfg.batch_size, sampler=order, drop_last=True,
+                              generator=torch.Generator().manual_seed(cfg.seed), **common)
     val_loader = DataLoader(val_ds, batch_size=cfg.batch_size,
                             sampler=D.ShardSampler(len(val_ds), ctx.rank, ctx.world_size), **common)
-    return _Loaders(sampler, train_loader, val_loader)
+    return _Loaders(order, train_loader, val_loader)
 
 
 def _tensor_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
@@ -351,12 +362,12 @@ def _tensor_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
     workers = D.loader_workers(ctx.world_size) if cfg.num_workers is None else cfg.num_workers
     train_cache = TD.TensorCache(train_s, cfg.image_size, ctx.device, workers)
     val_cache = TD.TensorCache(val_s, cfg.image_size, ctx.device, workers)
-    sampler = DistributedSampler(train_cache, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                 seed=cfg.seed)
-    train_loader = TD.TensorBatches(train_cache, sampler, cfg.batch_size, drop_last=True)
+    order = D.SkipSampler(DistributedSampler(train_cache, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                             seed=cfg.seed))
+    train_loader = TD.TensorBatches(train_cache, order, cfg.batch_size, drop_last=True)
     val_loader = TD.TensorBatches(val_cache, D.ShardSampler(len(val_cache), ctx.rank, ctx.world_size),
                                   cfg.batch_size)
-    return _Loaders(sampler, train_loader, val_loader,
+    return _Loaders(order, train_loader, val_loader,
                     TD.BatchAugment(cfg.image_size, cfg.crop_scale, cfg.hflip), TD.CenterCropNormalize(cfg.image_size))
 
 
@@ -446,7 +457,19 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
     if t.scaler is not None and ck.get("scaler"):
         t.scaler.load_state_dict(ck["scaler"])
     progress = _Progress(ck["epoch"] + 1, ck["best_accuracy"], ck["best_epoch"], list(ck.get("history", [])))
-    if ctx.is_main:
+    if ck.get("step"):  # written in the middle of epoch ck["epoch"], after ck["step"] of its steps
+        done = ck.get("epoch_stats") or {}
+        progress.start_epoch = ck["epoch"]
+        progress.start = EpochStats(done.get("loss", 0.0), ck["step"], done.get("images", 0), done.get("seconds", 0.0),
+                                    False, done.get("optimizer_steps", 0))
+        progress.start_items = ck["step"] * ck.get("config", {}).get("batch_size", cfg.batch_size)
+        progress.rng = ck.get("rank_rng")
+        if ctx.is_main:
+            # 1-based, as the epoch lines ("epoch 2/3") and the progress count them: the next
+            # step to run, the first one the progress shows.
+            print(f"resumed from {last}: resuming from epoch {ck['epoch'] + 1} step {ck['step'] + 1}", flush=True)
+    elif ctx.is_main:
+        # The number of epochs done: the 0-based index of the next one.
         print(f"resumed from {last} at epoch {progress.start_epoch}", flush=True)
     return progress
 
@@ -507,7 +530,10 @@ def train(ctx, cfg: TrainConfig) -> dict:
 
 def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress, writer) -> None:
     """Epochs from ``progress.start_epoch`` on: train, validate, log, save; a stop request ends them."""
-    global_step = progress.start_epoch * len(data.loaders.train)
+    steps_per_epoch = len(data.loaders.train)  # before a resumed epoch leaves out its first batches
+    # Mid-epoch checkpoints at most every checkpoint_every_s: rank 0 keeps the time, and every
+    # rank learns its decision in the step's existing all-reduce.
+    clock = _CheckpointClock(cfg.checkpoint_every_s) if ctx.is_main else None
     for epoch in range(progress.start_epoch, cfg.epochs):
         if _early_stop_due(cfg, progress, epoch):
             progress.early_stopped = True
@@ -520,24 +546,33 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
         data.loaders.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         _seed_epoch(cfg.seed, epoch, ctx.rank)
         reset_gpu_memory_peaks(ctx.device)  # the epoch's peaks: evaluate reports them
+        start = _continue_epoch(cfg, ctx, data, progress) if epoch == progress.start_epoch else None
         lr = t.optimizer.param_groups[0]["lr"]
 
-        def on_step(step, loss, _base=global_step):
+        def on_step(step, loss, _base=epoch * steps_per_epoch):
             if writer is not None:
                 writer.add_scalar("train_loss_step", loss, _base + step)
+
+        def checkpoint(done: EpochStats, _epoch=epoch) -> None:
+            _save_mid_epoch(cfg, ctx, data, t, progress, _epoch, done)
+            if clock is not None:
+                clock.reset()
 
         # The launch's first steps compile: its first epoch reports how long that took.
         compiled_before = _compile_seconds() if t.compiled and epoch == progress.start_epoch else None
         stats = train_one_epoch(t.ddp, t.optimizer, data.loaders.train, ctx.device, epoch, ctx=ctx, scaler=t.scaler,
                                 amp_dtype=t.amp_dtype, channels_last=t.channels_last, on_step=on_step,
                                 batch_transform=data.loaders.train_transform, accum_steps=cfg.grad_accum_steps,
-                                label_smoothing=cfg.label_smoothing)
+                                label_smoothing=cfg.label_smoothing, start=start, checkpoint=checkpoint,
+                                checkpoint_due=clock.due if clock is not None else None)
         compile_s = _compile_seconds() - compiled_before if compiled_before is not None else None
-        global_step += stats.steps
         if stats.stopped:
             progress.stopped = True
             if ctx.is_main:
-                saved = f"the last checkpoint is epoch {epoch}" if epoch > 0 else "no epoch was completed"
+                if stats.steps:
+                    saved = f"the checkpoint holds it, a resumed run continues at step {stats.steps + 1}"
+                else:
+                    saved = f"the last checkpoint is epoch {epoch}" if epoch > 0 else "no epoch was completed"
                 print(f"stop requested: leaving epoch {epoch + 1} at step {stats.steps}; {saved}", flush=True)
             return
         sync_buffers_from_main(t.model)
@@ -546,6 +581,92 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
         t.scheduler.step()
         improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr, compile_s)
         _save_epoch(cfg, ctx, data, t, progress, epoch, improved)
+        if clock is not None:
+            clock.reset()
+
+
+class _CheckpointClock:
+    """Rank 0's clock of mid-epoch checkpoints: due once ``every_s`` passed since the last checkpoint (0: never)."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self.reset()
+
+    def reset(self) -> None:
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        return self.every_s > 0 and time.monotonic() - self.last >= self.every_s
+
+
+def _continue_epoch(cfg: TrainConfig, ctx, data: _Data, progress: _Progress) -> Optional[EpochStats]:
+    """Resuming in the middle of this epoch: leave out the batches done, restore this rank's random state.
+
+    Called after the epoch's shuffle and seeding, so the rest of the epoch draws what an
+    uninterrupted run draws after the same steps. Returns the steps done (``None``: a whole epoch).
+    """
+    start = progress.start
+    if start is None:
+        return None
+    data.loaders.sampler.skip(progress.start_items)  # the loaders drop the last partial batch
+    states = progress.rng
+    if states is not None and len(states) == ctx.world_size:
+        _set_rng_state(states[ctx.rank], ctx.device)
+    elif ctx.is_main:
+        print(f"note: the checkpoint was written by {len(states or [])} processes and this run has {ctx.world_size}: "
+              f"the rest of the epoch comes from other shards, so it is not what an uninterrupted run would see",
+              flush=True)
+    return start
+
+
+def _rng_state(device: torch.device) -> dict:
+    """This rank's random state: torch's CPU generator (augmentation, dropout), Python's, and its GPU's."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _gather_rng_states(ctx) -> Optional[list]:
+    """Collective: every rank's :func:`_rng_state`, in rank order, on rank 0 (``None`` elsewhere)."""
+    mine = _rng_state(ctx.device)
+    if not is_dist():
+        return [mine]
+    states = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(mine, states, dst=0, group=cpu_group())
+    return states
+
+
+def _save_mid_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress, epoch: int,
+                    done: EpochStats) -> None:
+    """Collective: last.pt in the middle of ``epoch``, after ``done.steps`` steps, with every rank's random state.
+
+    Every rank gives its random state to rank 0, which writes the checkpoint atomically; then
+    the ranks agree that it was written (a full disk stops every rank, the previous last.pt
+    intact). best.pt stays per epoch.
+    """
+    ctx.heartbeat(epoch=epoch, step=done.steps, waiting=True)
+    states = _gather_rng_states(ctx)
+    save_error = None
+    if ctx.is_main:
+        try:
+            t0 = time.perf_counter()
+            ck = _checkpoint(t, progress, epoch, cfg, data.classes)
+            ck.update(step=done.steps, rank_rng=states,
+                      epoch_stats={"loss": done.loss, "images": done.images, "seconds": done.seconds,
+                                   "optimizer_steps": done.optimizer_steps})
+            path = atomic_save(ck, rundir.checkpoint_path(ctx.run_dir, rundir.LAST))
+            print(f"checkpoint of epoch {epoch + 1} step {done.steps} written to {path} "
+                  f"({path.stat().st_size / 2**20:.1f} MB in {time.perf_counter() - t0:.2f} s)", flush=True)
+        except OSError as exc:  # disk full, quota, permissions: the previous checkpoint is intact
+            save_error = exc
+    agree_on_error(save_error, f"saving the checkpoint of epoch {epoch} at step {done.steps}")
+    ctx.heartbeat(epoch=epoch, step=done.steps)
 
 
 def _early_stop_due(cfg: TrainConfig, progress: _Progress, epoch: int) -> bool:

@@ -43,17 +43,20 @@ def _model():
     return torch.nn.Linear(6, 3)
 
 
-def run(ctx, bad_rank=None, bad_step=None, stop_rank=None, stop_step=None):
+def run(ctx, bad_rank=None, bad_step=None, stop_rank=None, stop_step=None, save_rank=None, save_step=None):
     model = _model()
     ddp = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = Batches(ctx.rank, bad_rank, bad_step)
     run_ctx = StopAt(ctx, stop_rank, stop_step) if stop_rank is not None else ctx
     steps = [0]
-    out = {"rank": ctx.rank}
+    out = {"rank": ctx.rank, "saves": []}
+    # A checkpoint asked for by one rank at one step (as rank 0's clock does): every rank saves.
+    due = lambda: ctx.rank == save_rank and ctx.step == save_step  # noqa: E731
     try:
         stats = train_one_epoch(ddp, opt, batches, ctx.device, 0, ctx=run_ctx,
-                                on_step=lambda step, loss: steps.__setitem__(0, step + 1))
+                                on_step=lambda step, loss: steps.__setitem__(0, step + 1),
+                                checkpoint=lambda done: out["saves"].append(done.steps), checkpoint_due=due)
         out.update(steps=stats.steps, stopped=stats.stopped, loss=stats.loss)
     except (OSError, PeerError) as exc:
         out.update(error=type(exc).__name__, message=str(exc), steps=steps[0])

@@ -16,7 +16,9 @@ where:
     ``nan<E>.<S>``    (action ``on``) the loss of step S of epoch E is NaN on this rank alone
     ``diskfull<E>``   (action ``on``) saving epoch E's ``last.pt`` fails with ENOSPC
 
-action: ``raise`` (RuntimeError), ``exit3`` (``os._exit(3)``), ``sigkill``, ``hang``, or ``on``.
+action: ``raise`` (RuntimeError), ``exit3`` (``os._exit(3)``), ``sigkill``, ``hang``, ``stop`` (at a
+``step``: the stop request a Stop or an Interrupt makes, seen by this rank at that very step, so
+every rank leaves the epoch after it), or ``on``.
 
 Under torchrun/srun the faults apply to the first attempt only, so that a restart can recover.
 """
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 
 FAULT_ENV = "NBDDP_FAULT"
-_ACTIONS = ("raise", "exit3", "sigkill", "hang")
+_ACTIONS = ("raise", "exit3", "sigkill", "hang", "stop")
 _FLAGS = ("nan", "diskfull")
 
 #: The rank's Context, recorded when the rank creates it: where training is (epoch, step, phase).
@@ -47,6 +49,11 @@ def _act(action: str, rank: int) -> None:
     if action == "hang":
         while True:
             time.sleep(1)
+    if action == "stop":
+        from nbddp import rundir
+
+        rundir.stop_path(_rank_ctx.run_dir).write_text("stop")  # what RunHandle.stop() writes
+        _rank_ctx._stop_checked = 0.0  # looked at in this step's agreement, not up to 0.2 s later
 
 
 def _parse(spec: str, rank: int) -> dict:
@@ -183,7 +190,9 @@ def _arm_epoch(rank: int, action: str, epoch: int) -> None:
 
     def faulty_agree_on_error(*args, **kwargs):
         agree_on_error(*args, **kwargs)
-        if _rank_ctx.epoch == epoch:  # ctx.log(epoch=...) of this epoch's metrics set it
+        # ctx.log(epoch=...) of this epoch's metrics set the epoch; the epoch's own save comes
+        # after its evaluation (a checkpoint in the middle of the epoch is in its training phase).
+        if _rank_ctx.epoch == epoch and _rank_ctx.phase != "train":
             _act(action, rank)
 
     classification.agree_on_error = faulty_agree_on_error
