@@ -186,6 +186,13 @@ class TrainConfig:
         def bad(name: str, why: str) -> None:
             raise ConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}")
 
+        self._validate_types(bad)
+        self._validate_numbers(bad)
+        self._validate_recipe(bad)
+        self._validate_choices(bad)
+
+    def _validate_types(self, bad) -> None:
+        """Flags, paths and counts."""
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be True or False (a string such as 'False' is not a bool)")
@@ -206,6 +213,9 @@ class TrainConfig:
             bad("num_classes", "must be an integer >= 2, or None to count the class folders")
         if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 0):
             bad("num_workers", "must be an integer >= 0, or None to derive it from the cores")
+
+    def _validate_numbers(self, bad) -> None:
+        """Rates, fractions and times: finite, in range."""
         floats = {
             "lr": (0.0, math.inf, False),
             "lrf": (0.0, 1.0, True),
@@ -230,7 +240,9 @@ class TrainConfig:
                 "process group within it (a smaller value fails at start-up with a connection error)")
         if self.crop_scale == 0:
             bad("crop_scale", "must be > 0 (the smallest area fraction the random crop keeps)")
-        self._validate_recipe(bad)
+
+    def _validate_choices(self, bad) -> None:
+        """Named choices, GPUs, the run's name, and settings that exclude each other."""
         if self.data_pipeline not in DATA_PIPELINES:
             bad("data_pipeline", f"must be one of {DATA_PIPELINES}: 'pil' (per-image transforms, the reference) "
                 "or 'tensor' (decoded once, batches augmented on the device)")
