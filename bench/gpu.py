@@ -25,7 +25,8 @@ context or GPU memory with another:
    ``TrainConfig`` on a flowers-sized folder (3,670 JPEGs of 320x240, 5 classes, generated
    once into the work folder), tensor pipeline, 3 epochs: the first launch, then a warm
    relaunch from that same process, then the PIL pipeline with the default workers.
-   Steady images/s are the epochs after the first (``images_per_s`` of ``result.metrics``).
+   Steady images/s are the epochs after the first (``images_per_s`` of ``result.metrics``); the
+   peak GPU memory of these rows is the worker's own (``gpu_mem_alloc_gib`` of its records).
 
 Each row of parts 1 and 2 is measured ``--repeats`` times, interleaved, median quoted. The
 ratios between the parts are printed, and every figure is written to ``--json``.
@@ -452,6 +453,12 @@ def _run_e2e_child(a, data_root: Path, work: Path, out: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------ report
+def _peak_gib(records):
+    """The highest ``gpu_mem_alloc_gib`` of the built-in worker's epoch records, or None (CPU runs)."""
+    peaks = [m["gpu_mem_alloc_gib"] for m in records if isinstance(m.get("gpu_mem_alloc_gib"), (int, float))]
+    return max(peaks) if peaks else None
+
+
 def _report(a, plain_r, step_r, e2e_r) -> dict:
     gflop = GFLOP_224 * (a.image_size / 224) ** 2
     world = step_r["world"]
@@ -460,9 +467,12 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
         table.append((name, row["images_per_s"], row["peak_gib"]))
     for name, row in step_r["rows"].items():
         table.append((name, row["images_per_s_per_gpu"], row["peak_gib"]))
-    table.append(("built-in worker, tensor pipeline, steady epochs", e2e_r["steady_images_per_s"] / world, None))
-    for i, ips in enumerate(e2e_r["pil_images_per_s"]):
-        table.append((f"built-in worker, PIL pipeline, epoch {i + 1}", ips / world, None))
+    # The built-in worker's peaks are in its epoch records (max over its GPUs; none on the CPU).
+    steady = [m for k in ("first", "warm") for m in e2e_r[k]["metrics"][1:]]
+    table.append(("built-in worker, tensor pipeline, steady epochs", e2e_r["steady_images_per_s"] / world,
+                  _peak_gib(steady)))
+    for i, m in enumerate(e2e_r["pil"]["metrics"]):
+        table.append((f"built-in worker, PIL pipeline, epoch {i + 1}", m["images_per_s"] / world, _peak_gib([m])))
     base = plain_r["rows"][PLAIN_EAGER]["images_per_s"]
     print(f"\n{step_r['device']} x {world} ({step_r['backend']}), torch {step_r['torch']}, {a.model} at "
           f"{a.image_size} px, batch {a.batch_size} per GPU, {step_r['amp_dtype']} autocast + channels_last, "

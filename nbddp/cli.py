@@ -20,7 +20,7 @@ import typing
 from typing import List, Optional, Union
 
 from . import rundir
-from .config import DATA_PIPELINES, TrainConfig, read_config_file
+from .config import DATA_PIPELINES, OPTIMIZERS, TrainConfig, read_config_file
 from .errors import ConfigError
 from .gpus import IDLE
 
@@ -33,12 +33,26 @@ def _field_parser(value_type):
     return value_type
 
 
+#: Help of the training-recipe flags.
+_RECIPE_HELP = {
+    "optimizer": "sgd (momentum, the reference) or adamw",
+    "grad_accum_steps": "batches per optimizer step (gradient accumulation; default 1)",
+    "warmup_epochs": "epochs of linear learning-rate warm-up before the cosine schedule (default 0)",
+    "label_smoothing": "label smoothing of the training loss, in [0, 1) (default 0)",
+    "compile": "torch.compile the training model; the first epoch reports compile_s",
+    "early_stop_patience": "stop once validation accuracy has not improved for N epochs (default 0: off)",
+}
+
+
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         t = _field_parser(hints[f.name])
-        if f.name == "gpus":
+        help_ = _RECIPE_HELP.get(f.name)
+        if f.name == "optimizer":
+            p.add_argument(flag, default=None, choices=OPTIMIZERS, help=help_)
+        elif f.name == "gpus":
             p.add_argument(flag, default=None, help="GPU ids, e.g. 0,1 ('all' = every GPU; 'idle' = the GPUs idle at "
                            "launch: at least 90%% memory free, at most 10%% busy; default: all, else CPU)")
         elif f.name == "data_pipeline":
@@ -47,9 +61,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         elif f.name == "resume":
             p.add_argument(flag, default=None, help="'true' (newest run of --name) or a run folder")
         elif t is bool:
-            p.add_argument(flag, default=None, action=argparse.BooleanOptionalAction)
+            p.add_argument(flag, default=None, action=argparse.BooleanOptionalAction, help=help_)
         elif t in (int, float, str):
-            p.add_argument(flag, type=t, default=None, metavar=t.__name__.upper())
+            p.add_argument(flag, type=t, default=None, metavar=t.__name__.upper(), help=help_)
         else:
             p.add_argument(flag, default=None)
 

@@ -13,16 +13,17 @@ import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from . import rundir
 from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError
 from .gpus import IDLE, IDLE_RULE
 
-_BOOL_FIELDS = ("scale_lr", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images",
+_BOOL_FIELDS = ("scale_lr", "compile", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images",
                 "cache_images", "persistent_workers")
 DATA_PIPELINES = ("pil", "tensor")
+OPTIMIZERS = ("sgd", "adamw")
 
 #: Smallest process-group timeout accepted: every rank must start (spawn, import torch) and reach
 #: the rendezvous within it, which takes seconds on a cold start.
@@ -72,6 +73,22 @@ class TrainConfig:
         momentum: SGD momentum.
         weight_decay: SGD weight decay.
         scale_lr: multiply ``lr`` by the number of processes, as the reference script does.
+        optimizer: ``"sgd"`` (momentum ``momentum``, the reference) or ``"adamw"`` (decoupled
+            ``weight_decay``, torch's default betas; ``momentum`` is not used).
+        grad_accum_steps: batches per optimizer step (gradient accumulation): each rank adds
+            up the gradients of ``k`` batches of ``batch_size`` (DDP synchronises only the
+            ``k``-th), so one step sees ``batch_size * world * k`` images at the memory cost of
+            ``batch_size``. When the batches of an epoch do not divide by ``k``, the last group
+            is shorter and still steps, averaging the batches it has.
+        warmup_epochs: epochs of linear learning-rate warm-up (``lr/(w+1)``, ``2lr/(w+1)``...)
+            before the cosine schedule, which then runs over the remaining epochs; 0: none.
+        label_smoothing: label smoothing of the training loss (``F.cross_entropy``), in [0, 1);
+            the validation loss stays the plain cross-entropy.
+        compile: ``torch.compile`` the training model (the DDP wrapper, as PyTorch advises, so
+            its optimiser splits the graph at the gradient buckets); the first epoch's metrics
+            report the compile time (``compile_s``). Checkpoints and exports are unchanged.
+        early_stop_patience: stop every rank together once validation accuracy has not
+            improved for this many epochs (the export keeps the best epoch); 0: off.
         sync_bn: synchronise BatchNorm statistics across ranks (refused with ``freeze_layers``).
         freeze_layers: train only the classifier head.
         weights: weights file (``.pth`` / ``.safetensors`` / a run's export) to start from.
@@ -123,6 +140,12 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-3
     scale_lr: bool = True
+    optimizer: str = "sgd"
+    grad_accum_steps: int = 1
+    warmup_epochs: int = 0
+    label_smoothing: float = 0.0
+    compile: bool = False
+    early_stop_patience: int = 0
     sync_bn: bool = False
     freeze_layers: bool = False
     weights: Optional[str] = None
@@ -207,6 +230,7 @@ class TrainConfig:
                 "process group within it (a smaller value fails at start-up with a connection error)")
         if self.crop_scale == 0:
             bad("crop_scale", "must be > 0 (the smallest area fraction the random crop keeps)")
+        self._validate_recipe(bad)
         if self.data_pipeline not in DATA_PIPELINES:
             bad("data_pipeline", f"must be one of {DATA_PIPELINES}: 'pil' (per-image transforms, the reference) "
                 "or 'tensor' (decoded once, batches augmented on the device)")
@@ -228,6 +252,27 @@ class TrainConfig:
             )
         if name_problem(self.name):
             bad("name", f"{NAME_RULE}; e.g. name='digits-resnet34'")
+
+    def _validate_recipe(self, bad: Callable[[str, str], None]) -> None:
+        """The training recipe: optimizer, accumulation, warm-up, label smoothing, early stopping."""
+        if self.optimizer not in OPTIMIZERS:
+            bad("optimizer", f"must be one of {OPTIMIZERS}: 'sgd' (with momentum, the reference) or 'adamw'")
+
+        def count(name: str, low: int, meaning: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                bad(name, f"must be an integer >= {low} ({meaning})")
+
+        count("grad_accum_steps", 1, "1: an optimizer step every batch; k: every k batches, an effective batch "
+              "of batch_size x processes x k")
+        count("warmup_epochs", 0, "0: no warm-up; w: w epochs of linear warm-up before the cosine schedule")
+        count("early_stop_patience", 0, "0: off; n: stop once validation accuracy has not improved for n epochs")
+        if self.warmup_epochs >= self.epochs:
+            bad("warmup_epochs", f"is not less than epochs={self.epochs}: the warm-up would take the whole run "
+                "and the cosine schedule none; use fewer warm-up epochs or more epochs")
+        v = self.label_smoothing
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v < 1.0):
+            bad("label_smoothing", "must be a number in [0, 1): 0 turns it off, 0.1 is a common value")
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -1,4 +1,4 @@
-"""One epoch of training, exact evaluation, and the cosine learning-rate schedule.
+"""One epoch of training (with gradient accumulation), exact evaluation, the learning-rate schedule, GPU memory peaks.
 
 Worker side. Everything here works on CPU (gloo) and GPU (nccl) alike: collectives run on the
 device the backend needs, never a hard-coded ``"cuda"``.
@@ -10,7 +10,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,25 @@ def _flag_device(device: torch.device) -> torch.device:
 def cosine_lambda(epochs: int, lrf: float) -> Callable[[int], float]:
     """LR factor going from 1 to ``lrf`` along half a cosine over ``epochs`` (reference schedule)."""
     return lambda e: ((1 + math.cos(e * math.pi / epochs)) / 2) * (1 - lrf) + lrf
+
+
+def warmup_cosine_lambda(epochs: int, lrf: float, warmup_epochs: int = 0) -> Callable[[int], float]:
+    """LR factor per epoch: a linear warm-up of ``warmup_epochs``, then :func:`cosine_lambda` over the rest.
+
+    Warm-up epoch ``e`` trains at ``(e + 1) / (warmup_epochs + 1)`` of the base rate, so the rate
+    climbs in equal steps and the first epoch after the warm-up starts the cosine at 1, which
+    then ends at ``lrf`` as it does without a warm-up. ``warmup_epochs=0`` is
+    :func:`cosine_lambda` itself (the same values, bit for bit).
+
+    Args:
+        epochs: the run's epochs, warm-up included.
+        lrf: final factor of the cosine.
+        warmup_epochs: epochs of warm-up, ``0 <= warmup_epochs < epochs``.
+    """
+    if warmup_epochs <= 0:
+        return cosine_lambda(epochs, lrf)
+    cosine = cosine_lambda(epochs - warmup_epochs, lrf)
+    return lambda e: (e + 1) / (warmup_epochs + 1) if e < warmup_epochs else cosine(e - warmup_epochs)
 
 
 def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
@@ -110,10 +129,11 @@ def _context(ctx):
 @dataclass
 class EpochStats:
     loss: float  # mean over steps of the loss averaged over ranks
-    steps: int  # steps of the epoch done, those before a resume included: the next step's index
+    steps: int  # batches of the epoch done, those before a resume included: the next step's index
     images: int  # images seen by all ranks
     seconds: float
     stopped: bool  # every rank agreed to stop early (notebook's Stop)
+    optimizer_steps: int = 0  # updates of the weights: ``steps`` without accumulation
 
     @property
     def images_per_s(self) -> float:
@@ -163,6 +183,8 @@ class _Epoch:
     amp_dtype: Optional[torch.dtype]
     channels_last: bool
     batch_transform: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    accum_steps: int = 1          # batches per optimizer step
+    label_smoothing: float = 0.0  # of the training loss
     checkpoint_due: Optional[Callable[[], bool]] = None  # asked every step: save in the middle of the epoch?
     world: int = field(default_factory=get_world_size)
     rank: int = field(default_factory=get_rank)
@@ -239,7 +261,7 @@ def _forward(run: _Epoch, batch, step: int) -> tuple:
     # broadcast talk in the forward): a rank that hangs before this point lags behind.
     run.ctx.heartbeat(epoch=run.epoch, step=step, waiting=True)
     with _autocast(run.device, run.amp_dtype):
-        loss = F.cross_entropy(run.model(x), y)
+        loss = F.cross_entropy(run.model(x), y, label_smoothing=run.label_smoothing)
     return loss, x.shape[0]
 
 
@@ -251,10 +273,42 @@ def _read_ahead(run: _Epoch, batches, step: int) -> tuple:
     return batch, error
 
 
-def _backward(run: _Epoch, loss: torch.Tensor) -> None:
-    run.optimizer.zero_grad(set_to_none=True)
+@dataclass
+class _Group:
+    """Where a batch falls in its gradient-accumulation group, the batches that share one optimizer step.
+
+    Groups are the batches ``[g*k, (g+1)*k)`` of the epoch; the last one is shorter when the
+    epoch's batches do not divide by ``k``, and it steps too.
+    """
+
+    first: bool  # the group's first batch: the gradients are zeroed before its backward
+    size: int    # batches in the group: each batch's loss is divided by it
+    syncs: bool  # the group's last batch: its backward all-reduces the gradients, then the optimizer steps
+
+
+def _group(step: int, total_steps: int, accum_steps: int) -> _Group:
+    start = step - step % accum_steps
+    end = min(start + accum_steps, total_steps)
+    return _Group(step == start, end - start, step + 1 == end)
+
+
+def _grad_sync(model: torch.nn.Module, syncs: bool):
+    """DDP's ``no_sync()`` for a group's batches before its last: their gradients only add up locally.
+
+    Covers the forward and the backward, as DDP requires. A bare model (one process) has no
+    ``no_sync`` and nothing to synchronise; a compiled DDP model passes it through.
+    """
+    no_sync = getattr(model, "no_sync", None)
+    return contextlib.nullcontext() if syncs or no_sync is None else no_sync()
+
+
+def _backward(run: _Epoch, loss: torch.Tensor, group: _Group) -> None:
+    if group.first:
+        run.optimizer.zero_grad(set_to_none=True)
+    if group.size > 1:
+        loss = loss / group.size  # the group's gradient is the mean over its batches
     if run.scaler is not None:
-        run.scaler.scale(loss).backward()  # DDP averages the gradients over ranks here
+        run.scaler.scale(loss).backward()  # DDP averages the gradients over ranks here (last batch of a group)
     else:
         loss.backward()
 
@@ -267,24 +321,28 @@ def _optimizer_step(run: _Epoch) -> None:
         run.optimizer.step()
 
 
-def _train_step(run: _Epoch, step: int, batch, batches) -> tuple:
+def _train_step(run: _Epoch, step: int, batch, batches, group: _Group) -> tuple:
     """One step: forward, read ahead (``batches=None`` on the last step), agree, backward, update.
 
+    The update (and DDP's gradient all-reduce) happens on the last batch of ``group`` only.
     Returns ``(agreed, images, next batch, its read error)``. Raises ``NonFiniteLossError`` on
-    every rank, before the update, when the loss is not finite on any of them.
+    every rank, before the update, when the loss is not finite on any of them: the gradients
+    a group gathered so far are never applied.
     """
-    loss, images = _forward(run, batch, step)
-    batch, error = _read_ahead(run, batches, step) if batches is not None else (None, None)
-    save = run.checkpoint_due is not None and run.checkpoint_due()
-    agreement = _StepAgreement(run, loss, run.ctx.should_stop(), save, error)
-    _backward(run, loss)
+    with _grad_sync(run.model, group.syncs):
+        loss, images = _forward(run, batch, step)
+        batch, error = _read_ahead(run, batches, step) if batches is not None else (None, None)
+        save = run.checkpoint_due is not None and run.checkpoint_due()
+        agreement = _StepAgreement(run, loss, run.ctx.should_stop(), save, error)
+        _backward(run, loss, group)
     agreed = agreement.wait()
     if agreed.nonfinite:
         bad = agreed.nonfinite
         raise NonFiniteLossError(
             f"loss is {loss.item() if run.rank in bad else 'non-finite'} on rank(s) {bad} at epoch {run.epoch}, "
             f"step {step}: lower the learning rate, check the data, or turn amp off", rank=bad[0])
-    _optimizer_step(run)
+    if group.syncs:
+        _optimizer_step(run)
     return agreed, images, batch, error
 
 
@@ -292,6 +350,7 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
                     amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False,
                     on_step: Optional[Callable[[int, float], None]] = None,
                     batch_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                    accum_steps: int = 1, label_smoothing: float = 0.0,
                     start: Optional[EpochStats] = None,
                     checkpoint: Optional[Callable[[EpochStats], None]] = None,
                     checkpoint_due: Optional[Callable[[], bool]] = None) -> EpochStats:
@@ -310,36 +369,52 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     reported as the mean over ranks. ``ctx`` (heartbeats, progress, stop requests) may be
     ``None`` outside a launched run.
 
+    Gradient accumulation (``accum_steps=k``): the optimizer steps once per group of ``k``
+    batches, each batch's loss divided by the group's size, and the batches before a group's
+    last run under DDP's ``no_sync()`` so that only the last one all-reduces the gradients.
+    An epoch whose batches do not divide by ``k`` ends with a shorter group, which steps too
+    (its gradient is the mean of the batches it has); ``k`` times ``len(loader)`` batches are
+    never needed. The agreement still runs every batch: a non-finite loss stops every rank
+    before any update of its group, an unreadable batch at the batch it feeds, and a stop
+    request at the end of the group it falls in, so a stopped epoch has completed all its
+    optimizer steps. ``label_smoothing`` goes to ``F.cross_entropy``.
+
     Checkpoints in the middle of the epoch: after a step at which the ranks agreed to stop, or
     at which ``checkpoint_due()`` said yes on some rank (the worker asks its clock on rank 0
-    only), every rank calls ``checkpoint(stats)`` together (it may use collectives), with the
-    epoch's totals so far: ``stats.steps`` is the index of the next step to run. Not after the
-    epoch's last step: the end-of-epoch checkpoint follows it.
+    only), at the end of that step's accumulation group, every rank calls
+    ``checkpoint(stats)`` together (it may use collectives), with the epoch's totals so far:
+    ``stats.steps`` is the index of the next step to run. Not after the epoch's last step: the
+    end-of-epoch checkpoint follows it.
 
     Args:
         start: the part of this epoch done before (a resumed epoch), ``None`` for a whole epoch.
             ``loader`` then yields the remaining batches only (``nbddp.data.SkipSampler``); step
             numbers, progress and the returned totals continue from ``start``.
     """
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps={accum_steps!r}: batches per optimizer step, an integer >= 1")
     model.train()
     freeze_bn_statistics(model)
     run = _Epoch(model, optimizer, device, epoch, _context(ctx), scaler, amp_dtype, channels_last, batch_transform,
-                 checkpoint_due)
+                 accum_steps=accum_steps, label_smoothing=label_smoothing, checkpoint_due=checkpoint_due)
     start = start or EpochStats(0.0, 0, 0, 0.0, False)
     first_step, total_steps = start.steps, start.steps + len(loader)
     t0 = time.perf_counter() - start.seconds
     batches = iter(loader)
     batch, stop = _first_batch(run, batches, first_step, total_steps)
     loss_sum, steps, images = start.loss * start.steps, start.steps, start.images
+    updates, stop_asked, save_asked = start.optimizer_steps, False, False
 
     def totals(stopped: bool) -> EpochStats:
-        return EpochStats(loss_sum / max(steps, 1), steps, images, time.perf_counter() - t0, stopped)
+        return EpochStats(loss_sum / max(steps, 1), steps, images, time.perf_counter() - t0, stopped, updates)
 
     if stop or first_step == total_steps:
         return totals(stop)
     for step in range(first_step, total_steps):
         last = step + 1 == total_steps
-        agreed, batch_images, batch, error = _train_step(run, step, batch, None if last else batches)
+        group = _group(step, total_steps, accum_steps)
+        agreed, batch_images, batch, error = _train_step(run, step, batch, None if last else batches, group)
+        updates += group.syncs
         mean_loss = agreed.loss_sum / run.world
         loss_sum, steps, images = loss_sum + mean_loss, steps + 1, images + batch_images * run.world
         elapsed = time.perf_counter() - t0
@@ -350,13 +425,37 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
         if agreed.unreadable:
             run.ctx.heartbeat(epoch=epoch, step=step + 1)  # the step whose batch failed
             _raise_read_error(error, agreed.unreadable, epoch, step + 1)
-        if last:
-            break
-        if checkpoint is not None and (agreed.stop or agreed.save):
-            checkpoint(totals(agreed.stop))
-        if agreed.stop:
+        # Every rank saw the same agreements, so every rank takes the same decisions. A stop or a
+        # checkpoint waits for the end of the accumulation group: the state saved, or left
+        # with, has applied every batch it counts.
+        stop_asked = stop_asked or agreed.stop
+        save_asked = save_asked or agreed.save
+        if last or not group.syncs:
+            continue
+        if checkpoint is not None and (stop_asked or save_asked):
+            checkpoint(totals(stop_asked))
+            save_asked = False
+        if stop_asked:
             return totals(True)
     return totals(False)
+
+
+def reset_gpu_memory_peaks(device: torch.device) -> None:
+    """Start a new peak-memory window on ``device`` (a GPU rank's epoch); nothing off the GPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def gpu_memory_peaks(device: torch.device) -> Optional[Tuple[float, float]]:
+    """``(allocated, reserved)`` peaks on ``device`` since the last reset, in GiB; ``None`` off the GPU.
+
+    Allocated is what tensors held at most (``torch.cuda.max_memory_allocated``); reserved is
+    what PyTorch's caching allocator held from the driver (``max_memory_reserved``), what
+    ``nvidia-smi`` shows plus the CUDA context. Reading them does not synchronise the GPU.
+    """
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
 
 
 @dataclass
@@ -365,6 +464,10 @@ class EvalResult:
     loss: float
     count: int  # images evaluated over all ranks: exactly the validation set
     predictions: Optional[list] = None  # (dataset index, predicted class), gathered on every rank
+    # GPU memory peaks (GiB) since the ranks' last reset_gpu_memory_peaks, the highest of any rank;
+    # None off the GPU. They ride on the evaluation's own all-reduce.
+    gpu_mem_alloc_gib: Optional[float] = None
+    gpu_mem_reserved_gib: Optional[float] = None
 
 
 @dataclass
@@ -376,6 +479,7 @@ class _Shard:
     count: int = 0
     predictions: list = field(default_factory=list)
     error: Optional[BaseException] = None  # raised once every rank knows of it
+    memory: Optional[Tuple[float, float]] = None  # this rank's GPU memory peaks (gpu_memory_peaks)
 
 
 def _evaluate_shard(model, loader, device, amp_dtype, channels_last, batch_transform, ctx, keep: bool) -> _Shard:
@@ -400,18 +504,27 @@ def _evaluate_shard(model, loader, device, amp_dtype, channels_last, batch_trans
 
 
 def _agree_on_shards(shard: _Shard) -> torch.Tensor:
-    """``[correct, loss_sum, count, failed[world]]`` summed over ranks, in one all-reduce.
+    """``[correct, loss_sum, count, failed[world], alloc[world], reserved[world]]`` summed over ranks.
 
-    The error flags travel with the totals: an unreadable validation image on one rank stops
-    every rank here, instead of leaving them waiting in the next step.
+    One all-reduce. The error flags travel with the totals: an unreadable validation image on
+    one rank stops every rank here, instead of leaving them waiting in the next step. So do the
+    GPU memory peaks, each rank in its own slot (-1 off the GPU), so every rank learns the highest.
     """
     world, rank = get_world_size(), get_rank()
-    totals = torch.zeros(3 + world, dtype=torch.float64)
+    totals = torch.zeros(3 + 3 * world, dtype=torch.float64)
     totals[0], totals[1], totals[2] = shard.correct.cpu(), shard.loss_sum.cpu(), float(shard.count)
     totals[3 + rank] = 1.0 if shard.error is not None else 0.0
+    alloc, reserved = shard.memory if shard.memory is not None else (-1.0, -1.0)
+    totals[3 + world + rank], totals[3 + 2 * world + rank] = alloc, reserved
     if is_dist():
         dist.all_reduce(totals, group=cpu_group())
     return totals
+
+
+def _highest(values: torch.Tensor) -> Optional[float]:
+    """The highest of the ranks' memory slots, or None when no rank is on a GPU."""
+    top = values.max().item()
+    return top if top >= 0 else None
 
 
 def _gather_predictions(indices: list, predictions: list) -> list:
@@ -435,12 +548,15 @@ def evaluate(model, loader, device, amp_dtype: Optional[torch.dtype] = None, cha
     Pass the bare model (``ddp.module``): evaluation needs no gradient synchronisation.
     Totals stay on the device until the end: no host synchronisation per batch. With ``ctx``,
     each batch is a heartbeat of phase ``"eval"``, so a rank hung in validation is named.
+    On GPUs the result also carries the memory peaks since the ranks' last
+    :func:`reset_gpu_memory_peaks`, the highest of any rank, at no extra collective.
     """
     ctx = _context(ctx)
     model.eval()
     indices = list(iter(loader.sampler)) if gather_predictions else None
     step = ctx.step  # the training step every rank left the epoch at
     shard = _evaluate_shard(model, loader, device, amp_dtype, channels_last, batch_transform, ctx, gather_predictions)
+    shard.memory = gpu_memory_peaks(device)  # the peaks since the last reset: the epoch's, training included
     # Shards differ by a batch, so every rank waits at the same place: the end of evaluation.
     ctx.step = step
     ctx.heartbeat(phase="eval-end", waiting=True)
@@ -453,5 +569,8 @@ def evaluate(model, loader, device, amp_dtype: Optional[torch.dtype] = None, cha
         raise PeerError(f"rank {failed[0]} failed during evaluation; every rank stopped", rank=failed[0])
     n = int(totals[2].item())
     gathered = _gather_predictions(indices, shard.predictions) if gather_predictions else None
+    world = get_world_size()
     return EvalResult(accuracy=totals[0].item() / max(n, 1), loss=totals[1].item() / max(n, 1), count=n,
-                      predictions=gathered)
+                      predictions=gathered, gpu_mem_alloc_gib=_highest(totals[3 + world:3 + 2 * world]),
+                      gpu_mem_reserved_gib=_highest(totals[3 + 2 * world:]))
+

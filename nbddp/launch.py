@@ -58,20 +58,19 @@ def _free_store(timeout_s: float) -> dist.TCPStore:
 @contextlib.contextmanager
 def _patched_env(values: Dict[str, Optional[str]]):
     """Set environment variables for the children to inherit; restore them afterwards."""
+    def apply(settings: Dict[str, Optional[str]]) -> None:
+        for k, v in settings.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     old = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(values)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(old)
 
 
 @contextlib.contextmanager

@@ -98,3 +98,16 @@ def tree(tmp_path):
 def fault_env(spec: str) -> dict:
     """Worker environment that injects the faults ``spec`` ("<where>:<rank>:<action>", see tests/workers/faults.py)."""
     return {"NBDDP_RANK_HOOK": f"{WORKERS / 'faults.py'}:install", "NBDDP_FAULT": spec}
+
+@pytest.fixture
+def kernel(tmp_path):
+    """A real Jupyter kernel of this environment (kernelspec ``python3``), in ``tmp_path``."""
+    pytest.importorskip("jupyter_client")
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -48,6 +48,8 @@ def test_builtin_gpu_run_keeps_this_process_cuda_free(tmp_path, runs_dir):
     result = spawn_train(cfg, echo=False)
     assert result.backend == "nccl"
     assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in result.metrics)
+    # each epoch's peaks, from the GPU's own counters
+    assert all(0 < m["gpu_mem_alloc_gib"] <= m["gpu_mem_reserved_gib"] for m in result.metrics), result.metrics
     assert result.weights_path and result.weights_path.exists()
     model, classes = load_model(result.run_dir)
     preds = predict(model, [str(next((tmp_path / "data" / "a").iterdir()))])
@@ -116,6 +118,18 @@ def test_builtin_worker_amp_and_channels_last_pil_pipeline(tmp_path, runs_dir, a
                          echo=False)
     assert result.backend == "nccl"
     assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in result.metrics)
+
+
+@needs_gpu
+def test_builtin_worker_compiled_with_inductor_and_accumulation(tmp_path, runs_dir):
+    import math
+
+    result = spawn_train(small_config(tmp_path, runs_dir, epochs=1, compile=True, grad_accum_steps=2,
+                                      optimizer="adamw", label_smoothing=0.1), echo=False)
+    m = result.metrics[0]
+    assert m["compile_s"] > 0 and math.isfinite(m["train_loss"]) and m["gpu_mem_alloc_gib"] > 0
+    assert "torch.compile (backend inductor)" in (result.run_dir / "logs" / "rank0.log").read_text()
+    assert result.weights_path and result.weights_path.exists()
 
 
 @needs_gpu

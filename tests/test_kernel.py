@@ -11,17 +11,6 @@ from conftest import ROOT, WORKERS, survivors, wait_for
 jupyter_client = pytest.importorskip("jupyter_client")
 
 
-@pytest.fixture
-def kernel(tmp_path):
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
-    try:
-        yield km, kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-
 
 def execute(kc, code: str, timeout: float = 120.0):
     """Run code; return (reply content, printed text, error name)."""

@@ -54,18 +54,6 @@ def prewarm_on(monkeypatch):
     monkeypatch.delenv("NBDDP_PREWARM", raising=False)  # the default, whatever the shell says
 
 
-@pytest.fixture
-def kernel(tmp_path):
-    pytest.importorskip("jupyter_client")
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
-    try:
-        yield km, kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-
 
 def run_cell(kc, code: str, timeout: float = 120.0) -> str:
     """Run a cell; return what it printed. Fails the test if the cell raised."""

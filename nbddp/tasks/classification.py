@@ -28,7 +28,8 @@ from ..checkpoint import atomic_save, export_weights, load_checkpoint
 from ..config import TrainConfig
 from ..dist import (agree_on_error, any_rank, barrier, check_same, cpu_group, data_parallel, is_dist,
                     sync_buffers_from_main)
-from ..engine import EpochStats, autocast_dtype, cosine_lambda, evaluate, grad_scaler, train_one_epoch
+from ..engine import (EpochStats, autocast_dtype, evaluate, grad_scaler, reset_gpu_memory_peaks, train_one_epoch,
+                      warmup_cosine_lambda)
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
 from ..sync_bn import convert_sync_batchnorm
@@ -189,11 +190,16 @@ def _check_writable(folder: Path) -> None:
 
 
 def _check_same_run(run_dir: Path, ckpt: dict, cfg: TrainConfig, classes: Optional[list]) -> None:
-    """Refuse to continue a checkpoint with another model or other classes: it would mix two runs."""
+    """Refuse to continue a checkpoint with another model, optimizer or other classes: it would mix two runs."""
     trained = ckpt.get("config", {}).get("model")
     if trained not in (None, cfg.model):
         raise ConfigError(f"cannot resume {run_dir}: it trained {trained!r}, the config says {cfg.model!r}. "
                           f"Set model={trained!r} to continue it, or start a new run (resume=False)")
+    optimizer = ckpt.get("config", {}).get("optimizer", "sgd")  # runs from before the field used SGD
+    if optimizer != cfg.optimizer:
+        raise ConfigError(f"cannot resume {run_dir}: it trained with optimizer={optimizer!r}, the config says "
+                          f"{cfg.optimizer!r}, whose state the checkpoint does not hold. Set optimizer={optimizer!r} "
+                          "to continue it, or start a new run (resume=False)")
     old = ckpt.get("classes")
     if classes is None or not isinstance(old, (list, tuple)) or list(old) == list(classes):
         return
@@ -294,17 +300,23 @@ class _Trainer:
     scaler: Any             # a GradScaler for fp16 autocast, else None
     amp_dtype: Optional[torch.dtype]
     channels_last: bool
+    compiled: bool = False  # ddp is torch.compile'd (the first epoch of a launch reports compile_s)
 
 
 @dataclass
 class _Progress:
-    """Where the run stands: what a checkpoint keeps and a resumed run starts from."""
+    """Where the run stands: what a checkpoint keeps and a resumed run starts from.
+
+    Early stopping needs nothing more: the epochs without improvement are the last finished
+    epoch minus ``best_epoch``, both in the checkpoint.
+    """
 
     start_epoch: int = 0
     best: float = -1.0
     best_epoch: int = -1
     history: list = field(default_factory=list)
     stopped: bool = False
+    early_stopped: bool = False
     # A checkpoint written in the middle of start_epoch: the steps done (totals included), the
     # images each rank's loader gave them, and every rank's random state after them, in rank order.
     start: Optional[EpochStats] = None
@@ -391,13 +403,47 @@ def _build(cfg: TrainConfig, ctx, num_classes: int) -> _Trainer:
     channels_last = cfg.channels_last and cuda
     model = model.to(ctx.device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     ddp = data_parallel(model, ctx.device)  # the bare model when this is the only rank
+    if cfg.compile:
+        ddp = _compile(ddp, ctx)
     lr = cfg.lr * ctx.world_size if cfg.scale_lr else cfg.lr
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=cosine_lambda(cfg.epochs, cfg.lrf))
+    optimizer = _optimizer(cfg, [p for p in model.parameters() if p.requires_grad], lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda=warmup_cosine_lambda(cfg.epochs, cfg.lrf, cfg.warmup_epochs))
     amp_dtype = autocast_dtype(ctx.device) if cfg.amp else None
     scaler = grad_scaler(ctx.device, amp_dtype)  # fp16 only (GPUs before compute capability 8.0)
-    return _Trainer(model, ddp, optimizer, scheduler, scaler, amp_dtype, channels_last)
+    return _Trainer(model, ddp, optimizer, scheduler, scaler, amp_dtype, channels_last, compiled=cfg.compile)
+
+
+def _optimizer(cfg: TrainConfig, params: list, lr: float) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+#: The ``torch.compile`` backend of ``TrainConfig(compile=True)``: inductor unless this variable
+#: names another (``eager`` traces with dynamo but runs the captured graphs as they are: the
+#: compile path in seconds on a CPU, as nbddp's tests use it).
+COMPILE_BACKEND_ENV = "NBDDP_COMPILE_BACKEND"
+
+
+def _compile(ddp: torch.nn.Module, ctx) -> torch.nn.Module:
+    """``torch.compile`` of the DDP wrapper, as PyTorch advises for DDP: dynamo's DDP optimiser
+    then splits the graph at the gradient buckets, so their all-reduces still overlap the
+    backward. The bare model (checkpoints, evaluation, export) stays as it is."""
+    backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    if ctx.is_main:
+        print(f"torch.compile (backend {backend}): the first steps compile", flush=True)
+    return torch.compile(ddp, backend=backend)
+
+
+def _compile_seconds() -> Optional[float]:
+    """Seconds this process has spent in torch.compile so far, by dynamo's own count (None if unknown)."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return float(calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - a private helper: without it the record leaves compile_s out
+        return None
 
 
 def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
@@ -416,7 +462,7 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
         done = ck.get("epoch_stats") or {}
         progress.start_epoch = ck["epoch"]
         progress.start = EpochStats(done.get("loss", 0.0), ck["step"], done.get("images", 0), done.get("seconds", 0.0),
-                                    False)
+                                    False, done.get("optimizer_steps", 0))
         progress.start_items = ck["step"] * ck.get("config", {}).get("batch_size", cfg.batch_size)
         progress.rng = ck.get("rank_rng")
         if ctx.is_main:
@@ -430,12 +476,17 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
 
 
 def _writer(cfg: TrainConfig, ctx):
-    if not ctx.is_main:
+    """Rank 0's ``ctx.tensorboard``, with the run's hyper-parameters written into it; None on other ranks.
+
+    ``ctx.log`` writes every scalar of an epoch's record there; the worker adds the step losses
+    and the reference scripts' names (``loss``, ``accuracy``, ``learning_rate``), each tag once
+    per step.
+    """
+    writer = ctx.tensorboard
+    if writer is None:
         return None
-    from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
-    writer = SummaryWriter(str(rundir.tensorboard_dir(ctx.run_dir)), flush_secs=2)
     hp = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in cfg.to_dict().items()}
     hp["world_size"] = ctx.world_size
     # Written into the run's own event file (add_hparams would make a second run folder).
@@ -473,7 +524,7 @@ def train(ctx, cfg: TrainConfig) -> dict:
     writer = _writer(cfg, ctx)
     _train_epochs(cfg, ctx, data, t, progress, writer)
     if writer is not None:
-        writer.close()
+        writer.flush()  # ctx closes it when the rank ends
     barrier()  # best.pt is complete before any rank reads it
     return _final_pass(cfg, ctx, data, t, progress)
 
@@ -485,8 +536,17 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
     # rank learns its decision in the step's existing all-reduce.
     clock = _CheckpointClock(cfg.checkpoint_every_s) if ctx.is_main else None
     for epoch in range(progress.start_epoch, cfg.epochs):
+        if _early_stop_due(cfg, progress, epoch):
+            progress.early_stopped = True
+            if ctx.is_main:
+                stale = epoch - 1 - progress.best_epoch
+                print(f"early stop: val accuracy has not improved for {stale} epoch{'s' if stale != 1 else ''} "
+                      f"(early_stop_patience={cfg.early_stop_patience}; best {progress.best:.4f} at epoch "
+                      f"{progress.best_epoch + 1}); the export keeps epoch {progress.best_epoch + 1}", flush=True)
+            return
         data.loaders.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         _seed_epoch(cfg.seed, epoch, ctx.rank)
+        reset_gpu_memory_peaks(ctx.device)  # the epoch's peaks: evaluate reports them
         start = _continue_epoch(cfg, ctx, data, progress) if epoch == progress.start_epoch else None
         lr = t.optimizer.param_groups[0]["lr"]
 
@@ -499,10 +559,14 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
             if clock is not None:
                 clock.reset()
 
+        # The launch's first steps compile: its first epoch reports how long that took.
+        compiled_before = _compile_seconds() if t.compiled and epoch == progress.start_epoch else None
         stats = train_one_epoch(t.ddp, t.optimizer, data.loaders.train, ctx.device, epoch, ctx=ctx, scaler=t.scaler,
                                 amp_dtype=t.amp_dtype, channels_last=t.channels_last, on_step=on_step,
-                                batch_transform=data.loaders.train_transform, start=start, checkpoint=checkpoint,
+                                batch_transform=data.loaders.train_transform, accum_steps=cfg.grad_accum_steps,
+                                label_smoothing=cfg.label_smoothing, start=start, checkpoint=checkpoint,
                                 checkpoint_due=clock.due if clock is not None else None)
+        compile_s = _compile_seconds() - compiled_before if compiled_before is not None else None
         if stats.stopped:
             progress.stopped = True
             if ctx.is_main:
@@ -516,7 +580,7 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
         ev = evaluate(t.model, data.loaders.val, ctx.device, t.amp_dtype, t.channels_last,
                       batch_transform=data.loaders.val_transform, ctx=ctx)
         t.scheduler.step()
-        improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr)
+        improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr, compile_s)
         _save_epoch(cfg, ctx, data, t, progress, epoch, improved)
         if clock is not None:
             clock.reset()
@@ -595,7 +659,8 @@ def _save_mid_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _
             t0 = time.perf_counter()
             ck = _checkpoint(t, progress, epoch, cfg, data.classes)
             ck.update(step=done.steps, rank_rng=states,
-                      epoch_stats={"loss": done.loss, "images": done.images, "seconds": done.seconds})
+                      epoch_stats={"loss": done.loss, "images": done.images, "seconds": done.seconds,
+                                   "optimizer_steps": done.optimizer_steps})
             path = atomic_save(ck, rundir.checkpoint_path(ctx.run_dir, rundir.LAST))
             print(f"checkpoint of epoch {epoch + 1} step {done.steps} written to {path} "
                   f"({path.stat().st_size / 2**20:.1f} MB in {time.perf_counter() - t0:.2f} s)", flush=True)
@@ -605,22 +670,49 @@ def _save_mid_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _
     ctx.heartbeat(epoch=epoch, step=done.steps)
 
 
-def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int, stats, ev, lr: float) -> bool:
-    """The epoch's metrics into the history, ctx.log, the cell and TensorBoard; True if it is the best so far."""
+def _early_stop_due(cfg: TrainConfig, progress: _Progress, epoch: int) -> bool:
+    """Whether ``early_stop_patience`` ends the run before ``epoch``: the epochs after the best one reach it.
+
+    Every rank decides the same: the accuracies come from the same all-reduced totals. Asked
+    before each epoch, a resumed run decides from its checkpoint what the uninterrupted run
+    decided after that epoch.
+    """
+    patience = cfg.early_stop_patience
+    return patience > 0 and progress.best_epoch >= 0 and (epoch - 1) - progress.best_epoch >= patience
+
+
+def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int, stats, ev, lr: float,
+                  compile_s: Optional[float] = None) -> bool:
+    """The epoch's metrics into the history, ctx.log, the cell and TensorBoard; True if it is the best so far.
+
+    ``ctx.log`` writes every scalar of the record to TensorBoard at step ``epoch``; the
+    reference names ``loss``, ``accuracy`` and ``learning_rate`` are written beside them.
+    """
     record = {"epoch": epoch, "train_loss": stats.loss, "val_loss": ev.loss, "val_accuracy": ev.accuracy,
               "val_images": ev.count, "lr": lr, "seconds": stats.seconds, "images_per_s": stats.images_per_s,
               "rss_mb": _rss_mb()}
+    if compile_s is not None:
+        record["compile_s"] = compile_s
+    if ev.gpu_mem_alloc_gib is not None:  # GPU ranks: the epoch's peaks, the highest of any rank
+        record["gpu_mem_alloc_gib"] = ev.gpu_mem_alloc_gib
+        record["gpu_mem_reserved_gib"] = ev.gpu_mem_reserved_gib
     progress.history.append(record)
     ctx.log(**record)
     improved = ev.accuracy > progress.best
     if improved:
         progress.best, progress.best_epoch = ev.accuracy, epoch
     if ctx.is_main:
+        extra = ""
+        if ev.gpu_mem_alloc_gib is not None:
+            extra += f"  gpu mem {ev.gpu_mem_alloc_gib:.1f} GiB (reserved {ev.gpu_mem_reserved_gib:.1f})"
+        if compile_s is not None:
+            extra += f"  compile {compile_s:.1f}s"
+        if cfg.early_stop_patience and not improved:
+            extra += f"  no better for {epoch - progress.best_epoch}/{cfg.early_stop_patience}"
         print(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {stats.loss:.4f}  val_loss {ev.loss:.4f}  "
               f"val_acc {ev.accuracy:.4f}  lr {lr:.5f}  {stats.seconds:.1f}s  "
-              f"{stats.images_per_s:.0f} img/s{'  *best*' if improved else ''}", flush=True)
-        for tag, value in (("loss", stats.loss), ("val_loss", ev.loss), ("accuracy", ev.accuracy),
-                           ("learning_rate", lr)):
+              f"{stats.images_per_s:.0f} img/s{extra}{'  *best*' if improved else ''}", flush=True)
+        for tag, value in (("loss", stats.loss), ("accuracy", ev.accuracy), ("learning_rate", lr)):
             writer.add_scalar(tag, value, epoch)
         writer.flush()
     return improved
@@ -647,6 +739,7 @@ def _final_pass(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Prog
     """Evaluate the best weights (the exported model's own validation predictions) and export them."""
     summary = {"run_dir": str(ctx.run_dir), "classes": list(data.classes), "best_accuracy": progress.best,
                "best_epoch": progress.best_epoch, "metrics": progress.history, "stopped": progress.stopped,
+               "early_stopped": progress.early_stopped, "early_stop_patience": cfg.early_stop_patience,
                "weights_path": None}
     if progress.best_epoch < 0 or (progress.stopped and _interrupted(ctx)):
         return summary

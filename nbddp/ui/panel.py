@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import ipywidgets as W
 
-from ..config import TrainConfig
+from ..config import OPTIMIZERS, TrainConfig
 from ..errors import ConfigError, NbddpError, TrainingInterrupted, WorkerError
 from ..forkserver import prewarm
 from ..gpus import IDLE, IDLE_RULE, gpu_setup_problem, list_gpus, preselected_gpus
@@ -80,6 +80,15 @@ def _grid(children: list, min_px: int) -> W.GridBox:
 
 def _count(v: Any) -> Optional[int]:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def gpu_memory_text(record: dict) -> Optional[str]:
+    """``"GPU memory 3.2 GiB peak, 4.0 reserved"`` from an epoch record's peaks, or None off the GPU."""
+    alloc, reserved = record.get("gpu_mem_alloc_gib"), record.get("gpu_mem_reserved_gib")
+    if not isinstance(alloc, (int, float)) or isinstance(alloc, bool) or not math.isfinite(alloc):
+        return None
+    more = f", {reserved:.1f} reserved" if isinstance(reserved, (int, float)) and math.isfinite(reserved) else ""
+    return f"GPU memory {alloc:.1f} GiB peak{more}"
 
 
 def _short(value: Any, limit: int = 160) -> str:
@@ -350,7 +359,33 @@ class TrainingPanel:
         self._form += [self.model_input, self.data_input, self.weights_input, self.epochs_input, self.batch_size_input,
                        self.lr_input, self.image_size_input, self.sync_bn_toggle, self.freeze_toggle, self.amp_toggle,
                        self.tensor_toggle]
-        return [paths, numbers, options]
+        return [paths, numbers, options, self._advanced_form()]
+
+    def _advanced_form(self) -> W.Accordion:
+        """The training recipe, in a collapsed "Advanced" section: optimizer, accumulation, warm-up..."""
+        b = self._base
+        self.optimizer_input = _field(W.Dropdown, "Optimizer", options=list(OPTIMIZERS), value=b.optimizer)
+        self.grad_accum_input = _field(W.BoundedIntText, "Accumulate", value=b.grad_accum_steps, min=1, max=4096,
+                                       tooltip="batches per optimizer step (gradient accumulation)")
+        self.warmup_input = _field(W.BoundedIntText, "Warm-up epochs", value=b.warmup_epochs, min=0, max=100_000,
+                                   tooltip="epochs of linear learning-rate warm-up before the cosine schedule")
+        self.label_smoothing_input = _field(W.BoundedFloatText, "Label smoothing", value=b.label_smoothing, min=0.0,
+                                            max=0.99, step=0.05, tooltip="of the training loss, in [0, 1)")
+        self.early_stop_input = _field(W.BoundedIntText, "Early stop after", value=b.early_stop_patience, min=0,
+                                       max=100_000, tooltip="epochs without a better validation accuracy (0: off)")
+        self.compile_toggle = W.Checkbox(value=b.compile, indent=False, layout=W.Layout(width="auto"),
+                                         description="torch.compile (the first epoch reports the compile time)")
+        grey = "color:var(--jp-ui-font-color2,#666)"
+        note = W.HTML(f"<i style='{grey}'>Accumulate k: one optimizer step every k batches (k × the global batch). "
+                      "Early stop after n: every process stops once validation accuracy has not improved for n "
+                      "epochs (0: off); the export keeps the best epoch.</i>", layout=W.Layout(**_FULL))
+        inputs = [self.optimizer_input, self.grad_accum_input, self.warmup_input, self.label_smoothing_input,
+                  self.early_stop_input]
+        self._form += inputs + [self.compile_toggle]
+        self.advanced = W.Accordion(children=[W.VBox([_grid(inputs, 240), self.compile_toggle, note])],
+                                    selected_index=None, layout=W.Layout(**_FULL))
+        self.advanced.set_title(0, "Advanced")
+        return self.advanced
 
     def _kwargs_form(self) -> List[W.Widget]:
         """A worker's keyword arguments: editable fields, then the greyed-out ones with the reason."""
@@ -444,7 +479,10 @@ class TrainingPanel:
             epochs=int(self.epochs_input.value), batch_size=int(self.batch_size_input.value), lr=lr,
             image_size=int(self.image_size_input.value), freeze_layers=bool(self.freeze_toggle.value),
             sync_bn=bool(self.sync_bn_toggle.value) and not self.freeze_toggle.value, amp=bool(self.amp_toggle.value),
-            data_pipeline="tensor" if self.tensor_toggle.value else "pil")
+            data_pipeline="tensor" if self.tensor_toggle.value else "pil",
+            optimizer=self.optimizer_input.value, grad_accum_steps=int(self.grad_accum_input.value),
+            warmup_epochs=int(self.warmup_input.value), label_smoothing=float(self.label_smoothing_input.value),
+            early_stop_patience=int(self.early_stop_input.value), compile=bool(self.compile_toggle.value))
         gpus, nprocs = self._chosen_devices()
         changes.update(gpus=gpus, **({} if gpus else {"nprocs": nprocs}))
         return self._base.replace(**changes)
@@ -672,6 +710,10 @@ class TrainingPanel:
             parts.append(f"{p['images_per_s']:,.0f} img/s")
         if self.handle is not None:
             parts.append(f"{_duration(time.time() - self.handle.started_at)} elapsed")
+            # The last finished epoch's peaks, max over the GPUs (the built-in worker's records).
+            memory = gpu_memory_text(self.handle.metrics[-1]) if self.handle.metrics else None
+            if memory:
+                parts.append(memory)
         self.progress_label.value = " · ".join(parts)
 
     def _on_metrics(self) -> None:
@@ -690,8 +732,10 @@ class TrainingPanel:
         if accs and self.running and not self.stop_button.disabled:
             best, at = max(accs, key=lambda a: (a[0], -a[1]))
             last = metrics[-1]
+            memory = gpu_memory_text(last)
             self._status("info", f"Training · epoch {last.get('epoch', 0) + 1}/{self._plan[0]} done · val accuracy "
                                  f"{last.get('val_accuracy', float('nan')):.4f} · best {best:.4f} (epoch {at + 1}) · "
+                                 f"{html.escape(memory) + ' · ' if memory else ''}"
                                  f"run folder <code>{html.escape(str(handle.run_dir))}</code>")
 
     def _redraw_chart(self) -> None:
@@ -752,8 +796,14 @@ class TrainingPanel:
         if self._worker is None:
             v = r.value if isinstance(r.value, dict) else {}
             facts = [f"{n} epoch{'' if n == 1 else 's'} completed {on}"]
+            if v.get("early_stopped"):
+                facts.append(f"stopped early: no better val accuracy for {v.get('early_stop_patience')} epochs")
             if isinstance(v.get("best_accuracy"), (int, float)) and v.get("best_epoch", -1) >= 0:
                 facts.append(f"best val accuracy <b>{v['best_accuracy']:.4f}</b> (epoch {v['best_epoch'] + 1})")
+            peaks = [m for m in r.metrics if gpu_memory_text(m)]
+            if peaks:
+                top = max(peaks, key=lambda m: m["gpu_mem_alloc_gib"])
+                facts.append(html.escape(gpu_memory_text(top)) + f" (epoch {top.get('epoch', 0) + 1})")
         else:
             facts = [f"ran {on}", f"{n} record{'' if n == 1 else 's'} logged",
                      f"returned <code>{html.escape(_short(r.value))}</code>"]
