@@ -28,8 +28,9 @@ from .runtime import LaunchSpec
 from .system import kill_group_or_process
 
 
-# After a stop request, the longest a worker that still sends heartbeats may take to finish
-# (its last evaluation, checkpoint and export) before it is ended with SIGTERM.
+# After a stop request (Stop or Interrupt), the longest a worker that saw it and still sends
+# heartbeats may take to finish (its last step, checkpoint, evaluation and export) before it is
+# ended with SIGTERM.
 STOP_TIMEOUT_S = 300.0
 
 
@@ -287,9 +288,16 @@ class RunHandle:
             self.end_interrupted()  # an Interrupt while waiting on a background run stops it too
 
     def end_interrupted(self) -> None:
-        """Jupyter's Interrupt (or Ctrl-C) arrived in the kernel: stop everything, then raise."""
+        """Jupyter's Interrupt (or Ctrl-C) arrived in the kernel: stop everything, then raise.
+
+        The same staged stop as :meth:`stop`: workers that saw the request and keep beating may
+        finish (the built-in worker its step and a checkpoint, then it exits); a second
+        Interrupt ends them at once.
+        """
         with self._lock:
             self._begin_shutdown("interrupt")
+        print("nbddp: stopping the workers (they finish their step and checkpoint); interrupt again to end them "
+              "at once", file=sys.stderr, flush=True)
         with interrupts_held() as again:
             while not self._done.is_set():
                 if again:  # a second interrupt: no more grace
@@ -388,9 +396,11 @@ class RunHandle:
 
     def _advance_shutdown(self, now: float) -> None:
         sd = self._shutdown
-        if sd["stage"] == "ask" and sd["reason"] == "stop":
+        if sd["stage"] == "ask" and sd["reason"] in ("stop", "interrupt"):
             # A stop keeps the result: the workers may be finishing the epoch's evaluation, the
-            # export or NCCL's teardown, which can take far longer than grace_s on a GPU.
+            # export or NCCL's teardown, which can take far longer than grace_s on a GPU. An
+            # interrupt keeps the work: the step in flight and its checkpoint can take longer
+            # than grace_s too (a second interrupt ends the workers at once).
             if now - sd["since"] < self.stop_timeout_s and self._finishing(now, sd["since"]):
                 return
         elif now - sd["since"] < self.grace_s:

@@ -158,9 +158,10 @@ def spawn_train(
         threads_per_proc: intra-op threads per rank (default: cores divided among the ranks).
         grace_s: seconds each shutdown stage waits (stop request, then SIGTERM, then SIGKILL)
             after a failure or an interrupt.
-        stop_timeout_s: after ``stop()``, how long workers that still send heartbeats may take
-            to finish (evaluation, checkpoint, export) before SIGTERM; one whose heartbeat stops
-            for ``grace_s + 2`` s is ended at once. The run then returns ``TrainResult(stopped=True)``.
+        stop_timeout_s: after ``stop()`` (or an Interrupt), how long workers that saw the request
+            and still send heartbeats may take to finish (evaluation, checkpoint, export) before
+            SIGTERM; one whose heartbeat stops for ``grace_s + 2`` s is ended at once. The run then
+            returns ``TrainResult(stopped=True)`` (an Interrupt raises ``TrainingInterrupted``).
         stall_timeout_s: a rank that lags behind the others without progress for this long is
             declared hung and the run is stopped, naming it (default: ``timeout_s`` on CPU,
             ``0.75 * timeout_s`` on GPUs, before NCCL's watchdog aborts the waiting ranks).

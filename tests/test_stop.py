@@ -27,6 +27,17 @@ def test_workers_finishing_after_a_stop_return_their_result(runs_dir):
     assert survivors(h.pids) == {}
 
 
+def test_an_interrupt_lets_workers_that_keep_beating_finish_too(runs_dir):
+    # 3 s of work after the request (a step and its checkpoint), three times grace_s: no SIGTERM.
+    h = spawn_train(SLOW_STOP, nprocs=2, runs_dir=runs_dir, block=False, echo=False, grace_s=1.0,
+                    kwargs={"after_stop_s": 3.0})
+    assert wait_for(lambda: started(h), 60)
+    with pytest.raises(TrainingInterrupted, match="interrupted"):
+        h.end_interrupted()
+    assert [e.exitcode for e in sorted(h._ends.values(), key=lambda e: e.rank)] == [0, 0]
+    assert survivors(h.pids) == {}
+
+
 @pytest.mark.parametrize("how", ["heartbeat stops", "stop_timeout_s"])
 def test_workers_that_do_not_finish_are_ended(runs_dir, how):
     h = spawn_train(SLOW_STOP, nprocs=2, runs_dir=runs_dir, block=False, echo=False, grace_s=1.0,
@@ -50,16 +61,17 @@ def test_an_interrupt_in_the_middle_of_an_epoch_checkpoints_it_before_any_sigter
     # 192 training images, 2 ranks, batch 2: 48 steps per epoch, far more than the steps
     # between the interrupt and the moment the workers see it.
     tree = make_tree(tmp_path / "data", per_class=80)
-    cfg = TrainConfig(data_path=str(tree), model="mobilenet_v3_small", image_size=32, epochs=2, batch_size=2,
+    cfg = TrainConfig(data_path=str(tree), model="mobilenet_v3_small", image_size=32, epochs=3, batch_size=2,
                       nprocs=2, runs_dir=str(runs_dir), name="interrupted")
-    h = spawn_train(cfg, block=False, echo=False)  # grace_s: 3 s from the request to SIGTERM
-    assert wait_for(lambda: (h.progress.get("step") or 0) >= 2, 120)
+    h = spawn_train(cfg, block=False, echo=False, grace_s=1.0)
+    assert wait_for(lambda: h.progress.get("epoch") == 1 and h.progress.get("step", 0) >= 2, 180)
     with pytest.raises(TrainingInterrupted, match="interrupted"):
         h.end_interrupted()  # what Jupyter's Interrupt does in a cell waiting on the run
     log = rundir.rank_log(h.run_dir, 0).read_text()
     ck = load_checkpoint(rundir.checkpoint_path(h.run_dir))
-    assert ck["epoch"] == 0 and 2 <= ck["step"] < 48, "the steps done in epoch 0, in the middle of it"
-    assert f"checkpoint of epoch 1 step {ck['step']} written to" in log
-    assert f"stop requested: leaving epoch 1 at step {ck['step']}" in log
+    assert ck["epoch"] == 1 and 2 <= ck["step"] < 48, "the steps done in epoch 1, in the middle of it"
+    assert f"checkpoint of epoch 2 step {ck['step']} written to" in log
+    assert f"stop requested: leaving epoch 2 at step {ck['step']}" in log
+    assert "interrupted: no final evaluation nor export" in log and not rundir.export_dir(h.run_dir).exists()
     assert [e.exitcode for e in sorted(h._ends.values(), key=lambda e: e.rank)] == [0, 0], "no SIGTERM was needed"
     assert survivors(h.pids) == {}

@@ -26,7 +26,8 @@ from .. import data as D
 from .. import rundir
 from ..checkpoint import atomic_save, export_weights, load_checkpoint
 from ..config import TrainConfig
-from ..dist import agree_on_error, barrier, check_same, cpu_group, data_parallel, is_dist, sync_buffers_from_main
+from ..dist import (agree_on_error, any_rank, barrier, check_same, cpu_group, data_parallel, is_dist,
+                    sync_buffers_from_main)
 from ..engine import (EpochStats, autocast_dtype, evaluate, grad_scaler, reset_gpu_memory_peaks, train_one_epoch,
                       warmup_cosine_lambda)
 from ..errors import ConfigError, DataError
@@ -740,7 +741,7 @@ def _final_pass(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Prog
                "best_epoch": progress.best_epoch, "metrics": progress.history, "stopped": progress.stopped,
                "early_stopped": progress.early_stopped, "early_stop_patience": cfg.early_stop_patience,
                "weights_path": None}
-    if progress.best_epoch < 0:
+    if progress.best_epoch < 0 or (progress.stopped and _interrupted(ctx)):
         return summary
     best_state = load_checkpoint(rundir.checkpoint_path(ctx.run_dir, rundir.BEST))["model"]
     t.model.load_state_dict(best_state)
@@ -750,6 +751,21 @@ def _final_pass(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Prog
         summary["weights_path"] = str(_export(cfg, ctx, data, best_state, progress.best_epoch, final))
     summary["final_accuracy"] = final.accuracy
     return summary
+
+
+def _interrupted(ctx) -> bool:
+    """Collective: the stop came from an Interrupt, whose cell raises: no final evaluation nor export then."""
+    reason = ""
+    if ctx.is_main:
+        try:
+            reason = rundir.stop_path(ctx.run_dir).read_text().strip()
+        except OSError:
+            pass
+    if any_rank(reason == "interrupt"):
+        if ctx.is_main:
+            print("interrupted: no final evaluation nor export; the checkpoints are kept", flush=True)
+        return True
+    return False
 
 
 def _export(cfg: TrainConfig, ctx, data: _Data, best_state, best_epoch: int, final) -> Path:
