@@ -443,10 +443,12 @@ def test_panel_trains_stops_and_tensorboard_shows_the_run_in_jupyterlab(lab, pag
     shot(frame_el, "tensorboard.png")
 
     # ---- A second, long run, stopped mid-epoch from the Stop button
-    epochs = panel.locator(".widget-inline-hbox", has_text="Epochs").locator("input")
+    # The field labelled exactly "Epochs" ("Warm-up epochs" in the Advanced section matches a substring)
+    epochs_box = panel.locator(".widget-inline-hbox", has_text=re.compile(r"^\s*Epochs\s*$"))
+    epochs = epochs_box.locator("input")
     epochs.fill("50")
     epochs.press("Tab")
-    expect(panel.locator(".widget-inline-hbox", has_text="Epochs").locator("input")).to_have_value("50")
+    expect(epochs).to_have_value("50")
     train.click()
     expect(label).to_have_text(re.compile(r"epoch 1/50 · step \d+/\d+"), timeout=120 * MS)
     stop.click()
