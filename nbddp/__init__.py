@@ -5,9 +5,13 @@ preloaded, or spawn; never a fork of the kernel), one process per GPU (nccl) or 
 (gloo); the notebook gets live progress, one clear error when a rank fails, and no process left
 behind when a cell is interrupted.
 
-The package has two sides, and a contract between them. The kernel side runs in the notebook
-(or a script) and never initialises CUDA; the worker side runs in each rank. The worker side
-imports nothing from the kernel side; both import the shared modules.
+The package has two sides and the shared modules between them. The kernel side runs in the
+notebook (or a script) and never initialises CUDA; the worker side runs in each rank. A rank
+loads no kernel-side module: not when it imports the worker side, not when it starts (spawned,
+forked from the warm server, or under torchrun/srun), and ``import nbddp`` itself loads nothing
+until a name is used. :data:`SIDES` is the table below as data; ``tests/test_sides.py`` holds
+every rank to it. ``cli`` is the command line of both: a shell's launcher, or a rank under
+torchrun/srun (then it takes the worker side only).
 
 ==========  ===================  ==============================================================
 side        module               what it does
@@ -19,12 +23,14 @@ shared      ``paths``            what a path is (FIFO, /proc) before anything re
 shared      ``system``           process identity (pid + start time), CPU cores, signalling
 shared      ``targets``          ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (kernel), loaded (rank)
 shared      ``gpus``             GPUs from NVML or nvidia-smi, never through CUDA
+shared      ``tasks``            every launch's plan (``LaunchPlan``): target, world, name, resume
+shared      ``checkpoint``       atomic save, weights-only load, export files
 kernel      ``launch``           ``spawn_train``: plan, run folder, store, environment, start
 kernel      ``forkserver``       the warm server workers fork from; pre-warmed in a kernel
 kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
 kernel      ``report``           a failed run's root-cause rank and its one error
 kernel      ``procs``            ``cleanup`` of an earlier launch's workers, proven by marker
-kernel      ``cli``, ``cluster``  ``python -m nbddp``; torchrun and sbatch commands
+kernel      ``cluster``          torchrun and sbatch commands for a config
 kernel      ``export``,          weights out of a run folder; prediction in the kernel
             ``inference``
 kernel      ``ui``               ``TrainingPanel``, charts, TensorBoard in the notebook
@@ -35,64 +41,84 @@ worker      ``engine``           training and evaluation loops that stop every r
 worker      ``data``,            class folders, samplers, transforms; the decoded tensor cache
             ``tensor_data``
 worker      ``models``,          torchvision models, weights files, SyncBatchNorm
-            ``checkpoint``,
             ``sync_bn``
-task        ``tasks``            a config's ``LaunchPlan`` (kernel) and its worker function
-                                 (``tasks.classification``: preflight, plan, ``train``)
+worker      ``tasks.``           the built-in worker: its preflight and plan (run in the
+            ``classification``   kernel, from the shared side) and ``train(ctx, cfg)``
+entry       ``cli``              ``python -m nbddp``: a shell's launcher, or one rank of torchrun/srun
 ==========  ===================  ==============================================================
 """
 
-from .config import TrainConfig
-from .errors import ConfigError, DataError, NbddpError, RunAbandoned, TrainingInterrupted, WeightsError, WorkerError
-from .export import export_run
-from .gpus import GPUInfo, list_gpus
-from .inference import Prediction, load_model, predict
-from .handle import RunHandle, TrainResult
-from .launch import spawn_train
-from .procs import cleanup
-from .runtime import Context
-from .forkserver import prewarm_in_kernel as _prewarm_in_kernel
+#: Each module's side (the table above as data): ``kernel``, ``worker``, ``shared`` or ``entry``.
+SIDES = {
+    "config": "shared", "errors": "shared", "rundir": "shared", "paths": "shared", "system": "shared",
+    "targets": "shared", "gpus": "shared", "tasks": "shared", "checkpoint": "shared",
+    "launch": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel",
+    "cluster": "kernel", "export": "kernel", "inference": "kernel", "ui": "kernel", "ui.panel": "kernel",
+    "ui.charts": "kernel", "ui.tensorboard": "kernel",
+    "runtime": "worker", "elastic": "worker", "dist": "worker", "engine": "worker", "data": "worker",
+    "tensor_data": "worker", "models": "worker", "sync_bn": "worker",
+    "tasks.classification": "worker",
+    "cli": "entry", "__main__": "entry",
+}
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "spawn_train",
-    "TrainConfig",
-    "TrainResult",
-    "RunHandle",
-    "Context",
-    "load_model",
-    "predict",
-    "Prediction",
-    "export_run",
-    "TrainingPanel",
-    "show_tensorboard",
-    "list_gpus",
-    "cleanup",
-    "GPUInfo",
-    "NbddpError",
-    "ConfigError",
-    "DataError",
-    "WeightsError",
-    "WorkerError",
-    "TrainingInterrupted",
-    "RunAbandoned",
-]
+#: Public name -> the module that defines it, imported on first use (PEP 562), so that
+#: ``import nbddp`` costs nothing in a rank and a script imports only what it uses.
+_EXPORTS = {
+    "spawn_train": "launch",
+    "TrainConfig": "config",
+    "TrainResult": "handle",
+    "RunHandle": "handle",
+    "Context": "runtime",
+    "load_model": "inference",
+    "predict": "inference",
+    "Prediction": "inference",
+    "export_run": "export",
+    "TrainingPanel": "ui",
+    "show_tensorboard": "ui",
+    "show_predictions": "ui",
+    "plot_confusion_matrix": "ui",
+    "list_gpus": "gpus",
+    "GPUInfo": "gpus",
+    "cleanup": "procs",
+    "NbddpError": "errors",
+    "ConfigError": "errors",
+    "DataError": "errors",
+    "WeightsError": "errors",
+    "WorkerError": "errors",
+    "TrainingInterrupted": "errors",
+    "RunAbandoned": "errors",
+}
 
-
-_UI_NAMES = ("TrainingPanel", "show_tensorboard", "show_predictions", "plot_confusion_matrix")
+__all__ = [name for name in _EXPORTS if name not in ("show_predictions", "plot_confusion_matrix")]
 
 
 def __getattr__(name):
-    # The notebook UI (ipywidgets, matplotlib) loads on first use, so workers and scripts that
-    # import nbddp never import it.
-    if name in _UI_NAMES:
-        from . import ui
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+    import importlib
 
-        return getattr(ui, name)
-    raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # the next use is a plain attribute
+    return value
 
 
-# In a Jupyter kernel, start the warm forkserver now (a daemon thread), so the first launch
-# finds torch and DDP imported there; never in scripts or workers. NBDDP_PREWARM=0: off.
-_prewarm_in_kernel()
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+def _prewarm_if_kernel() -> None:
+    # In a Jupyter kernel, start the warm forkserver now (a daemon thread), so the first launch
+    # finds torch and DDP imported there. A rank, the server and scripts have no ipykernel
+    # loaded, so they never import the kernel side here. NBDDP_PREWARM=0: off.
+    import sys
+
+    if "ipykernel" in sys.modules:
+        from .forkserver import prewarm_in_kernel
+
+        prewarm_in_kernel()
+
+
+_prewarm_if_kernel()

@@ -154,13 +154,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from .elastic import detect
     from .errors import NbddpError
-    from .gpus import resolve_gpus
-    from .launch import spawn_train
 
     launcher = detect()
     try:
         if launcher is not None and ns.command in ("train", "run"):
-            return _under_launcher(ns, launcher)
+            return _under_launcher(ns, launcher)  # a rank: the worker side only
+        from .gpus import resolve_gpus
+        from .launch import spawn_train
+
         if ns.command == "gpus":
             from .gpus import gpu_setup_problem, list_gpus
 
@@ -240,38 +241,36 @@ def _check_may_continue(run_dir, cfg: TrainConfig, le) -> None:
 
 
 def _under_launcher(ns: argparse.Namespace, le) -> int:
-    """One rank of a torchrun/srun job: same worker, same run folder layout as spawn_train."""
+    """One rank of a torchrun/srun job: the same plan, worker and run folder layout as spawn_train."""
     from pathlib import Path
 
     from . import tasks
     from .elastic import run_under_launcher
-    from .targets import resolve_target
 
+    run_dir = Path(ns.run_dir) if ns.run_dir else None
     if ns.command == "run":
-        target, args, kwargs, cfg = resolve_target(ns.target), (), parse_kwargs(ns.kwargs), None
-        name, runs_dir, timeout = Path(ns.target.rpartition(":")[0]).stem, "runs", 600.0
+        cfg = None
+        plan = tasks.plan(ns.target, kwargs=parse_kwargs(ns.kwargs))
     else:
         cfg = build_config(ns).replace(gpus=(), nprocs=le.world_size)
-        run_dir = Path(ns.run_dir) if ns.run_dir else (
-            Path(cfg.runs_dir) / f"{cfg.name}-{le.job_id}" if le.job_id else None)
+        if run_dir is None and le.job_id:
+            run_dir = Path(cfg.runs_dir) / f"{cfg.name}-{le.job_id}"
         if run_dir is not None and rundir.checkpoint_names(run_dir):
             # A launcher restart of this run, or an explicit resume, continues from the last
             # checkpoint; anything else would train from epoch 0 over it.
             _check_may_continue(run_dir, cfg, le)
             cfg = cfg.replace(resume=str(run_dir))
         plan = tasks.plan(cfg)  # every rank checks the same inputs, so all fail together
-        target, args, kwargs = plan.target, plan.args, {}
-        name, runs_dir, timeout = plan.name, plan.runs_dir, plan.timeout_s
-        ns.run_dir = str(plan.run_dir or run_dir) if (plan.run_dir or run_dir) else None
+    run_dir = plan.run_dir or run_dir
 
     def choose() -> Path:
-        path = Path(ns.run_dir).resolve() if ns.run_dir else rundir.new_run_dir(runs_dir, name)
+        path = run_dir.resolve() if run_dir else rundir.new_run_dir(plan.runs_dir, plan.name)
         path.mkdir(parents=True, exist_ok=True)
-        if cfg is not None:
-            cfg.save(rundir.config_path(path))
+        if plan.config is not None:
+            plan.config.save(rundir.config_path(path))
         return path
 
-    code, value = run_under_launcher(le, target, args, kwargs, choose, timeout)
+    code, value = run_under_launcher(le, plan, choose)
     if le.rank == 0 and code == 0:
         if cfg is not None and isinstance(value, dict):
             print(f"best val_accuracy {value['best_accuracy']:.4f}; exported weights: {value['weights_path']}")

@@ -27,6 +27,7 @@ from . import rundir
 from .dist import init_process_group
 from .system import cpu_cores
 from .runtime import Context, run_rank, run_rank_hook
+from .tasks import LaunchPlan
 
 
 @dataclass(frozen=True)
@@ -131,19 +132,16 @@ def agree_run_dir(choose: Callable[[], Path]) -> Path:
     return Path(box[0])
 
 
-def run_under_launcher(le: LauncherEnv, target: str, args: tuple, kwargs: dict,
-                       choose_run_dir: Callable[[], Path], timeout_s: float = 600.0) -> tuple:
-    """Run ``target`` as rank ``le.rank``; returns ``(exit_code, value)`` like ``run_rank``.
+def run_under_launcher(le: LauncherEnv, plan: LaunchPlan, choose_run_dir: Callable[[], Path]) -> tuple:
+    """Run ``plan``'s target as rank ``le.rank``; returns ``(exit_code, value)`` like ``run_rank``.
 
     Args:
         le: the launcher environment (:func:`detect`).
-        target: worker spec (``"pkg.mod:fn"`` or ``"/path/file.py:fn"``).
-        args, kwargs: the worker's arguments.
+        plan: what to run (:func:`nbddp.tasks.plan`, as ``spawn_train`` makes it).
         choose_run_dir: called on global rank 0 only, after the process group is up.
-        timeout_s: process-group timeout.
     """
     run_rank_hook(le.rank)  # first, as in a spawned rank
-    device = init_from_env(le, timeout_s)
+    device = init_from_env(le, plan.process_group_timeout(on_gpu=torch.cuda.is_available()))
     run_dir = agree_run_dir(choose_run_dir)
     log_path = rundir.rank_log(run_dir, le.rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +151,7 @@ def run_under_launcher(le: LauncherEnv, target: str, args: tuple, kwargs: dict,
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
     ctx = Context(le.rank, le.local_rank, le.world_size, device, dist.get_backend(), run_dir)
     try:
-        return run_rank(ctx, lambda: None, target, args, kwargs)
+        return run_rank(ctx, lambda: None, plan.target, plan.args, plan.kwargs)
     finally:
         sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
         log.close()

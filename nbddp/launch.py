@@ -8,7 +8,6 @@ set for the children (and restored). Watching the run is :class:`nbddp.handle.Ru
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import pickle
@@ -31,7 +30,6 @@ from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult, interrupts_held
 from .procs import MARKER_ENV, live_workers
 from .runtime import LaunchSpec, entry
 from .system import cpu_cores, kill_group_or_process, start_time
-from .targets import resolve_target
 from .tasks import LaunchPlan
 
 def _free_store(timeout_s: float) -> dist.TCPStore:
@@ -124,7 +122,7 @@ def spawn_train(
     kwargs: Optional[dict] = None,
     block: bool = True,
     name: Optional[str] = None,
-    runs_dir: Union[str, Path] = "runs",
+    runs_dir: Union[str, Path, None] = None,
     timeout_s: Optional[float] = None,
     threads_per_proc: Optional[int] = None,
     grace_s: float = 3.0,
@@ -152,7 +150,7 @@ def spawn_train(
         block: wait for the end and return a ``TrainResult``; ``False`` returns a
             ``RunHandle`` at once and keeps the notebook usable.
         name: suffix of the run folder ``runs_dir/<time>-<name>``.
-        runs_dir: folder that holds the run folders.
+        runs_dir: folder that holds the run folders (default ``runs``; a config's own ``runs_dir``).
         timeout_s: process-group timeout: a collective that waits longer fails (default 120 s
             on CPU, 600 s on GPU).
         threads_per_proc: intra-op threads per rank (default: cores divided among the ranks).
@@ -194,19 +192,19 @@ def spawn_train(
         >>> result = spawn_train("my_worker.py:train", nprocs=2, kwargs={"steps": 500})
         >>> result.value, result.run_dir
     """
-    kwargs = dict(kwargs or {})
     _check_launch_args(nprocs, timeout_s, name)
     if start_method not in ("spawn", "forkserver"):
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
     target, gpus = _resolve_gpus(target, gpus)  # "idle" (here or in a config): the GPUs idle now; busy ones warn
-    plan = _plan(target, args, kwargs, nprocs, gpus, name, runs_dir, timeout_s, resume)
-    _check_picklable(plan.args, kwargs)
+    plan = tasks.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
+                      timeout_s=timeout_s, resume=resume)
+    _check_picklable(plan.args, plan.kwargs)
     world, backend = _world(plan)
     # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
     # that could escape an allocation. Refuses unknown or repeated ids, listing the GPUs.
     visible_devices = cuda_visible_devices(plan.gpus) if plan.gpus else None
-    timeout = float(plan.timeout_s or (600.0 if plan.gpus else 120.0))
+    timeout = plan.process_group_timeout()
     threads = threads_per_proc or max(1, cpu_cores() // world)
     run_dir = _prepare_run_dir(plan, world)
 
@@ -217,7 +215,7 @@ def spawn_train(
     # forkserver's children would otherwise see the server's environment from its start, and
     # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
     snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
-    spec = LaunchSpec(target=plan.target, args=tuple(plan.args), kwargs=kwargs, world_size=world, backend=backend,
+    spec = LaunchSpec(target=plan.target, args=tuple(plan.args), kwargs=plan.kwargs, world_size=world, backend=backend,
                       gpus=tuple(plan.gpus), store_host="127.0.0.1", store_port=store.port, run_dir=str(run_dir),
                       parent_pid=None if warm else os.getpid(), threads=threads, timeout_s=timeout,
                       env=snapshot, kernel=(os.getpid(), start_time(os.getpid())), all_values=all_values)
@@ -241,48 +239,6 @@ def _resolve_gpus(target: Any, gpus: Union[str, Sequence[int], None]) -> Tuple[A
         ids = resolve_gpus(target.gpus)
         return (target.replace(gpus=tuple(ids)) if target.gpus == IDLE else target), gpus
     return target, (None if gpus is None else resolve_gpus(gpus))
-
-
-def _plan(target: Any, args: tuple, kwargs: dict, nprocs: Optional[int], gpus: Optional[Sequence[int]],
-          name: Optional[str], runs_dir: Union[str, Path], timeout_s: Optional[float], resume: Any) -> LaunchPlan:
-    """What to run: a task's plan for a config (its inputs checked), or the worker function as given."""
-    if tasks.is_task_config(target):
-        config_type = type(target).__name__
-        if args or kwargs:
-            raise ConfigError(f"with a {config_type}, put every setting in the config (no args/kwargs)")
-        if nprocs is not None or gpus is not None:
-            raise ConfigError(f"with a {config_type}, set nprocs/gpus in the config: cfg.replace(gpus=[0, 1])")
-        if resume not in (None, False):
-            raise ConfigError(f"with a {config_type}, set resume in the config: cfg.replace(resume={resume!r})")
-        plan = tasks.plan(target)
-        return dataclasses.replace(plan, name=name or plan.name, timeout_s=timeout_s or plan.timeout_s)
-    spec_target = resolve_target(target)
-    gpus = tuple(gpus or ())
-    if gpus and nprocs not in (None, len(gpus)):
-        raise ConfigError(f"nprocs={nprocs} but gpus={list(gpus)}: one process per GPU; drop nprocs")
-    name = name or _default_name(spec_target)
-    return LaunchPlan(target=spec_target, args=tuple(args), gpus=gpus, nprocs=nprocs, name=name,
-                      runs_dir=str(runs_dir), timeout_s=timeout_s, run_dir=_run_to_resume(resume, runs_dir, name))
-
-
-def _run_to_resume(resume: Any, runs_dir: Union[str, Path], name: str) -> Optional[Path]:
-    """The run folder a worker function continues in (``resume=``), or None for a new one."""
-    if resume is None or resume is False:
-        return None
-    if resume is True:
-        found = rundir.newest_run(runs_dir, name, checkpoint=None)
-        if found is None:
-            raise ConfigError(
-                f"resume=True but no run named {name!r} with a checkpoint is in {str(runs_dir)!r}; pass the "
-                "run folder as resume='runs/<run>', give the name it ran under (name=...), or start without resume")
-        return found.resolve()
-    if not isinstance(resume, (str, os.PathLike)):
-        raise ConfigError(f"resume={resume!r}: pass True, a run folder, or None")
-    folder = rundir.run_dir_of_checkpoint(resume)
-    if not folder.is_dir():
-        raise ConfigError(f"resume={str(resume)!r}: no such run folder; pass TrainResult.run_dir or a folder under "
-                          f"{str(runs_dir)!r}")
-    return folder.resolve()
 
 
 def _world(plan: LaunchPlan) -> Tuple[int, str]:
@@ -367,9 +323,3 @@ def _kill_started(procs) -> None:
     for p in procs.processes:
         kill_group_or_process(p.pid)
         p.join(timeout=10)
-
-
-def _default_name(spec: str) -> str:
-    qual = spec.rpartition(":")[2]
-    stem = Path(spec.rpartition(":")[0]).stem if spec.rpartition(":")[0].endswith(".py") else ""
-    return "-".join(x for x in (stem, qual) if x) or "run"

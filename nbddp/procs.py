@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Union
 
 from . import rundir
-from .system import cpu_cores, is_same_process, start_time, state  # noqa: F401 - part of this module's API
+from .system import is_same_process
 
 
 #: Environment variable that marks a worker of a run: its value is the run folder.

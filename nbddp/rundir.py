@@ -55,6 +55,8 @@ LOGS = "logs"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_SUFFIX = ".pt"
 LAST, BEST = "last", "best"
+#: Where run folders go unless a launch says otherwise (relative to the working directory).
+RUNS_DIR = "runs"
 EXPORT = "export"
 TENSORBOARD = "tensorboard"
 STATE_DIR = ".nbddp"
@@ -477,6 +479,6 @@ def newest_run(runs_dir: PathLike, name: str, checkpoint: Optional[str] = LAST) 
 
 __all__ = [
     "CONFIG", "METRICS", "CLASS_INDICES", "VAL_PREDICTIONS", "LOGS", "CHECKPOINTS", "LAST", "BEST", "EXPORT",
-    "TENSORBOARD", "STATE_DIR", "EXPORT_FILES", "RecordFile", "atomic_write", "atomic_write_text",
+    "TENSORBOARD", "STATE_DIR", "RUNS_DIR", "EXPORT_FILES", "RecordFile", "atomic_write", "atomic_write_text",
     "write_json_atomic", "read_json", "cleanup_temp_files", "new_run_dir", "newest_run",
 ]

@@ -141,7 +141,7 @@ def test_stale_workers_are_refused_and_cleanup_ends_only_them(tree, runs_dir, tm
     try:
         rec_path = first.run_dir / ".nbddp" / "launch.json"
         rec = json.loads(rec_path.read_text())
-        from nbddp.procs import start_time
+        from nbddp.system import start_time
 
         rec.update(pids=[stale.pid], start_times=[start_time(stale.pid)])
         rec_path.write_text(json.dumps(rec))

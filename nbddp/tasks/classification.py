@@ -33,7 +33,7 @@ from ..engine import (EpochStats, autocast_dtype, evaluate, grad_scaler, reset_g
 from ..errors import ConfigError, DataError
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
 from ..sync_bn import convert_sync_batchnorm
-from . import LaunchPlan
+from . import LaunchPlan, run_to_resume
 
 # ------------------------------------------------------------------------------ kernel side
 TARGET = "nbddp.tasks.classification:train"
@@ -234,16 +234,7 @@ def find_resume_dir(cfg: TrainConfig, classes: Optional[list] = None) -> Path:
         ConfigError: no such run, no checkpoint, or a checkpoint of another model or other classes.
         WeightsError: the checkpoint is truncated, corrupt or not weights-only safe.
     """
-    if isinstance(cfg.resume, str):
-        run_dir = Path(cfg.resume)
-        if run_dir.name == rundir.checkpoint_path(run_dir, rundir.LAST).name:  # .../checkpoints/last.pt
-            run_dir = run_dir.parent.parent
-    else:
-        run_dir = rundir.newest_run(cfg.runs_dir, cfg.name)
-        if run_dir is None:
-            raise ConfigError(
-                f"TrainConfig.resume=True but no run named {cfg.name!r} with a checkpoint is in {cfg.runs_dir}; "
-                "pass the run folder as resume='runs/<run>' or start without resume")
+    run_dir = run_to_resume(cfg.resume, cfg.runs_dir, cfg.name, checkpoint=rundir.LAST, what="TrainConfig.resume")
     last = rundir.checkpoint_path(run_dir, rundir.LAST)
     if not last.exists():
         raise ConfigError(f"TrainConfig.resume={cfg.resume!r}: no checkpoint at {last}; nothing to resume")

@@ -34,7 +34,7 @@ from ..forkserver import prewarm
 from ..gpus import IDLE, IDLE_RULE, gpu_setup_problem, list_gpus, preselected_gpus
 from ..handle import RunHandle, TrainResult
 from ..launch import spawn_train
-from ..procs import cpu_cores
+from ..system import cpu_cores
 from ..targets import WorkerSignature, resolve_target, worker_signature
 from .charts import scalar_charts_png, scalar_series, training_curves_png
 
