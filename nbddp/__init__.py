@@ -22,6 +22,7 @@ shared      ``rundir``           the run folder: every file name, the atomic wri
 shared      ``paths``            what a path is (FIFO, /proc) before anything reads it
 shared      ``system``           process identity (pid + start time), CPU cores, signalling
 shared      ``targets``          ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (kernel), loaded (rank)
+shared      ``cells``            functions from notebook cells: checked and pickled by value (kernel), loaded (rank)
 shared      ``gpus``             GPUs from NVML or nvidia-smi, never through CUDA
 shared      ``tasks``            every launch's plan (``LaunchPlan``): target, world, name, resume
 shared      ``checkpoint``       atomic save, weights-only load, export files
@@ -51,7 +52,7 @@ entry       ``cli``              ``python -m nbddp``: a shell's launcher, or one
 #: Each module's side (the table above as data): ``kernel``, ``worker``, ``shared`` or ``entry``.
 SIDES = {
     "config": "shared", "errors": "shared", "rundir": "shared", "paths": "shared", "system": "shared",
-    "targets": "shared", "gpus": "shared", "tasks": "shared", "checkpoint": "shared",
+    "targets": "shared", "cells": "shared", "gpus": "shared", "tasks": "shared", "checkpoint": "shared",
     "launch": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel",
     "cluster": "kernel", "export": "kernel", "inference": "kernel", "ui": "kernel", "ui.panel": "kernel",
     "ui.charts": "kernel", "ui.tensorboard": "kernel",
