@@ -1,0 +1,103 @@
+"""How a rank calls the user's code: as it was written, for the launcher it was written for.
+
+==============  ===================================  ==============================================
+``call=``       the rank calls                       process group
+==============  ===================================  ==============================================
+``"ctx"``       ``fn(ctx, *args, **kwargs)``         made by nbddp before the call (the default)
+``"mp.spawn"``  ``fn(rank, *args, **kwargs)``        made by the function (its own ``setup()``)
+``"torchrun"``  ``fn(*args, **kwargs)``              made by the function, ``init_method="env://"``
+script          ``python train.py *argv``            made by the script, ``init_method="env://"``
+==============  ===================================  ==============================================
+
+A script (``"train.py"``, or ``"-m pkg.train"``) runs as ``__main__`` with ``sys.argv`` as torchrun
+gives it and the kernel's working directory. Every rank gets torchrun's environment
+(:func:`torchrun_environment`); under ``"torchrun"`` and scripts, ``init_process_group("env://")``
+meets the kernel's private store, as torchrun's ranks meet its agent's store.
+
+Worker side.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Sequence
+
+#: The conventions ``spawn_train(..., call=)`` accepts for a function.
+CTX, MP_SPAWN, TORCHRUN = "ctx", "mp.spawn", "torchrun"
+CALLS = (CTX, MP_SPAWN, TORCHRUN)
+
+#: Marks a module target in a spec string: ``"-m pkg.train"``.
+MODULE_PREFIX = "-m "
+
+
+def torchrun_environment(rank: int, world_size: int, master_addr: str, master_port: int, run_id: str,
+                         agent_store: bool) -> Dict[str, str]:
+    """The variables torchrun gives each worker on one machine (``torch.distributed.elastic``).
+
+    Args:
+        agent_store: ``env://`` connects to a store that is already up (the kernel's), as
+            torchrun's workers connect to its agent's; False lets rank 0 host one (mp.spawn).
+    """
+    env = {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size), "ROLE_NAME": "default",
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+    if agent_store:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return env
+
+
+def is_script(spec: str) -> bool:
+    """True for a whole program: ``"path/train.py"`` (no ``:function``) or ``"-m pkg.train"``."""
+    return spec.startswith(MODULE_PREFIX) or (spec.endswith(".py") and ":" not in spec.rpartition("/")[2])
+
+
+def run_script(spec: str, argv: Sequence[str]) -> None:
+    """Run a script or module as ``__main__``, as ``python train.py *argv`` / ``python -m pkg.train`` would.
+
+    Raises whatever the script raises; ``SystemExit`` included (the caller reads its code).
+    """
+    if spec.startswith(MODULE_PREFIX):
+        module = spec[len(MODULE_PREFIX):]
+        sys.argv = [module, *argv]  # run_module sets argv[0] to the module's file, as python -m does
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # python -m puts the working directory first
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    sys.argv = [spec, *argv]
+    folder = str(Path(spec).resolve().parent)
+    if sys.path[:1] != [folder]:
+        sys.path.insert(0, folder)  # python train.py puts the script's folder first
+    runpy.run_path(spec, run_name="__main__")
+
+
+def call_function(fn: Callable[..., Any], call: str, ctx: Any, args: tuple, kwargs: dict) -> Any:
+    """Call a worker function by its convention (see the table above)."""
+    if call == MP_SPAWN:
+        return fn(ctx.local_rank, *args, **kwargs)
+    if call == TORCHRUN:
+        return fn(*args, **kwargs)
+    return fn(ctx, *args, **kwargs)
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The status ``sys.exit(code)`` gives the shell: 0 for None, 1 for a message."""
+    code = exc.code
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def makes_own_group(call: str, spec: str) -> bool:
+    """True when the user's code sets up the process group itself (nbddp must not)."""
+    return call != CTX or is_script(spec)
+
+
+__all__ = ["CTX", "MP_SPAWN", "TORCHRUN", "CALLS", "MODULE_PREFIX", "torchrun_environment", "is_script",
+           "run_script", "call_function", "exit_code", "makes_own_group"]

@@ -1,0 +1,176 @@
+"""A worker function's convention and arguments, checked in the kernel before a process starts.
+
+Code written for another launcher fails in every rank at once, in ways that read badly from a
+notebook: a ``Context`` where a rank number was expected, ``TypeError: main() got multiple
+values for argument 'save_every'``, torch's "trying to initialize the default process group
+twice". Each of these can be read from the function's signature and source (``ast`` for a
+file, never executing it), so the kernel says which convention the code follows and how to
+launch it instead.
+
+Kernel side.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Sequence, Union
+
+from .calls import CTX, MP_SPAWN, TORCHRUN
+from .errors import ConfigError
+
+#: First parameter names that say "I am called as fn(rank, ...)", as mp.spawn calls.
+RANK_NAMES = ("rank", "local_rank", "gpu", "gpu_id", "device_id", "world_size", "proc_id", "process_id")
+
+_WHAT_CALL_PASSES = {CTX: "ctx", MP_SPAWN: "rank"}
+_NO_DEFAULT = inspect.Parameter.empty
+
+
+class _Default:
+    """A default read from source, shown as ``...``: only its presence matters here."""
+
+    def __repr__(self) -> str:
+        return "..."
+
+
+_DEFAULT = _Default()
+
+
+def check_call(target: Union[str, Callable[..., Any]], call: str, args: Sequence[Any], kwargs: Dict[str, Any],
+               label: str) -> None:
+    """Refuse a function launched with a convention it was not written for, or arguments it cannot take.
+
+    Args:
+        target: the function, or its spec (``"/abs/file.py:fn"``, ``"pkg.mod:fn"``).
+        call: ``"ctx"``, ``"mp.spawn"`` or ``"torchrun"``.
+        args, kwargs: what ``spawn_train`` passes after the convention's first argument.
+        label: the function as the user named it, for the messages.
+
+    Raises:
+        ConfigError: naming the mismatch and the ``spawn_train`` call that fits.
+    """
+    found = _function(target)
+    if found is None:
+        return  # bound by an import or an assignment: nothing to read without running it
+    sig, node, source_file = found
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    first = positional[0].name if positional else None
+    if call == CTX and first in RANK_NAMES:
+        raise ConfigError(
+            f"{label}({first}, ...) looks like an mp.spawn function: it takes the rank first, and nbddp would pass "
+            f"a Context there. Launch it with spawn_train({label!r}, ..., call='mp.spawn') (it is then called as "
+            f"{label}(rank, *args) and sets up its own process group), or take ctx first.")
+    if call == CTX and calls_init_process_group(node, source_file):
+        raise ConfigError(
+            f"{label} calls torch.distributed.init_process_group itself, but with call='ctx' nbddp has made the "
+            "process group before calling it (the second initialisation fails in every rank). Launch it with "
+            "call='torchrun' (called as fn(*args), its group from the environment, env://) or call='mp.spawn' "
+            "(called as fn(rank, *args)); or drop the call and use ctx.")
+    leading = [_WHAT_CALL_PASSES[call]] if call in _WHAT_CALL_PASSES else []
+    try:
+        sig.bind(*leading, *args, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{label}{sig} cannot be called with {_describe(call, args, kwargs)}: {exc}. "
+                          f"{_fix(call)}") from None
+
+
+def calls_init_process_group(node: ast.AST, source_file: Optional[str] = None) -> bool:
+    """True when the function, or a function of the same file it calls, calls ``init_process_group``."""
+    module = _module_tree(source_file)
+    defs = {n.name: n for n in (module.body if module else []) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    todo, seen = [node], set()
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for sub in ast.walk(fn):
+            if isinstance(sub, ast.Call):
+                name = sub.func.attr if isinstance(sub.func, ast.Attribute) else getattr(sub.func, "id", None)
+                if name == "init_process_group":
+                    return True
+                if name in defs:
+                    todo.append(defs[name])
+    return False
+
+
+def _function(target: Union[str, Callable[..., Any]]):
+    """``(signature, ast node, file)`` of a target, or None when no ``def`` can be read."""
+    if callable(target) and not isinstance(target, str):
+        try:
+            sig = inspect.signature(target)
+            source = textwrap.dedent(inspect.getsource(target))
+            node = ast.parse(source).body[0]
+        except (TypeError, ValueError, OSError, SyntaxError, IndexError):
+            return None
+        return sig, node, getattr(getattr(target, "__code__", None), "co_filename", None)
+    where, _, qualname = target.rpartition(":")
+    if not where.endswith(".py"):
+        import importlib
+
+        obj: Any = importlib.import_module(where)  # resolve_target imported it already
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return _function(obj)
+    module = _module_tree(where)
+    node = _find_def(module, qualname) if module else None
+    return None if node is None else (_signature_of(node), node, where)
+
+
+def _module_tree(path: Optional[str]) -> Optional[ast.Module]:
+    import linecache
+
+    if not path:
+        return None
+    lines = linecache.getlines(path) or (Path(path).read_text().splitlines(True) if Path(path).is_file() else [])
+    try:
+        return ast.parse("".join(lines))
+    except SyntaxError:
+        return None
+
+
+def _find_def(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
+    body: list = tree.body
+    node = None
+    for part in qualname.split("."):
+        node = next((n for n in reversed(body) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)  # the last definition wins, as at run time
+        if node is None:
+            return None
+        body = node.body
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _signature_of(node: ast.FunctionDef) -> inspect.Signature:
+    """The signature a ``def`` declares, without evaluating its defaults."""
+    P = inspect.Parameter
+    a = node.args
+    positional = [*a.posonlyargs, *a.args]
+    has_default = [False] * (len(positional) - len(a.defaults)) + [True] * len(a.defaults)
+    params = [P(arg.arg, P.POSITIONAL_ONLY if i < len(a.posonlyargs) else P.POSITIONAL_OR_KEYWORD,
+                default=_DEFAULT if d else _NO_DEFAULT) for i, (arg, d) in enumerate(zip(positional, has_default))]
+    if a.vararg:
+        params.append(P(a.vararg.arg, P.VAR_POSITIONAL))
+    params += [P(arg.arg, P.KEYWORD_ONLY, default=_DEFAULT if d is not None else _NO_DEFAULT)
+               for arg, d in zip(a.kwonlyargs, a.kw_defaults)]
+    if a.kwarg:
+        params.append(P(a.kwarg.arg, P.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+def _describe(call: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
+    parts = ([_WHAT_CALL_PASSES[call]] if call in _WHAT_CALL_PASSES else []) + [f"args[{i}]" for i in range(len(args))]
+    parts += [f"{k}=..." for k in kwargs]
+    return f"({', '.join(parts)})" if parts else "no arguments"
+
+
+def _fix(call: str) -> str:
+    first = {CTX: "after ctx, ", MP_SPAWN: "after the rank, ", TORCHRUN: ""}[call]
+    return (f"spawn_train passes its positional arguments {first}in order, and kwargs={{...}} by name: give each "
+            "required parameter exactly once" + (" (for an mp.spawn function pass call='mp.spawn')" if call == CTX else ""))
+
+
+__all__ = ["RANK_NAMES", "check_call", "calls_init_process_group"]
