@@ -23,7 +23,7 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 #: The conventions ``spawn_train(..., call=)`` accepts for a function.
 CTX, MP_SPAWN, TORCHRUN = "ctx", "mp.spawn", "torchrun"
