@@ -13,6 +13,8 @@ imports nothing from the kernel side; both import the shared modules.
 side        module               what it does
 ==========  ===================  ==============================================================
 shared      ``config``           ``TrainConfig``: the built-in worker's settings, validated
+shared      ``fieldspec``        what each ``TrainConfig`` field is: help, flag, check, widget
+shared      ``cluster``          torchrun and sbatch commands, as text (``cfg.torchrun_command``)
 shared      ``errors``           the exceptions users see
 shared      ``rundir``           the run folder: every file name, the atomic writer, records
 shared      ``paths``            what a path is (FIFO, /proc) before anything reads it
@@ -24,7 +26,7 @@ kernel      ``forkserver``       the warm server workers fork from; pre-warmed i
 kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
 kernel      ``report``           a failed run's root-cause rank and its one error
 kernel      ``procs``            ``cleanup`` of an earlier launch's workers, proven by marker
-kernel      ``cli``, ``cluster``  ``python -m nbddp``; torchrun and sbatch commands
+kernel      ``cli``              ``python -m nbddp``
 kernel      ``export``,          weights out of a run folder; prediction in the kernel
             ``inference``
 kernel      ``ui``               ``TrainingPanel``, charts, TensorBoard in the notebook

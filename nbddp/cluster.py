@@ -1,8 +1,10 @@
 """Exact commands to run a notebook-designed run on a cluster: torchrun and SLURM.
 
-Kernel side, text only: nothing here starts a process. The commands run ``python -m nbddp``,
-which reads the launcher's environment (:mod:`nbddp.elastic`), so the worker, the config and
-the run folder layout stay the same as under ``spawn_train``.
+Shared, text only: nothing here starts a process. ``TrainConfig.torchrun_command`` and
+``sbatch_script`` import it at the call; it reads the config through its fields' declarations
+(:mod:`nbddp.fieldspec`) and never imports :mod:`nbddp.config`. The commands run
+``python -m nbddp``, which reads the launcher's environment (:mod:`nbddp.elastic`), so the
+worker, the config and the run folder layout stay the same as under ``spawn_train``.
 
 The text is meant to be pasted into a shell or submitted to Slurm, so every value in it is
 quoted with ``shlex`` (a path such as ``my runs`` stays one argument, ``$(...)`` stays text), values
