@@ -17,6 +17,8 @@ torchrun/srun (then it takes the worker side only).
 side        module               what it does
 ==========  ===================  ==============================================================
 shared      ``config``           ``TrainConfig``: the built-in worker's settings, validated
+shared      ``fieldspec``        what each ``TrainConfig`` field is: help, flag, check, widget
+shared      ``cluster``          torchrun and sbatch commands, as text (``cfg.torchrun_command``)
 shared      ``errors``           the exceptions users see
 shared      ``rundir``           the run folder: every file name, the atomic writer, records
 shared      ``paths``            what a path is (FIFO, /proc) before anything reads it
@@ -29,13 +31,14 @@ shared      ``checkpoint``       atomic save, weights-only load, export files
 kernel      ``launch``           ``spawn_train``: plan, run folder, store, environment, start
 kernel      ``forkserver``       the warm server workers fork from; pre-warmed in a kernel
 kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
+kernel      ``conventions``      a worker's convention and arguments, read from its signature and source
 kernel      ``report``           a failed run's root-cause rank and its one error
 kernel      ``procs``            ``cleanup`` of an earlier launch's workers, proven by marker
-kernel      ``cluster``          torchrun and sbatch commands for a config
 kernel      ``export``,          weights out of a run folder; prediction in the kernel
             ``inference``
 kernel      ``ui``               ``TrainingPanel``, charts, TensorBoard in the notebook
 worker      ``runtime``          a rank's entry: ``Context``, heartbeats, error records
+worker      ``calls``            how a rank calls ctx, mp.spawn and torchrun functions, and scripts
 worker      ``elastic``          the same rank under torchrun / srun
 worker      ``dist``             process group and the collectives nbddp uses
 worker      ``engine``           training and evaluation loops that stop every rank together
@@ -52,14 +55,15 @@ entry       ``cli``              ``python -m nbddp``: a shell's launcher, or one
 #: Each module's side (the table above as data): ``kernel``, ``worker``, ``shared`` or ``entry``.
 SIDES = {
     "config": "shared", "errors": "shared", "rundir": "shared", "paths": "shared", "system": "shared",
-    "targets": "shared", "cells": "shared", "gpus": "shared", "tasks": "shared", "checkpoint": "shared",
+    "targets": "shared", "cells": "shared", "fieldspec": "shared", "cluster": "shared", "gpus": "shared", "tasks": "shared", "checkpoint": "shared",
     "launch": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel",
-    "cluster": "kernel", "export": "kernel", "inference": "kernel", "ui": "kernel", "ui.panel": "kernel",
-    "ui.charts": "kernel", "ui.tensorboard": "kernel",
+    "export": "kernel", "inference": "kernel", "ui": "kernel", "ui.panel": "kernel",
+    "ui.charts": "kernel", "ui.tensorboard": "kernel", "ui.devices": "kernel", "ui.form": "kernel",
+    "ui.layout": "kernel", "ui.run_view": "kernel", "ui.worker_form": "kernel",
     "runtime": "worker", "elastic": "worker", "dist": "worker", "engine": "worker", "data": "worker",
     "tensor_data": "worker", "models": "worker", "sync_bn": "worker",
     "tasks.classification": "worker",
-    "cli": "entry", "__main__": "entry",
+    "cli": "entry", "__main__": "entry", "calls": "worker", "conventions": "kernel",
 }
 
 __version__ = "0.1.0"

@@ -20,8 +20,9 @@ import typing
 from typing import List, Optional, Union
 
 from . import rundir
-from .config import DATA_PIPELINES, OPTIMIZERS, TrainConfig, read_config_file
+from .config import TrainConfig, read_config_file
 from .errors import ConfigError
+from .fieldspec import flag_name, specs
 from .gpus import IDLE
 
 
@@ -33,39 +34,25 @@ def _field_parser(value_type):
     return value_type
 
 
-#: Help of the training-recipe flags.
-_RECIPE_HELP = {
-    "optimizer": "sgd (momentum, the reference) or adamw",
-    "grad_accum_steps": "batches per optimizer step (gradient accumulation; default 1)",
-    "warmup_epochs": "epochs of linear learning-rate warm-up before the cosine schedule (default 0)",
-    "label_smoothing": "label smoothing of the training loss, in [0, 1) (default 0)",
-    "compile": "torch.compile the training model; the first epoch reports compile_s",
-    "early_stop_patience": "stop once validation accuracy has not improved for N epochs (default 0: off)",
-}
-
-
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ``TrainConfig`` field, from its declaration (:mod:`nbddp.fieldspec`).
+
+    A bool gives ``--x``/``--no-x``, a choice its values, an int/float/str its type; a field of
+    several types (``gpus``, ``resume``) takes words that :func:`build_config` reads.
+    """
     hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+    for f, spec in specs(TrainConfig):
         t = _field_parser(hints[f.name])
-        help_ = _RECIPE_HELP.get(f.name)
-        if f.name == "optimizer":
-            p.add_argument(flag, default=None, choices=OPTIMIZERS, help=help_)
-        elif f.name == "gpus":
-            p.add_argument(flag, default=None, help="GPU ids, e.g. 0,1 ('all' = every GPU; 'idle' = the GPUs idle at "
-                           "launch: at least 90%% memory free, at most 10%% busy; default: all, else CPU)")
-        elif f.name == "data_pipeline":
-            p.add_argument(flag, default=None, choices=DATA_PIPELINES,
-                           help="pil: per-image transforms (reference); tensor: decode once, augment batches on the device")
-        elif f.name == "resume":
-            p.add_argument(flag, default=None, help="'true' (newest run of --name) or a run folder")
-        elif t is bool:
-            p.add_argument(flag, default=None, action=argparse.BooleanOptionalAction, help=help_)
+        kw: dict = dict(default=None, help=spec.help.replace("%", "%%") or None)
+        if t is bool:
+            kw.update(action=argparse.BooleanOptionalAction)
+        elif spec.check is not None and spec.check.kind == "choice":
+            kw.update(choices=spec.check.values)
         elif t in (int, float, str):
-            p.add_argument(flag, type=t, default=None, metavar=t.__name__.upper(), help=help_)
+            kw.update(type=t, metavar=spec.metavar or t.__name__.upper())
         else:
-            p.add_argument(flag, default=None)
+            kw.update(metavar=spec.metavar)
+        p.add_argument(flag_name(f.name), **kw)
 
 
 def build_config(ns: argparse.Namespace) -> TrainConfig:

@@ -1,8 +1,10 @@
 """Exact commands to run a notebook-designed run on a cluster: torchrun and SLURM.
 
-Kernel side, text only: nothing here starts a process. The commands run ``python -m nbddp``,
-which reads the launcher's environment (:mod:`nbddp.elastic`), so the worker, the config and
-the run folder layout stay the same as under ``spawn_train``.
+Shared, text only: nothing here starts a process. ``TrainConfig.torchrun_command`` and
+``sbatch_script`` import it at the call; it reads the config through its fields' declarations
+(:mod:`nbddp.fieldspec`) and never imports :mod:`nbddp.config`. The commands run
+``python -m nbddp``, which reads the launcher's environment (:mod:`nbddp.elastic`), so the
+worker, the config and the run folder layout stay the same as under ``spawn_train``.
 
 The text is meant to be pasted into a shell or submitted to Slurm, so every value in it is
 quoted with ``shlex`` (a path such as ``my runs`` stays one argument, ``$(...)`` stays text), values
@@ -13,38 +15,39 @@ checked against a safe set of characters.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import shlex
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import Any, List, Optional
 
+from .errors import ConfigError
+from .fieldspec import flag_name, specs
 from .rundir import NAME_RULE, name_problem
 
-if TYPE_CHECKING:  # the config is passed in: this module never imports config (which calls it)
-    from .config import TrainConfig
-from .errors import ConfigError
-
-_LAUNCH_FIELDS = {"gpus", "nprocs", "resume"}  # decided by the launcher, not the config
+# ``cfg`` below is a ``TrainConfig``, read through its fields' declarations (nbddp.fieldspec):
+# this module never imports nbddp.config, whose methods call it.
 
 
-def cli_flags(cfg: TrainConfig) -> List[str]:
-    """``python -m nbddp train`` flags for every field that differs from the defaults."""
+def cli_flags(cfg: Any) -> List[str]:
+    """``python -m nbddp train`` flags for every field that differs from the defaults.
+
+    Fields the launcher decides (``FieldSpec.launch``: GPUs, process count, resume) are left out.
+    """
     default = type(cfg)()
     flags: List[str] = []
-    for f in dataclasses.fields(cfg):
+    for f, spec in specs(cfg):
         v, d = getattr(cfg, f.name), getattr(default, f.name)
-        if f.name in _LAUNCH_FIELDS or v == d:
+        if spec.launch or v == d:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_name(f.name)
         if isinstance(v, bool):
-            flags.append(flag if v else "--no-" + f.name.replace("_", "-"))
+            flags.append(flag if v else "--no-" + flag[2:])
         else:
             flags.append(f"{flag}={v}")
     return flags
 
 
-def _train_args(cfg: TrainConfig, config_path, run_dir: Optional[str]) -> List[str]:
+def _train_args(cfg: Any, config_path, run_dir: Optional[str]) -> List[str]:
     args = ["-m", "nbddp", "train"] + ([f"--config={os.fspath(config_path)}"] if config_path else cli_flags(cfg))
     return args + ([f"--run-dir={run_dir}"] if run_dir else [])
 
@@ -68,7 +71,7 @@ def _check_sbatch_value(name: str, value: Any) -> None:
                           "(no spaces or line breaks: the value is written into an #SBATCH line)")
 
 
-def torchrun_command(cfg: TrainConfig, nnodes: int = 1, nproc_per_node: Optional[int] = None,
+def torchrun_command(cfg: Any, nnodes: int = 1, nproc_per_node: Optional[int] = None,
                      rdzv_endpoint: str = "HEAD_NODE:29400", run_id: Optional[str] = None,
                      max_restarts: int = 0, config_path: Optional[str] = None,
                      run_dir: Optional[str] = None) -> str:
@@ -108,7 +111,7 @@ def torchrun_command(cfg: TrainConfig, nnodes: int = 1, nproc_per_node: Optional
     return shlex.join(cmd)
 
 
-def sbatch_script(cfg: TrainConfig, nodes: int = 1, gpus_per_node: Optional[int] = None,
+def sbatch_script(cfg: Any, nodes: int = 1, gpus_per_node: Optional[int] = None,
                   time: str = "04:00:00", partition: Optional[str] = None, cpus_per_task: int = 8,
                   config_path: Optional[str] = None, python: str = "python") -> str:
     """An ``sbatch`` script: one ``srun`` task per GPU, each one rank of the job.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -18,12 +17,18 @@ from typing import Any, Callable, Optional, Union
 from . import rundir
 from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError
+from .fieldspec import GROUPS, Check, Widget, spec, specs, utf8_problem
 from .gpus import IDLE, IDLE_RULE
 
-_BOOL_FIELDS = ("scale_lr", "compile", "sync_bn", "freeze_layers", "amp", "channels_last", "hflip", "check_images",
-                "cache_images", "persistent_workers")
 DATA_PIPELINES = ("pil", "tensor")
 OPTIMIZERS = ("sgd", "adamw")
+#: The models the panel suggests (any torchvision classification model name works).
+COMMON_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
+                 "efficientnet_b0", "efficientnet_b1", "regnet_y_400mf", "convnext_tiny", "densenet121", "vgg16_bn")
+#: Why ``sync_bn`` and ``freeze_layers`` exclude each other.
+FREEZE_REASON = "frozen BatchNorm layers keep their statistics, so there is nothing to synchronise"
+_BOOL = Check("bool")
+_PATH = Check("path")  # written to logs, JSON and TensorBoard: must be UTF-8
 
 #: Smallest process-group timeout accepted: every rank must start (spawn, import torch) and reach
 #: the rendezvous within it, which takes seconds on a cold start.
@@ -39,22 +44,6 @@ def _normal_gpus(gpus: Any) -> Any:
         return tuple(int(g) for g in (gpus or ()))
     except (TypeError, ValueError):
         return gpus
-
-
-def utf8_problem(path: str) -> Optional[str]:
-    """Why ``path`` cannot be written to logs, JSON and TensorBoard as text, or ``None``.
-
-    A name read from the disk whose bytes are not UTF-8 arrives as a string with surrogate
-    escapes (``'\\udcff'``); it opens fine but fails in the worker the first time it is written
-    to a UTF-8 file.
-    """
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raw = os.fsencode(path)
-        return (f"is not valid UTF-8 (byte {raw[exc.start:exc.start + 1]!r} near {path[:exc.start][-20:]!r}); "
-                "rename the folder or file to a UTF-8 name (convmv or a file manager can)")
-    return None
 
 
 @dataclass(frozen=True)
@@ -129,44 +118,102 @@ class TrainConfig:
         timeout_s: process-group timeout in seconds (a hung collective fails after this).
     """
 
-    data_path: str = "data/digits"
-    model: str = "resnet34"
-    num_classes: Optional[int] = None
-    image_size: int = 224
-    epochs: int = 10
-    batch_size: int = 16
-    lr: float = 0.001
-    lrf: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-3
-    scale_lr: bool = True
-    optimizer: str = "sgd"
-    grad_accum_steps: int = 1
-    warmup_epochs: int = 0
-    label_smoothing: float = 0.0
-    compile: bool = False
-    early_stop_patience: int = 0
-    sync_bn: bool = False
-    freeze_layers: bool = False
-    weights: Optional[str] = None
-    val_fraction: float = 0.2
-    seed: int = 0
-    num_workers: Optional[int] = None
-    amp: bool = False
-    channels_last: bool = False
-    crop_scale: float = 0.08
-    hflip: bool = True
-    nprocs: int = 1
-    gpus: Union[tuple, str] = ()
-    runs_dir: str = "runs"
-    name: str = "train"
-    resume: Union[bool, str] = False
-    checkpoint_every_s: float = 600.0
-    check_images: bool = True
-    cache_images: bool = False
-    data_pipeline: str = "pil"
-    persistent_workers: bool = True
-    timeout_s: float = 300.0
+    data_path: str = spec("data/digits", help="class-folder tree root/<class>/<image>", check=_PATH, metavar="DIR",
+                          widget=Widget("text", "Data folder", "paths", placeholder="root/<class>/<image>",
+                                        required="type the folder that holds one sub-folder per class",
+                                        attr="data_input"))
+    model: str = spec("resnet34", group="choices", help="torchvision classification model name (resnet34, ...)",
+                      widget=Widget("combo", "Model", options=COMMON_MODELS,
+                                    placeholder="torchvision name, e.g. resnet34"))
+    num_classes: Optional[int] = spec(None, help="number of outputs (default: the number of class folders)",
+                                      check=Check("int", low=2, none="count the class folders"))
+    image_size: int = spec(224, help="side of the square training crop, in pixels", check=Check("int", low=8),
+                           widget=Widget("int", "Image size", low=8, high=4096, step=32))
+    epochs: int = spec(10, help="passes over the training split", check=Check("int", low=1),
+                       widget=Widget("int", "Epochs", low=1, high=100_000))
+    batch_size: int = spec(16, help="images per process per step", check=Check("int", low=1),
+                           widget=Widget("int", "Batch / process", low=1, high=65_536))
+    lr: float = spec(0.001, group="numbers", help="base learning rate", check=Check("number", 0.0, low_open=True),
+                     widget=Widget("float", "Learning rate", step=0.0001))
+    lrf: float = spec(0.1, group="numbers", help="final learning rate, as a fraction of lr",
+                      check=Check("number", 0.0, 1.0))
+    momentum: float = spec(0.9, group="numbers", help="SGD momentum", check=Check("number", 0.0, 1.0))
+    weight_decay: float = spec(5e-3, group="numbers", help="weight decay", check=Check("number", 0.0))
+    scale_lr: bool = spec(True, help="multiply lr by the number of processes", check=_BOOL)
+    optimizer: str = spec("sgd", group="recipe", help="sgd (momentum, the reference) or adamw",
+                          check=Check("choice", values=OPTIMIZERS,
+                                      why="'sgd' (with momentum, the reference) or 'adamw'"),
+                          widget=Widget("choice", "Optimizer", "advanced"))
+    grad_accum_steps: int = spec(1, group="recipe", help="batches per optimizer step (gradient accumulation; "
+                                 "default 1)",
+                                 check=Check("int", low=1, why="1: an optimizer step every batch; k: every k batches, "
+                                             "an effective batch of batch_size x processes x k"),
+                                 widget=Widget("int", "Accumulate", "advanced", low=1, high=4096,
+                                               attr="grad_accum_input"))
+    warmup_epochs: int = spec(0, group="recipe", help="epochs of linear learning-rate warm-up before the cosine "
+                              "schedule (default 0)",
+                              check=Check("int", low=0, why="0: no warm-up; w: w epochs of linear warm-up before "
+                                          "the cosine schedule"),
+                              widget=Widget("int", "Warm-up epochs", "advanced", low=0, high=100_000,
+                                            attr="warmup_input"))
+    label_smoothing: float = spec(0.0, group="recipe", help="label smoothing of the training loss, in [0, 1) "
+                                  "(default 0)",
+                                  check=Check("number", 0.0, 1.0, high_open=True, why="must be a number in [0, 1): "
+                                              "0 turns it off, 0.1 is a common value"),
+                                  widget=Widget("float", "Label smoothing", "advanced", low=0.0, high=0.99, step=0.05))
+    compile: bool = spec(False, help="torch.compile the training model; the first epoch reports compile_s",
+                         check=_BOOL, widget=Widget("check", "torch.compile (the first epoch reports the compile "
+                                                    "time)", "advanced"))
+    early_stop_patience: int = spec(0, group="recipe", help="stop once validation accuracy has not improved for N "
+                                    "epochs (default 0: off)",
+                                    check=Check("int", low=0, why="0: off; n: stop once validation accuracy has not "
+                                                "improved for n epochs"),
+                                    widget=Widget("int", "Early stop after", "advanced", low=0, high=100_000,
+                                                  attr="early_stop_input"))
+    sync_bn: bool = spec(False, help="synchronise BatchNorm statistics across processes", check=_BOOL,
+                         widget=Widget("check", "SyncBN (BatchNorm statistics over all processes)", "options"))
+    freeze_layers: bool = spec(False, help="train only the classifier head", check=_BOOL,
+                               widget=Widget("check", "Freeze layers (train only the head)", "options",
+                                             attr="freeze_toggle"))
+    weights: Optional[str] = spec(None, help="weights file (.pth / .safetensors / a run's export) to start from",
+                                  check=_PATH, metavar="FILE",
+                                  widget=Widget("text", "Weights file", "paths",
+                                                placeholder="optional: .pth / .safetensors / run folder"))
+    val_fraction: float = spec(0.2, group="numbers", help="fraction of each class held out for validation",
+                               check=Check("number", 0.0, 1.0, low_open=True))
+    seed: int = spec(0, help="seed of the split, the initial weights and the augmentation", check=Check("int", low=0))
+    num_workers: Optional[int] = spec(None, help="DataLoader processes per rank (default: from the cores)",
+                                      check=Check("int", low=0, none="derive it from the cores"))
+    amp: bool = spec(False, help="mixed precision on GPU", check=_BOOL,
+                     widget=Widget("check", "AMP (mixed precision)", "options", gpu_only=True))
+    channels_last: bool = spec(False, help="NHWC memory format on GPU", check=_BOOL)
+    crop_scale: float = spec(0.08, group="numbers", help="smallest area fraction kept by the random resized crop",
+                             check=Check("number", 0.0, 1.0))
+    hflip: bool = spec(True, help="random horizontal flips", check=_BOOL)
+    nprocs: int = spec(1, help="CPU processes when no GPU is given", check=Check("int", low=1), launch=True)
+    gpus: Union[tuple, str] = spec((), group="choices", launch=True, metavar="IDS",
+                                   help="GPU ids, e.g. 0,1 ('all' = every GPU; 'idle' = the GPUs idle at launch: at "
+                                   "least 90% memory free, at most 10% busy; default: all, else CPU)")
+    runs_dir: str = spec("runs", help="folder that holds one sub-folder per run", check=_PATH, metavar="DIR")
+    name: str = spec("train", group="choices", help="short name appended to the run folder")
+    resume: Union[bool, str] = spec(False, check=_PATH, launch=True, metavar="RUN",
+                                    help="'true' (newest run of --name) or a run folder")
+    checkpoint_every_s: float = spec(600.0, group="numbers", help="seconds between checkpoints in the middle of an "
+                                     "epoch (0: at the end of epochs only)",
+                                     check=Check("number", 0.0, why="must be a finite number of seconds >= 0: how "
+                                                 "often, at most, a checkpoint is written in the middle of an epoch "
+                                                 "(0 writes them at the end of epochs only)"))
+    check_images: bool = spec(True, help="open every image in the kernel before launching", check=_BOOL)
+    cache_images: bool = spec(False, help="decode each image once and keep it in memory (pil pipeline)", check=_BOOL)
+    data_pipeline: str = spec("pil", group="choices", help="pil: per-image transforms (reference); tensor: decode "
+                              "once, augment batches on the device",
+                              check=Check("choice", values=DATA_PIPELINES, why="'pil' (per-image transforms, the "
+                                          "reference) or 'tensor' (decoded once, batches augmented on the device)"),
+                              widget=Widget("check", "Fast data (decode once, augment batches on the device)",
+                                            "options", on="tensor", off="pil", attr="tensor_toggle"))
+    persistent_workers: bool = spec(True, help="keep DataLoader workers alive between epochs", check=_BOOL)
+    timeout_s: float = spec(300.0, group="numbers", help="process-group timeout in seconds",
+                            check=Check("number", 0.0, low_open=True))
 
     def __post_init__(self):
         # Normalise containers and paths so the config stays hashable, JSON-able and picklable.
@@ -181,71 +228,47 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Check every field's type and range; raises ``ConfigError`` naming the field."""
+        """Check every field's type and range; raises ``ConfigError`` naming the field.
+
+        Group by group (:data:`nbddp.fieldspec.GROUPS`): first each field's own
+        :class:`~nbddp.fieldspec.Check`, from its declaration, then the group's rules that no
+        single field's check can say (a field against another, a special message).
+        """
 
         def bad(name: str, why: str) -> None:
             raise ConfigError(f"TrainConfig.{name}={getattr(self, name)!r}: {why}")
 
-        self._validate_types(bad)
-        self._validate_numbers(bad)
-        self._validate_recipe(bad)
-        self._validate_choices(bad)
+        rules = {"types": self._validate_types, "numbers": self._validate_numbers,
+                 "recipe": self._validate_recipe, "choices": self._validate_choices}
+        declared = specs(self)
+        for group in GROUPS:
+            for f, s in declared:
+                why = s.check.problem(getattr(self, f.name)) if s.group == group and s.check else None
+                if why:
+                    bad(f.name, why)
+            rules[group](bad)
 
-    def _validate_types(self, bad) -> None:
-        """Flags, paths and counts."""
-        for name in _BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "must be True or False (a string such as 'False' is not a bool)")
+    def _validate_types(self, bad: Callable[[str, str], None]) -> None:
+        """Flags, paths and counts: the one rule beside the fields' own checks."""
         if not isinstance(self.resume, (bool, str)):
             bad("resume", "must be True/False or the path of a run folder")
-        for name in ("data_path", "runs_dir", "weights", "resume"):
-            v = getattr(self, name)
-            if isinstance(v, str) and utf8_problem(v):
-                bad(name, utf8_problem(v))
-        ints = {"image_size": 8, "epochs": 1, "batch_size": 1, "nprocs": 1, "seed": 0}
-        for name, low in ints.items():
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                bad(name, f"must be an integer >= {low}")
-        if self.num_classes is not None and (
-            isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 2
-        ):
-            bad("num_classes", "must be an integer >= 2, or None to count the class folders")
-        if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 0):
-            bad("num_workers", "must be an integer >= 0, or None to derive it from the cores")
 
-    def _validate_numbers(self, bad) -> None:
-        """Rates, fractions and times: finite, in range."""
-        floats = {
-            "lr": (0.0, math.inf, False),
-            "lrf": (0.0, 1.0, True),
-            "momentum": (0.0, 1.0, True),
-            "weight_decay": (0.0, math.inf, True),
-            "val_fraction": (0.0, 1.0, False),
-            "crop_scale": (0.0, 1.0, True),
-            "timeout_s": (0.0, math.inf, False),
-        }
-        for name, (low, high, low_ok) in floats.items():
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                bad(name, "must be a finite number")
-            if v < low or (v == low and not low_ok) or v > high:
-                bad(name, f"must be in {'[' if low_ok else '('}{low}, {high}]")
-        every = self.checkpoint_every_s
-        if isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
-            bad("checkpoint_every_s", "must be a finite number of seconds >= 0: how often, at most, a checkpoint "
-                "is written in the middle of an epoch (0 writes them at the end of epochs only)")
+    def _validate_numbers(self, bad: Callable[[str, str], None]) -> None:
+        """Rates, fractions and times: the limits beside their ranges."""
         if self.timeout_s < MIN_TIMEOUT_S:
             bad("timeout_s", f"must be at least {MIN_TIMEOUT_S:g} seconds: every rank has to start and reach the "
                 "process group within it (a smaller value fails at start-up with a connection error)")
         if self.crop_scale == 0:
             bad("crop_scale", "must be > 0 (the smallest area fraction the random crop keeps)")
 
-    def _validate_choices(self, bad) -> None:
-        """Named choices, GPUs, the run's name, and settings that exclude each other."""
-        if self.data_pipeline not in DATA_PIPELINES:
-            bad("data_pipeline", f"must be one of {DATA_PIPELINES}: 'pil' (per-image transforms, the reference) "
-                "or 'tensor' (decoded once, batches augmented on the device)")
+    def _validate_recipe(self, bad: Callable[[str, str], None]) -> None:
+        """The training recipe: the warm-up against the epochs."""
+        if self.warmup_epochs >= self.epochs:
+            bad("warmup_epochs", f"is not less than epochs={self.epochs}: the warm-up would take the whole run "
+                "and the cosine schedule none; use fewer warm-up epochs or more epochs")
+
+    def _validate_choices(self, bad: Callable[[str, str], None]) -> None:
+        """The model, GPUs, the run's name, and settings that exclude each other."""
         if not isinstance(self.model, str) or not self.model:
             bad("model", "must be a torchvision classification model name such as 'resnet34'")
         if self.gpus != IDLE:
@@ -257,34 +280,9 @@ class TrainConfig:
             if len(set(self.gpus)) != len(self.gpus):
                 bad("gpus", "lists a GPU twice; each process needs its own GPU")
         if self.sync_bn and self.freeze_layers:
-            bad(
-                "sync_bn",
-                "is refused while freeze_layers=True: frozen BatchNorm layers keep their statistics, "
-                "so there is nothing to synchronise. Turn one of them off.",
-            )
+            bad("sync_bn", f"is refused while freeze_layers=True: {FREEZE_REASON}. Turn one of them off.")
         if name_problem(self.name):
             bad("name", f"{NAME_RULE}; e.g. name='digits-resnet34'")
-
-    def _validate_recipe(self, bad: Callable[[str, str], None]) -> None:
-        """The training recipe: optimizer, accumulation, warm-up, label smoothing, early stopping."""
-        if self.optimizer not in OPTIMIZERS:
-            bad("optimizer", f"must be one of {OPTIMIZERS}: 'sgd' (with momentum, the reference) or 'adamw'")
-
-        def count(name: str, low: int, meaning: str) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                bad(name, f"must be an integer >= {low} ({meaning})")
-
-        count("grad_accum_steps", 1, "1: an optimizer step every batch; k: every k batches, an effective batch "
-              "of batch_size x processes x k")
-        count("warmup_epochs", 0, "0: no warm-up; w: w epochs of linear warm-up before the cosine schedule")
-        count("early_stop_patience", 0, "0: off; n: stop once validation accuracy has not improved for n epochs")
-        if self.warmup_epochs >= self.epochs:
-            bad("warmup_epochs", f"is not less than epochs={self.epochs}: the warm-up would take the whole run "
-                "and the cosine schedule none; use fewer warm-up epochs or more epochs")
-        v = self.label_smoothing
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v < 1.0):
-            bad("label_smoothing", "must be a number in [0, 1): 0 turns it off, 0.1 is a common value")
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -309,17 +307,19 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ cluster commands
+    # ``cluster`` writes text from any config-like dataclass and imports nothing of this module, so
+    # the arrow goes one way; imported here, at the call, so a rank never loads it.
     def torchrun_command(self, **kwargs: Any) -> str:
         """The exact ``torchrun`` command for this run; see :func:`nbddp.cluster.torchrun_command`."""
-        from .cluster import torchrun_command
+        from . import cluster
 
-        return torchrun_command(self, **kwargs)
+        return cluster.torchrun_command(self, **kwargs)
 
     def sbatch_script(self, **kwargs: Any) -> str:
         """An ``sbatch`` script for this run; see :func:`nbddp.cluster.sbatch_script`."""
-        from .cluster import sbatch_script
+        from . import cluster
 
-        return sbatch_script(self, **kwargs)
+        return cluster.sbatch_script(self, **kwargs)
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:
@@ -373,4 +373,4 @@ def read_config_file(path: Union[str, Path]) -> dict:
     return data
 
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "utf8_problem"]

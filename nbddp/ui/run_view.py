@@ -1,0 +1,336 @@
+"""The run view: Train and Stop, the status line, progress, the live chart and rank 0's log.
+
+It follows one :class:`RunHandle` at a time. Its events arrive on the run's monitor thread:
+they only set widget values, which ipykernel sends from any thread, and draw the chart on a
+bare Agg canvas into an ``Image`` widget (from a timer thread, at most about once a second: a
+worker may log every step). Nothing here prints or uses an ``Output`` widget's ``with`` block,
+whose output would land in whichever cell happens to run.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, List, Optional, Tuple
+
+import ipywidgets as W
+
+from ..errors import NbddpError, TrainingInterrupted, WorkerError
+from ..handle import RunHandle, TrainResult
+from .charts import scalar_charts_png, scalar_series, training_curves_png
+from .layout import FULL
+from .worker_form import short as _short
+
+LOG_LINES = 200
+CHART_EVERY_S = 1.0  # the chart is redrawn at most this often (or 3x its drawing time, if longer)
+_COLORS = {"info": "var(--jp-ui-font-color1, #333)", "ok": "var(--jp-success-color1, #2e7d32)",
+           "warn": "var(--jp-warn-color1, #e65100)", "error": "var(--jp-error-color1, #c62828)"}
+# At most 180px: a short log stays short instead of sitting at the bottom of an empty box.
+_LOG_BOX = ("max-height:180px;min-height:2.5em;overflow-y:auto;"
+            "display:flex;flex-direction:column-reverse;"  # keeps the end in view
+            "border:1px solid var(--jp-border-color2,#ddd);padding:4px 6px;background:var(--jp-layout-color1,#fff)")
+
+
+def duration(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+_duration = duration
+
+
+def _count(v: Any) -> Optional[int]:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def gpu_memory_text(record: dict) -> Optional[str]:
+    """``"GPU memory 3.2 GiB peak, 4.0 reserved"`` from an epoch record's peaks, or None off the GPU."""
+    alloc, reserved = record.get("gpu_mem_alloc_gib"), record.get("gpu_mem_reserved_gib")
+    if not isinstance(alloc, (int, float)) or isinstance(alloc, bool) or not math.isfinite(alloc):
+        return None
+    more = f", {reserved:.1f} reserved" if isinstance(reserved, (int, float)) and math.isfinite(reserved) else ""
+    return f"GPU memory {alloc:.1f} GiB peak{more}"
+
+
+class RunView:
+    """What a run looks like while it goes and when it has ended.
+
+    Args:
+        worker: the view of a worker function (a chart per logged scalar, its return value)
+            rather than of the built-in classifier (training curves, best accuracy).
+        on_idle: called when a run has ended and been shown (the panel unlocks its form).
+
+    Attributes:
+        train_button, stop_button, status, progress_bar, progress_label, chart, log: the widgets.
+        handle: the :class:`RunHandle` followed (``None`` before the first run).
+        result: the last :class:`TrainResult` (``None`` before a run succeeded or was stopped).
+        plan: the run's planned ``(epochs, steps)``, for the progress bar.
+        chart_keys: the logged keys the worker chart draws (after a redraw).
+    """
+
+    def __init__(self, worker: bool, on_idle: Callable[[], None], plan: Tuple[Optional[int], Optional[int]]):
+        self._worker = worker
+        self._on_idle = on_idle
+        self.plan = plan
+        self.handle: Optional[RunHandle] = None
+        self.result: Optional[TrainResult] = None
+        self.chart_keys: List[str] = []
+        self._lock = threading.RLock()
+        self._draw_lock = threading.Lock()
+        self._lines: deque = deque(maxlen=LOG_LINES)
+        self._log_timer: Optional[threading.Timer] = None
+        self._chart_timer: Optional[threading.Timer] = None
+        self._chart_next, self._chart_cost = 0.0, 0.0
+        self._ended = threading.Event()
+        self._ended.set()
+        self._got_progress = False
+        self.train_button = W.Button(description="Train", icon="play", button_style="primary",
+                                     layout=W.Layout(width="120px"))
+        self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
+                                    layout=W.Layout(width="120px"))
+        self.status = W.HTML("", layout=W.Layout(**FULL))
+        self.progress_bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, layout=W.Layout(width="35%", min_width="160px"))
+        self.progress_label = W.HTML("not started", layout=W.Layout(flex="1 1 auto", margin="0 0 0 10px"))
+        self.chart = W.Image(value=self._chart_png([]), format="png",
+                             layout=W.Layout(max_width="960px", height="auto", **FULL))
+        self.log = W.HTML(self._log_html(), layout=W.Layout(**FULL))
+        self.parts = [W.HBox([self.train_button, self.stop_button]), self.status,
+                      W.HBox([self.progress_bar, self.progress_label], layout=W.Layout(align_items="center")),
+                      self.chart, W.HTML("<b>rank 0 log</b>"), self.log]
+
+    @property
+    def running(self) -> bool:
+        """True from Train until the run's end has been shown."""
+        return not self._ended.is_set()
+
+    def set_busy(self, busy: bool) -> None:
+        self.train_button.disabled = busy
+        self.stop_button.disabled = not busy
+        self.stop_button.description = "Stop"
+
+    def starting(self, where: str, backend: str, checking: bool) -> None:
+        """Clear the last run's view and say what starts."""
+        self._reset_live()
+        self._status("info", f"Checking the data, then starting {where}…" if checking else f"Starting {where}…")
+        self.progress_label.value = f"starting {where} ({backend})…"
+        self.progress_bar.bar_style = "info"
+
+    def not_started(self, exc: BaseException) -> None:
+        self.progress_label.value = "not started"
+        self.progress_bar.bar_style = ""
+        self._show_error(exc, "Not started")
+
+    def follow(self, handle: RunHandle, where: str) -> None:
+        """Show ``handle``'s run from now on, including what its monitor thread read already."""
+        with self._lock:
+            self.handle = handle
+            self._ended.clear()
+        handle.subscribe(self._on_event)
+        self._status("info", f"Training on {where} · run folder <code>{html.escape(str(handle.run_dir))}</code>")
+        # Anything the monitor thread read before the subscription is still on the handle.
+        if handle.progress:
+            self._on_progress(handle.progress)
+        if handle.metrics:
+            self._on_metrics()
+        if not handle.running and handle.outcome is not None:
+            self._on_end(handle.outcome)
+
+    def stopping(self, handle: RunHandle) -> None:
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stopping…"
+        self._status("warn", "Stopping: workers leave at their next step, then save and export (SIGTERM if "
+                             f"their heartbeat stops, or after {handle.stop_timeout_s:g} s)…")
+
+    def _reset_live(self) -> None:
+        with self._lock:
+            self._lines.clear()
+        self.log.value = self._log_html()
+        self.progress_bar.value = 0.0
+        self._got_progress = False
+        self.chart.value = self._chart_png([])
+        self.result = None
+
+
+    # ------------------------------------------------------------------ events (monitor thread)
+    def _on_event(self, kind: str, payload: Any) -> None:
+        if kind == "line":
+            self._on_line(payload)
+        elif kind == "progress":
+            self._on_progress(payload)
+        elif kind == "metrics":
+            self._on_metrics()
+        elif kind == "end":
+            self._on_end(payload)
+
+    def _on_line(self, line: str) -> None:
+        with self._lock:
+            self._lines.append(line)
+            # Lines come in bursts: redraw at most ~4 times a second, and always soon after the last.
+            if self._log_timer is None:
+                self._log_timer = threading.Timer(0.25, self._flush_log)
+                self._log_timer.daemon = True
+                self._log_timer.start()
+
+    def _flush_log(self) -> None:
+        with self._lock:
+            self._log_timer = None
+            text = self._log_html()
+        self.log.value = text
+
+    def _log_html(self) -> str:
+        body = html.escape("\n".join(self._lines)) or "<span style='color:#888'>rank 0's output appears here</span>"
+        return (f"<div style='{_LOG_BOX}'><pre style='margin:0;white-space:pre-wrap;font-size:12px;"
+                f"line-height:1.35'>{body}</pre></div>")
+
+    def _on_progress(self, p: dict) -> None:
+        self._got_progress = True
+        epochs, planned_steps = self.plan
+        epoch, step = _count(p.get("epoch")), _count(p.get("step"))
+        per_epoch = _count(p.get("steps")) or _count(p.get("total"))  # the built-in's and a worker's word
+        in_epoch = step / per_epoch if step is not None and per_epoch else 0
+        if epochs and (epoch is not None or per_epoch):
+            done: Optional[float] = ((epoch or 0) + in_epoch) / epochs
+        elif step is not None and (per_epoch or planned_steps):
+            done = step / (per_epoch or planned_steps)
+        else:
+            done = None  # nothing to measure against: the label still counts
+        if done is not None:
+            self.progress_bar.value = max(0.0, min(1.0, done))
+        parts = []
+        if epoch is not None:
+            parts.append(f"epoch {epoch + 1}/{epochs}" if epochs else f"epoch {epoch + 1}")
+        if step is not None:
+            of = per_epoch or (planned_steps if epoch is None else None)
+            parts.append(f"step {step}/{of}" if of else f"step {step}")
+        if isinstance(p.get("loss"), (int, float)):
+            parts.append(f"loss {p['loss']:.4f}")
+        if isinstance(p.get("images_per_s"), (int, float)):
+            parts.append(f"{p['images_per_s']:,.0f} img/s")
+        if self.handle is not None:
+            parts.append(f"{_duration(time.time() - self.handle.started_at)} elapsed")
+            # The last finished epoch's peaks, max over the GPUs (the built-in worker's records).
+            memory = gpu_memory_text(self.handle.metrics[-1]) if self.handle.metrics else None
+            if memory:
+                parts.append(memory)
+        self.progress_label.value = " · ".join(parts)
+
+    def _on_metrics(self) -> None:
+        handle = self.handle
+        metrics = list(handle.metrics) if handle is not None else []  # appended before the event
+        with self._lock:  # redrawn at most every CHART_EVERY_S: a worker may log every step
+            if self._chart_timer is None:
+                self._chart_timer = threading.Timer(max(0.0, self._chart_next - time.monotonic()), self._redraw_chart)
+                self._chart_timer.daemon = True
+                self._chart_timer.start()
+        if self._worker:
+            if metrics and handle is not None and not handle.progress:
+                self._on_progress(metrics[-1])  # a worker that only logs: its records move the bar
+            return
+        accs = [(m["val_accuracy"], m["epoch"]) for m in metrics if isinstance(m.get("val_accuracy"), (int, float))]
+        if accs and self.running and not self.stop_button.disabled:
+            best, at = max(accs, key=lambda a: (a[0], -a[1]))
+            last = metrics[-1]
+            memory = gpu_memory_text(last)
+            self._status("info", f"Training · epoch {last.get('epoch', 0) + 1}/{self.plan[0]} done · val accuracy "
+                                 f"{last.get('val_accuracy', float('nan')):.4f} · best {best:.4f} (epoch {at + 1}) · "
+                                 f"{html.escape(memory) + ' · ' if memory else ''}"
+                                 f"run folder <code>{html.escape(str(handle.run_dir))}</code>")
+
+    def _redraw_chart(self) -> None:
+        with self._lock:
+            self._chart_timer = None
+            self._chart_next = time.monotonic() + max(CHART_EVERY_S, 3 * self._chart_cost)
+        with self._draw_lock:  # the list is read inside: the last drawing has every record
+            t0 = time.monotonic()
+            handle = self.handle
+            self.chart.value = self._chart_png(list(handle.metrics) if handle is not None else [])
+            self._chart_cost = time.monotonic() - t0
+
+    def _chart_png(self, metrics: List[dict]) -> bytes:
+        if not self._worker:
+            return training_curves_png(metrics, self.plan[0])
+        self.chart_keys = list(scalar_series(metrics))
+        return scalar_charts_png(metrics)
+
+    def _on_end(self, outcome: Any) -> None:
+        with self._lock:
+            if self._ended.is_set():
+                return
+            timers, self._log_timer, self._chart_timer = (self._log_timer, self._chart_timer), None, None
+        for timer in timers:
+            if timer is not None:
+                timer.cancel()
+        self._flush_log()
+        self._redraw_chart()  # every record, whatever the throttle held back
+        handle = self.handle
+        if isinstance(outcome, TrainResult):
+            self.result = outcome
+            self._show_result(outcome)
+        elif isinstance(outcome, TrainingInterrupted):
+            self.progress_bar.bar_style = "warning"
+            self._status("warn", f"<b>Stopped.</b> {html.escape(str(outcome))}")
+        else:
+            self.progress_bar.bar_style = "danger"
+            self._show_error(outcome, "Training failed")
+        if handle is not None:
+            ended = f"ended after {_duration(time.time() - handle.started_at)}"
+            self.progress_label.value = (f"{self.progress_label.value} · {ended}" if self._got_progress
+                                         else f"{ended}, before the first training step")
+        self._on_idle()
+        self._ended.set()
+
+    # ------------------------------------------------------------------ status area
+    def _status(self, level: str, text_html: str) -> None:
+        # ipywidgets sets HTML widgets' line-height to one widget row (28px): a status that wraps
+        # (run folder, weights path) reads better at normal text spacing; long paths may break anywhere.
+        self.status.value = (f"<div style='color:{_COLORS[level]};white-space:normal;line-height:1.45;"
+                             f"overflow-wrap:anywhere;padding:3px 0'>{text_html}</div>")
+
+    def _show_result(self, r: TrainResult) -> None:
+        unit = ("GPU" if r.backend == "nccl" else "CPU process") + ("" if r.world_size == 1 else
+                                                                  "s" if r.backend == "nccl" else "es")
+        n = len(r.metrics)
+        on = f"in {_duration(r.seconds)} on {r.world_size} {unit} ({r.backend})"
+        if not self._worker:
+            v = r.value if isinstance(r.value, dict) else {}
+            facts = [f"{n} epoch{'' if n == 1 else 's'} completed {on}"]
+            if v.get("early_stopped"):
+                facts.append(f"stopped early: no better val accuracy for {v.get('early_stop_patience')} epochs")
+            if isinstance(v.get("best_accuracy"), (int, float)) and v.get("best_epoch", -1) >= 0:
+                facts.append(f"best val accuracy <b>{v['best_accuracy']:.4f}</b> (epoch {v['best_epoch'] + 1})")
+            peaks = [m for m in r.metrics if gpu_memory_text(m)]
+            if peaks:
+                top = max(peaks, key=lambda m: m["gpu_mem_alloc_gib"])
+                facts.append(html.escape(gpu_memory_text(top)) + f" (epoch {top.get('epoch', 0) + 1})")
+        else:
+            facts = [f"ran {on}", f"{n} record{'' if n == 1 else 's'} logged",
+                     f"returned <code>{html.escape(_short(r.value))}</code>"]
+        facts.append(f"run folder <code>{html.escape(str(r.run_dir))}</code>")
+        if r.weights_path:
+            facts.append(f"weights <code>{html.escape(str(r.weights_path))}</code>")
+        if r.stopped:
+            self.progress_bar.bar_style = "warning"
+            self._status("warn", "<b>Stopped</b> at your request; every worker exited. " + " · ".join(facts))
+        else:
+            self.progress_bar.bar_style = "success"
+            self.progress_bar.value = 1.0
+            self._status("ok", "<b>Finished.</b> " + " · ".join(facts))
+
+    def _show_error(self, exc: BaseException, title: str) -> None:
+        text = str(exc) or type(exc).__name__
+        head, _, rest = text.partition("\n")
+        if isinstance(exc, WorkerError) and exc.rank is not None:
+            title = f"{title} on rank {exc.rank}"
+            head = head.removeprefix("Training failed: ")  # the title says it already
+        elif not isinstance(exc, NbddpError):
+            head = f"{type(exc).__name__}: {head}"  # unexpected: say what it was
+        body = (f"<pre style='white-space:pre-wrap;max-height:260px;overflow-y:auto;margin:4px 0;font-size:12px'>"
+                f"{html.escape(rest)}</pre>") if rest.strip() else ""
+        self._status("error", f"<b>{html.escape(title)}</b> — {html.escape(head)}{body}")
+
+
+__all__ = ["RunView", "duration", "gpu_memory_text"]
