@@ -34,59 +34,10 @@ import torch
 import torch.distributed as dist
 
 from . import rundir, targets
+from .heartbeat import HeartbeatThread
 from .protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
                        read_stop_request, write_result)
-
-# Substrings of errors a rank gets because *another* rank failed (its peer vanished or never
-# arrived). Such errors are consequences; the launcher looks past them for the root cause.
-_SECONDARY_MARKERS = (  # compared in lower case
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "pair closure",
-    "econnrefused",
-    "nccl communicator was aborted",
-    "process group has been destroyed",
-    "ncclremoteerror",
-    "remote process exiting",
-)
-# Errors of this rank's own set-up or hardware: causes, even when they come as a DistError
-# (NCCL reports a broken /dev/shm, P2P or CUDA set-up as DistBackendError).
-_PRIMARY_MARKERS = (
-    "ncclunhandledcudaerror",
-    "ncclinternalerror",
-    "ncclinvalidusage",
-    "ncclinvalidargument",
-    "/dev/shm",
-    "cuda error",
-    "cuda failure",
-    "out of memory",
-    "no nvidia driver",
-    "invalid device ordinal",
-    "no cuda gpus are available",
-    "busy or unavailable",
-    "not compiled with cuda",
-)
-
-
-def is_secondary(exc: BaseException, during_init: bool = False) -> bool:
-    """True for an error this rank got because another rank failed (a consequence, not a cause).
-
-    Communication errors that say a peer vanished or never came are consequences; so is any
-    other ``DistError`` once training runs. At set-up, a ``DistBackendError`` is NCCL (or gloo)
-    failing on this rank's own system — shared memory, P2P, the network interface — and a
-    cause, unless it says it timed out waiting for the others.
-    """
-    text = f"{type(exc).__name__}: {exc}".lower()
-    if any(m in text for m in _PRIMARY_MARKERS):
-        return False
-    if any(m in text for m in _SECONDARY_MARKERS):
-        return True
-    if during_init and isinstance(exc, getattr(dist, "DistBackendError", ())):
-        return False
-    return isinstance(exc, getattr(dist, "DistError", ()))
+from .rank_errors import is_secondary
 
 
 def one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -134,7 +85,7 @@ class Context:
         self._progress_file: Optional[ProgressWriter] = None
         self._tensorboard = None
         self._logged = 0  # ctx.log calls so far: TensorBoard's step when a record names none
-        self._beat: Optional["_Heartbeat"] = None
+        self._beat: Optional[HeartbeatThread] = None
         rundir.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
 
     # -- progress and metrics ---------------------------------------------------------
@@ -161,6 +112,12 @@ class Context:
         self._progress_time = time.time()
         if self._beat is not None:
             self._beat.progressed()
+
+    def _heartbeat(self, state: str) -> Heartbeat:
+        """This rank's heartbeat record now, in lifecycle ``state`` (the heartbeat thread's snapshot)."""
+        return Heartbeat(rank=self.rank, pid=os.getpid(), state=state, epoch=self.epoch, step=self.step,
+                         phase=self.phase, waiting=self.waiting, progress_time=self._progress_time,
+                         beat_time=time.time(), stopping=self._stop_reason is not None)
 
     def log(self, **metrics: Any) -> None:
         """Record metrics: rank 0's go live to the notebook and to the run's ``metrics.jsonl``.
@@ -425,60 +382,6 @@ def redirect_output(log_path: Path) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
 
 
-class _Heartbeat(threading.Thread):
-    """Keeps ``rank<r>.json`` current: pid, state, epoch, step, time of the last progress.
-
-    Written at once when the worker reports progress (at most every 10 ms), so a rank killed
-    mid-step is reported where it was; and by this thread every second, so the file stays
-    fresh while the main thread waits in a collective (the GIL is released there). The
-    *progress* time inside it tells a rank that stopped making progress.
-    """
-
-    def __init__(self, ctx: Context, interval: float = 1.0):
-        super().__init__(daemon=True, name="nbddp-heartbeat")
-        self.ctx, self.interval = ctx, interval
-        self.file = HeartbeatWriter(ctx.run_dir, ctx.rank)
-        self.state = "starting"
-        self._lock = threading.Lock()
-        self._last_write = 0.0
-        self._wake = threading.Event()
-        ctx._beat = self
-
-    def beat(self) -> None:
-        c = self.ctx
-        record = Heartbeat(rank=c.rank, pid=os.getpid(), state=self.state, epoch=c.epoch, step=c.step, phase=c.phase,
-                           waiting=c.waiting, progress_time=c._progress_time, beat_time=time.time(),
-                           stopping=c._stop_reason is not None)
-        with self._lock:
-            try:
-                self.file.write(record)
-            except OSError:
-                pass  # a full disk must not kill the heartbeat; the main thread will report it
-            self._last_write = time.time()
-
-    def progressed(self) -> None:
-        if time.time() - self._last_write >= 0.01:
-            self.beat()
-        else:
-            self._wake.set()  # coalesce: the thread writes it in a moment
-
-    watch: Optional[tuple] = None  # (pid, start time) of the kernel that launched this run
-
-    def run(self) -> None:
-        from .system import is_same_process
-
-        while True:
-            self._wake.wait(self.interval)
-            self._wake.clear()
-            self.beat()
-            if self.watch is not None and not is_same_process(*self.watch):
-                # The kernel is gone (killed, restarted). Under a forkserver our parent is the
-                # server, so the parent-death signal alone may not fire: end this rank and its
-                # DataLoader workers (our process group) ourselves, even if the main thread is
-                # blocked in a collective.
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
 def _error_record(exc: BaseException, ctx: Context, during_init: bool = False) -> ErrorRecord:
     """``exc`` (being handled) as ``ctx``'s rank's error record, classified cause or consequence."""
     return ErrorRecord.from_exception(exc, ctx.rank, traceback.format_exc(), is_secondary(exc, during_init),
@@ -564,8 +467,8 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
         ``(exit_code, value)``: 0 and the target's return value, or 1 and ``None`` after the
         error record (type, traceback, epoch, step) was written and the traceback printed.
     """
-    beat = _Heartbeat(ctx)
-    beat.watch = watch
+    beat = HeartbeatThread(HeartbeatWriter(ctx.run_dir, ctx.rank), ctx._heartbeat, watch=watch)
+    ctx._beat = beat
     beat.beat()
     beat.start()
     code, value = 0, None
