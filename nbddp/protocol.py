@@ -12,8 +12,10 @@ owns where the files are, this module what they hold::
                                          (or the kernel, from torch's error file: adopt_torch_error_file)
     result          result[.rank<r>].pkl rank r: write_result              kernel: read_result
 
-Readers never raise on a record that is missing, being rewritten or from an older nbddp: a
-missing record is ``None`` (or absent from the mapping) and a missing field takes its default.
+The JSON records' readers never raise on a record that is missing, being rewritten or from an
+older nbddp: a missing record is ``None`` (or absent from the mapping) and a missing field takes
+its default. Not here: ``metrics.jsonl``, free-form lines the worker logs (``Context.log``) and
+the handle tails, and ``launch.json``, which only kernels read and write (:mod:`nbddp.rundir`).
 
 Shared by both sides: imports nothing of nbddp but ``rundir`` and ``paths``, and nothing of torch.
 """

@@ -113,7 +113,7 @@ class Context:
         if self._beat is not None:
             self._beat.progressed()
 
-    def _heartbeat(self, state: str) -> Heartbeat:
+    def _heartbeat_record(self, state: str) -> Heartbeat:
         """This rank's heartbeat record now, in lifecycle ``state`` (the heartbeat thread's snapshot)."""
         return Heartbeat(rank=self.rank, pid=os.getpid(), state=state, epoch=self.epoch, step=self.step,
                          phase=self.phase, waiting=self.waiting, progress_time=self._progress_time,
@@ -467,7 +467,7 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
         ``(exit_code, value)``: 0 and the target's return value, or 1 and ``None`` after the
         error record (type, traceback, epoch, step) was written and the traceback printed.
     """
-    beat = HeartbeatThread(HeartbeatWriter(ctx.run_dir, ctx.rank), ctx._heartbeat, watch=watch)
+    beat = HeartbeatThread(HeartbeatWriter(ctx.run_dir, ctx.rank), ctx._heartbeat_record, watch=watch)
     ctx._beat = beat
     beat.beat()
     beat.start()
