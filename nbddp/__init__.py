@@ -21,6 +21,7 @@ shared      ``fieldspec``        what each ``TrainConfig`` field is: help, flag,
 shared      ``cluster``          torchrun and sbatch commands, as text (``cfg.torchrun_command``)
 shared      ``errors``           the exceptions users see
 shared      ``rundir``           the run folder: every file name, the atomic writer, records
+shared      ``protocol``         ``LaunchSpec`` and every record between kernel and ranks, typed
 shared      ``paths``            what a path is (FIFO, /proc) before anything reads it
 shared      ``system``           process identity (pid + start time), CPU cores, signalling
 shared      ``targets``          ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (kernel), loaded (rank)
@@ -32,6 +33,7 @@ kernel      ``launch``           ``spawn_train``: plan, run folder, store, envir
 kernel      ``forkserver``       the warm server workers fork from; pre-warmed in a kernel
 kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
 kernel      ``conventions``      a worker's convention and arguments, read from its signature and source
+kernel      ``shutdown``         the staged stop: ask, SIGTERM, SIGKILL, as a small state machine
 kernel      ``report``           a failed run's root-cause rank and its one error
 kernel      ``procs``            ``cleanup`` of an earlier launch's workers, proven by marker
 kernel      ``export``,          weights out of a run folder; prediction in the kernel
@@ -39,6 +41,8 @@ kernel      ``export``,          weights out of a run folder; prediction in the 
 kernel      ``ui``               ``TrainingPanel``, charts, TensorBoard in the notebook
 worker      ``runtime``          a rank's entry: ``Context``, heartbeats, error records
 worker      ``calls``            how a rank calls ctx, mp.spawn and torchrun functions, and scripts
+worker      ``heartbeat``,       the rank's heartbeat thread; which errors are another rank's fault
+            ``rank_errors``
 worker      ``elastic``          the same rank under torchrun / srun
 worker      ``dist``             process group and the collectives nbddp uses
 worker      ``engine``           training and evaluation loops that stop every rank together
@@ -55,12 +59,12 @@ entry       ``cli``              ``python -m nbddp``: a shell's launcher, or one
 #: Each module's side (the table above as data): ``kernel``, ``worker``, ``shared`` or ``entry``.
 SIDES = {
     "config": "shared", "errors": "shared", "rundir": "shared", "paths": "shared", "system": "shared",
-    "targets": "shared", "cells": "shared", "fieldspec": "shared", "cluster": "shared", "gpus": "shared", "tasks": "shared", "checkpoint": "shared",
-    "launch": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel",
+    "targets": "shared", "protocol": "shared", "cells": "shared", "fieldspec": "shared", "cluster": "shared", "gpus": "shared", "tasks": "shared", "checkpoint": "shared",
+    "launch": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel", "shutdown": "kernel",
     "export": "kernel", "inference": "kernel", "ui": "kernel", "ui.panel": "kernel",
     "ui.charts": "kernel", "ui.tensorboard": "kernel", "ui.devices": "kernel", "ui.form": "kernel",
     "ui.layout": "kernel", "ui.run_view": "kernel", "ui.worker_form": "kernel",
-    "runtime": "worker", "elastic": "worker", "dist": "worker", "engine": "worker", "data": "worker",
+    "runtime": "worker", "heartbeat": "worker", "rank_errors": "worker", "elastic": "worker", "dist": "worker", "engine": "worker", "data": "worker",
     "tensor_data": "worker", "models": "worker", "sync_bn": "worker",
     "tasks.classification": "worker",
     "cli": "entry", "__main__": "entry", "calls": "worker", "conventions": "kernel",

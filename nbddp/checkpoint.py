@@ -501,7 +501,7 @@ def export_weights(
             meta = to_plain(dict(extra))
             meta.setdefault("num_classes", len(names))
             meta["files"] = {n: file_digest(work / n) for n in EXPORT_FILES if n != EXPORT_META}
-            atomic_write_text(json.dumps(meta, indent=2, default=_json_default) + "\n", work / EXPORT_META)
+            atomic_write_text(work / EXPORT_META, json.dumps(meta, indent=2, default=_json_default) + "\n")
         _swap_in(work, target)
     except BaseException:  # KeyboardInterrupt too: the old export stays, no half folder remains
         shutil.rmtree(work, ignore_errors=True)

@@ -328,7 +328,7 @@ class TrainConfig:
         return d
 
     def save(self, path: Union[str, Path]) -> Path:
-        return rundir.atomic_write_text(json.dumps(self.to_dict(), indent=2) + "\n", path)
+        return rundir.atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import signal
-import stat
 import sys
 import threading
 import time
@@ -22,16 +20,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from .errors import RunAbandoned, TrainingInterrupted
-from .report import RankEnd, build_worker_error, collect, position
+from .report import RankEnd, build_worker_error
 from . import rundir
-from .runtime import LaunchSpec
+from .protocol import (LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_error_records,
+                       read_heartbeats, read_progress, read_result, write_stop_request)
+from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
 from .system import kill_group_or_process
-
-
-# After a stop request (Stop or Interrupt), the longest a worker that saw it and still sends
-# heartbeats may take to finish (its last step, checkpoint, evaluation and export) before it is
-# ended with SIGTERM.
-STOP_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -107,39 +101,6 @@ def interrupts_held():
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
-class _StringsOnly(pickle.Unpickler):
-    def find_class(self, module, name):  # a traceback is a plain str: no object is ever built
-        raise pickle.UnpicklingError(f"refusing {module}.{name} in a torch error file")
-
-
-def _read_traceback_file(path: str) -> Optional[str]:
-    """The traceback string torch's spawn wrapper pickled, if the file is ours and holds one.
-
-    The file sits in the shared temp folder: only a regular file owned by this user is read,
-    and nothing but a string is unpickled.
-    """
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return None
-        with open(path, "rb") as f:
-            text = _StringsOnly(f).load()
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError):
-        return None
-    return text if isinstance(text, str) else None
-
-
-def exception_from_traceback(text: str) -> tuple:
-    """``(type name, message)`` from a formatted traceback's closing lines."""
-    lines = text.rstrip().splitlines()
-    last_frame = max((i for i, ln in enumerate(lines) if ln.startswith("  ")), default=-1)
-    tail = "\n".join(lines[last_frame + 1:]) or (lines[-1] if lines else "")
-    kind, sep, message = tail.partition(": ")
-    if not sep or " " in kind.strip():
-        return "Exception", tail.strip()
-    return kind.strip().rpartition(".")[2], message.strip()
-
-
 class _LineTail:
     """Reads the complete lines appended to a file since the last call."""
 
@@ -187,7 +148,7 @@ class RunHandle:
         self._metrics_tail = _LineTail(rundir.metrics_path(self.run_dir))
         self._listeners: List[Callable[[str, Any], None]] = []
         self._lock = threading.RLock()
-        self._shutdown: Optional[dict] = None  # {"reason", "stage", "since"}
+        self._shutdown: Optional[Shutdown] = None
         self._outcome: Optional[Union[TrainResult, BaseException]] = None
         self._done = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -302,7 +263,10 @@ class RunHandle:
             while not self._done.is_set():
                 if again:  # a second interrupt: no more grace
                     with self._lock:
-                        self._kill_all(signal.SIGKILL)
+                        if self._shutdown is not None:
+                            self._shutdown.kill_now(time.time())
+                        else:
+                            self._kill_all(signal.SIGKILL)
                         self._reap_all()
                         if not self._done.is_set():
                             self._finish()
@@ -339,7 +303,7 @@ class RunHandle:
                 if self._find_stalled_rank(now) is not None:
                     self._begin_shutdown("failure")
             if self._shutdown is not None:
-                self._advance_shutdown(now)
+                self._shutdown.advance(now)
             if len(self._ends) == self.world_size:
                 self._reap_all()
                 self._finish()
@@ -350,13 +314,16 @@ class RunHandle:
         Only a rank that lags can be hung: the ones ahead of it are waiting for it in a
         collective. Ranks all at the same point (a long evaluation, a checkpoint) never trip it.
         """
-        records, beats = collect(self.run_dir, self.world_size)
-        if records or len(beats) < self.world_size or any(b.get("state") != "running" for b in beats.values()):
+        if read_error_records(self.run_dir, self.world_size):
+            return None
+        beats = read_heartbeats(self.run_dir, self.world_size)
+        if len(beats) < self.world_size or any(b.state != "running" for b in beats.values()):
             return None
 
-        lead = max(position(b) for b in beats.values())
+        lead = max(b.position for b in beats.values())
         for rank, b in sorted(beats.items()):
-            if position(b) < lead and now - b.get("progress_time", now) > self.stall_timeout_s:
+            progressed = b.progress_time if b.progress_time is not None else now
+            if b.position < lead and now - progressed > self.stall_timeout_s:
                 return rank
         return None
 
@@ -372,10 +339,8 @@ class RunHandle:
                 continue
             self.metrics.append(rec)
             self._emit("metrics", rec)
-        try:
-            prog = json.loads(rundir.progress_path(self.run_dir).read_text())
-        except (OSError, ValueError):
-            prog = None
+        progress = read_progress(self.run_dir)
+        prog = progress.as_dict() if progress is not None else None
         if prog and prog != self.progress:
             self.progress = prog
             self._emit("progress", prog)
@@ -384,51 +349,17 @@ class RunHandle:
     def _begin_shutdown(self, reason: str) -> None:
         if self._shutdown is not None or self._done.is_set():
             return
-        # On failure the peers are most likely blocked in a collective: no point asking nicely.
-        stage = "term" if reason == "failure" else "ask"
-        self._shutdown = {"reason": reason, "stage": stage, "since": time.time()}
-        try:
-            rundir.stop_path(self.run_dir).write_text(reason)
-        except OSError:
-            pass
-        if stage == "term":
-            self._kill_all(signal.SIGTERM)
-
-    def _advance_shutdown(self, now: float) -> None:
-        sd = self._shutdown
-        if sd["stage"] == "ask" and sd["reason"] in ("stop", "interrupt"):
-            # A stop keeps the result: the workers may be finishing the epoch's evaluation, the
-            # export or NCCL's teardown, which can take far longer than grace_s on a GPU. An
-            # interrupt keeps the work: the step in flight and its checkpoint can take longer
-            # than grace_s too (a second interrupt ends the workers at once).
-            if now - sd["since"] < self.stop_timeout_s and self._finishing(now, sd["since"]):
-                return
-        elif now - sd["since"] < self.grace_s:
-            return
-        if sd["stage"] == "ask":
-            sd.update(stage="term", since=now)
-            self._kill_all(signal.SIGTERM)
-        elif sd["stage"] == "term":
-            sd.update(stage="kill", since=now)
-            self._kill_all(signal.SIGKILL)
+        write_stop_request(self.run_dir, reason)  # before any signal: ranks that obey may finish
+        self._shutdown = Shutdown(reason, time.time(), self.grace_s, self.stop_timeout_s, kill=self._kill_all,
+                                  finishing=self._finishing)
 
     def _finishing(self, now: float, since: float) -> bool:
-        """True while the workers may still be finishing after a stop request.
-
-        That is: within ``grace_s`` of the request, or once a rank has seen the request
-        (``ctx.should_stop()``, the built-in worker checks it every step), as long as every
-        running rank's heartbeat is younger than ``grace_s + 2`` s (it beats every second, even
-        inside a collective). A worker that never asks whether to stop gets ``grace_s``.
-        """
-        _records, beats = collect(self.run_dir, self.world_size)
+        """True while the workers may still be finishing after the stop request (see :func:`ranks_finishing`)."""
         # A resumed run's folder may still hold the previous launch's records: not this run's.
-        beats = {r: b for r, b in beats.items() if (b.get("beat_time") or 0.0) >= self.started_at}
+        beats = {r: b for r, b in read_heartbeats(self.run_dir, self.world_size).items()
+                 if (b.beat_time or 0.0) >= self.started_at}
         running = [r for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None]
-        for rank in running:
-            last = max(beats.get(rank, {}).get("beat_time") or 0.0, since)  # not started: from the request
-            if now - last > self.grace_s + 2.0:
-                return False  # stuck (or stopped) with its heartbeat
-        return now - since < self.grace_s or any(b.get("stopping") for b in beats.values())
+        return ranks_finishing(now, since, self.grace_s, beats, running)
 
     def _kill_all(self, sig: int) -> None:
         for rank, p in enumerate(self._procs.processes):
@@ -447,25 +378,9 @@ class RunHandle:
                 self._ends[rank] = RankEnd(rank, p.pid, p.exitcode, now, True)
 
     def _adopt_torch_error_file(self, rank: int) -> None:
-        """A failure before nbddp's own error handling (torch's ``_wrap`` caught it) becomes a record.
-
-        torch writes such a traceback to a ``pytorch-errorfile-*.pickle`` in the temp folder,
-        which only its own ``join()`` reads. nbddp turns it into the rank's error record (unless
-        the rank wrote one itself), so the notebook quotes the original exception.
-        """
+        """A failure torch's spawn wrapper caught before nbddp's own handling becomes the rank's record."""
         files = self._torch_error_files()
-        path = files[rank] if rank < len(files) else None
-        record_path = rundir.error_record_path(self.run_dir, rank)
-        if not path or record_path.exists():
-            return
-        text = _read_traceback_file(path)
-        if text is None:
-            return
-        kind, message = exception_from_traceback(text)
-        with contextlib.suppress(OSError):
-            rundir.write_json_atomic(record_path, {
-                "rank": rank, "pid": self.pids[rank], "time": time.time(), "type": kind, "message": message,
-                "traceback": text, "epoch": None, "step": None, "secondary": False, "root_rank": None})
+        adopt_torch_error_file(self.run_dir, rank, self.pids[rank], files[rank] if rank < len(files) else None)
 
     def _torch_error_files(self) -> List[Optional[str]]:
         return list(getattr(self._procs, "error_files", None) or [])
@@ -480,13 +395,13 @@ class RunHandle:
         self._remove_torch_error_files()
         self._read_streams()
         seconds = time.time() - self.started_at
-        reason = self._shutdown["reason"] if self._shutdown else None
+        reason = self._shutdown.reason if self._shutdown else None
         all_ok = all(e.exitcode == 0 for e in self._ends.values())
         if reason == "failure" or (not all_ok and reason is None):
             outcome: Union[TrainResult, BaseException] = build_worker_error(self.run_dir, self._ends, self.world_size)
-        elif all_ok and rundir.has_result(self.run_dir) and reason != "interrupt":
-            value = rundir.read_result(self.run_dir)
-            values = ([value] + [rundir.read_result(self.run_dir, r) for r in range(1, self.world_size)]
+        elif all_ok and has_result(self.run_dir) and reason != "interrupt":
+            value = read_result(self.run_dir)
+            values = ([value] + [read_result(self.run_dir, r) for r in range(1, self.world_size)]
                       if self.spec.all_values else None)
             outcome = TrainResult(value, self.run_dir, self.metrics, seconds, self.world_size,
                                   self.spec.backend, stopped=reason is not None, all_values=values)
@@ -500,8 +415,7 @@ class RunHandle:
             with contextlib.suppress(Exception):
                 p.close()
         self._store = None  # closes the kernel-owned store and frees its port
-        with contextlib.suppress(OSError):
-            rundir.stop_path(self.run_dir).unlink()
+        clear_stop_request(self.run_dir)
         rundir.update_launch_record(self.run_dir, ended=time.time())
         self._done.set()
         self._emit("end", outcome)

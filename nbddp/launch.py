@@ -26,9 +26,11 @@ from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError
 from .forkserver import prepare as _prepare_forkserver
 from .gpus import IDLE, cuda_visible_devices, resolve_gpus
-from .handle import STOP_TIMEOUT_S, RunHandle, TrainResult, interrupts_held
+from .handle import RunHandle, TrainResult, interrupts_held
 from .procs import MARKER_ENV, live_workers
-from .runtime import LaunchSpec, entry
+from .protocol import LaunchSpec
+from .runtime import entry
+from .shutdown import STOP_TIMEOUT_S
 from .system import cpu_cores, kill_group_or_process, start_time
 from .tasks import LaunchPlan
 

@@ -13,7 +13,6 @@ often wrong. The rules, in order:
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Dict, Optional
 
 from .errors import WorkerError
 from . import rundir
+from .protocol import ErrorRecord, Heartbeat, read_error_records, read_heartbeats
 
 
 @dataclass
@@ -33,13 +33,6 @@ class RankEnd:
     exitcode: Optional[int]
     seen_at: float
     by_launcher: bool  # ended during nbddp's own shutdown (so not a root cause by itself)
-
-
-def _read_json(path: Path) -> Optional[dict]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def signal_name(exitcode: Optional[int]) -> Optional[str]:
@@ -62,22 +55,9 @@ def tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-_PHASES = {"train": 0, "eval": 1, "eval-end": 2}
 # NCCL's watchdog ends a rank that waited in a collective past the timeout with SIGABRT, after
 # logging this: the rank was waiting for another one, so its death is a consequence.
 _WATCHDOG_MARKERS = ("watchdog caught collective operation timeout", "watchdog thread terminated")
-
-
-def position(beat: dict) -> tuple:
-    """How far a rank got, comparable between ranks: (epoch, phase, step, waiting).
-
-    Evaluation comes after the epoch's training steps, and its end (where ranks with shards
-    of different sizes wait for each other) after every evaluation step; ``waiting`` (about to
-    wait for the others in a collective) comes after the local work of the same step.
-    """
-    epoch, step = beat.get("epoch"), beat.get("step")
-    return (epoch if epoch is not None else -1, _PHASES.get(beat.get("phase") or "train", 0),
-            step if step is not None else -1, bool(beat.get("waiting")))
 
 
 def aborted_by_watchdog(end: Optional[RankEnd], log_path: Path) -> bool:
@@ -88,58 +68,53 @@ def aborted_by_watchdog(end: Optional[RankEnd], log_path: Path) -> bool:
     return any(m in text for m in _WATCHDOG_MARKERS)
 
 
-def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, dict], beats: Dict[int, dict],
+def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord], beats: Dict[int, Heartbeat],
                     consequences: frozenset = frozenset()) -> int:
     """Pick the rank that caused a failure (see the module docstring for the rules).
 
     ``consequences``: ranks whose death is known to be secondary (NCCL's watchdog abort).
     """
-    for rec in sorted(records.values(), key=lambda r: r["time"]):
-        if rec.get("root_rank") is not None and not rec.get("secondary"):
-            return int(rec["root_rank"])
-    primary = [r for r in records.values() if not r.get("secondary")]
+    for rec in sorted(records.values(), key=lambda r: r.time):
+        if rec.root_rank is not None and not rec.secondary:
+            return int(rec.root_rank)
+    primary = [r for r in records.values() if not r.secondary]
     if primary:
-        return min(primary, key=lambda r: r["time"])["rank"]
+        return min(primary, key=lambda r: r.time).rank
     died = [e for e in ends.values() if not e.by_launcher and e.exitcode not in (0, None)
             and e.rank not in records and e.rank not in consequences]
     if died:
         return min(died, key=lambda e: e.seen_at).rank
     if beats:
-        def staleness(b: dict):
+        def staleness(b: Heartbeat):
             # Least progress first (epoch, phase, step), then the oldest progress time.
-            return (*position(b), b.get("progress_time", 0.0))
-        stuck = [b for r, b in beats.items() if r not in records or records[r].get("secondary")]
+            return (*b.position, b.progress_time if b.progress_time is not None else 0.0)
+        stuck = [b for r, b in beats.items() if r not in records or records[r].secondary]
         if stuck and len(records) < len(beats):
-            return min(stuck, key=staleness)["rank"]
+            return min(stuck, key=staleness).rank
     if records:
-        return min(records.values(), key=lambda r: r["time"])["rank"]
+        return min(records.values(), key=lambda r: r.time).rank
     return min(ends) if ends else 0
-
-
-def collect(run_dir: Path, world_size: int):
-    records = {r: rec for r in range(world_size) if (rec := _read_json(rundir.error_record_path(run_dir, r)))}
-    beats = {r: b for r in range(world_size) if (b := _read_json(rundir.heartbeat_path(run_dir, r)))}
-    return records, beats
 
 
 def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int) -> WorkerError:
     """Compose the one exception the notebook shows for a failed run."""
-    records, beats = collect(run_dir, world_size)
+    records, beats = read_error_records(run_dir, world_size), read_heartbeats(run_dir, world_size)
     logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}
     watchdog = frozenset(r for r in range(world_size) if aborted_by_watchdog(ends.get(r), logs[r]))
     root = find_root_cause(ends, records, beats, watchdog)
-    rec, end, beat = records.get(root), ends.get(root), beats.get(root, {})
+    rec, end, beat = records.get(root), ends.get(root), beats.get(root)
     log_path = rundir.rank_log(run_dir, root)
-    epoch = (rec or beat).get("epoch") if (rec or beat) else None
-    step = (rec or beat).get("step") if (rec or beat) else None
+    where_from = rec or beat
+    epoch = where_from.epoch if where_from else None
+    step = where_from.step if where_from else None
     where = f"epoch {epoch}, step {step}" if epoch is not None or step is not None else "before its first step"
     sig = signal_name(end.exitcode) if end else None
-    pid = end.pid if end else beat.get("pid")
+    pid = end.pid if end else (beat.pid if beat else None)
 
-    if rec and not rec.get("secondary"):
-        headline = f"rank {root} raised {rec['type']}: {rec['message']}"
-        if rec.get("root_rank") is not None and rec["rank"] != root:
-            headline = f"rank {root}: {rec['type']}: {rec['message']}"
+    if rec and not rec.secondary:
+        headline = f"rank {root} raised {rec.type}: {rec.message}"
+        if rec.root_rank is not None and rec.rank != root:
+            headline = f"rank {root}: {rec.type}: {rec.message}"
     elif root in watchdog:
         headline = (f"rank {root} timed out waiting in a collective and NCCL's watchdog aborted it; "
                     "no rank was found behind it")
@@ -150,9 +125,10 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int)
         headline = (f"rank {root} exited with code {end.exitcode} without a Python exception "
                     "(sys.exit/os._exit in the worker, or a crash in native code)")
     elif rec:
-        headline = f"rank {root} failed in a collective: {rec['type']}: {rec['message']}"
+        headline = f"rank {root} failed in a collective: {rec.type}: {rec.message}"
     else:
-        age = time.time() - beat.get("progress_time", time.time())
+        last = beat.progress_time if beat and beat.progress_time is not None else time.time()
+        age = time.time() - last
         headline = f"rank {root} stopped making progress (last progress {age:.0f} s ago)"
 
     parts = [f"Training failed: {headline}",
@@ -161,7 +137,7 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int)
     for r in sorted(set(range(world_size)) - {root}):
         o_rec, o_end = records.get(r), ends.get(r)
         if o_rec:
-            others.append(f"rank {r}: {o_rec['type']}: {o_rec['message'].splitlines()[0][:160] if o_rec['message'] else ''}")
+            others.append(f"rank {r}: {o_rec.type}: {o_rec.first_line[:160]}")
         elif r in watchdog:
             others.append(f"rank {r}: aborted by NCCL's watchdog while waiting for rank {root}")
         elif o_end and o_end.by_launcher:
@@ -170,13 +146,13 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int)
             others.append(f"rank {r}: exit code {o_end.exitcode}")
     if others:
         parts.append("Other ranks: " + "; ".join(others))
-    if rec and rec.get("traceback"):
-        parts.append(f"--- traceback of rank {root} ---\n{rec['traceback'].rstrip()}")
+    if rec and rec.traceback:
+        parts.append(f"--- traceback of rank {root} ---\n{rec.traceback.rstrip()}")
     log_tail = tail(log_path)
-    if log_tail and not (rec and rec.get("traceback") and rec["traceback"].strip() in log_tail):
+    if log_tail and not (rec and rec.traceback and rec.traceback.strip() in log_tail):
         parts.append(f"--- last lines of {log_path.name} ---\n{log_tail}")
     return WorkerError(
-        "\n".join(parts), rank=root, exc_type=rec["type"] if rec else None, signal=sig,
+        "\n".join(parts), rank=root, exc_type=rec.type if rec else None, signal=sig,
         exitcode=end.exitcode if end else None, epoch=epoch, step=step,
-        traceback=rec.get("traceback") if rec else None, log_path=log_path, run_dir=Path(run_dir),
+        traceback=rec.traceback if rec else None, log_path=log_path, run_dir=Path(run_dir),
     )

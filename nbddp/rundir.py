@@ -26,6 +26,8 @@ Every file is replaced atomically (a temp file in the same folder, then ``os.rep
 reader sees the old file or the new one, never half of one. Files that must survive a power
 cut (checkpoints, exports, config, class names) are also fsynced; state records that are
 rewritten several times per step (heartbeats, progress) use :class:`RecordFile` instead.
+This module owns the names; what the ``.nbddp/`` records hold, and their one writer and one
+reader each, is :mod:`nbddp.protocol`'s.
 
 This module imports nothing from torch and nothing from the rest of nbddp but ``paths``:
 both sides of a launch (the kernel and the workers) share it.
@@ -38,7 +40,6 @@ import datetime
 import errno
 import json
 import os
-import pickle
 import re
 import secrets
 from pathlib import Path
@@ -246,7 +247,7 @@ def atomic_write(path: PathLike, data: Union[bytes, Callable[[BinaryIO], None]],
     return path
 
 
-def atomic_write_text(text: str, path: PathLike) -> Path:
+def atomic_write_text(path: PathLike, text: str) -> Path:
     """Write UTF-8 ``text`` to ``path`` atomically and durably."""
     return atomic_write(path, text.encode("utf-8"))
 
@@ -364,28 +365,6 @@ def prepare_launch(run_dir: PathLike, world_size: int) -> None:
             path.unlink()
 
 
-def write_result(run_dir: PathLike, value: Any, rank: int = 0) -> None:
-    """Store a rank's return value (pickled; read back only by the kernel that launched it)."""
-    try:
-        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        raise TypeError(
-            f"rank {rank}'s return value ({type(value).__name__}) cannot be pickled: {exc}. "
-            "Return plain values, tensors or dicts of them."
-        ) from exc
-    atomic_write(result_path(run_dir, rank), data, durable=False)
-
-
-def has_result(run_dir: PathLike) -> bool:
-    return result_path(run_dir).exists()
-
-
-def read_result(run_dir: PathLike, rank: int = 0) -> Any:
-    """A rank's return value, as the launching kernel's own workers wrote it."""
-    with open(result_path(run_dir, rank), "rb") as f:
-        return pickle.load(f)
-
-
 def class_indices(classes: Sequence[str]) -> Dict[str, str]:
     """``{"0": name0, "1": name1, ...}``, the reference script's ``class_indices.json``."""
     return {str(i): name for i, name in enumerate(classes)}
@@ -393,7 +372,7 @@ def class_indices(classes: Sequence[str]) -> Dict[str, str]:
 
 def write_class_indices(folder: PathLike, classes: Sequence[str]) -> Path:
     """Write ``class_indices.json`` into a run or export folder, atomically."""
-    return atomic_write_text(json.dumps(class_indices(classes), indent=4) + "\n", class_indices_path(folder))
+    return atomic_write_text(class_indices_path(folder), json.dumps(class_indices(classes), indent=4) + "\n")
 
 
 def read_class_indices(folder: PathLike) -> Optional[List[str]]:

@@ -27,66 +27,17 @@ import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from . import rundir
-from .rundir import RecordFile
-
-# Substrings of errors a rank gets because *another* rank failed (its peer vanished or never
-# arrived). Such errors are consequences; the launcher looks past them for the root cause.
-_SECONDARY_MARKERS = (  # compared in lower case
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "pair closure",
-    "econnrefused",
-    "nccl communicator was aborted",
-    "process group has been destroyed",
-    "ncclremoteerror",
-    "remote process exiting",
-)
-# Errors of this rank's own set-up or hardware: causes, even when they come as a DistError
-# (NCCL reports a broken /dev/shm, P2P or CUDA set-up as DistBackendError).
-_PRIMARY_MARKERS = (
-    "ncclunhandledcudaerror",
-    "ncclinternalerror",
-    "ncclinvalidusage",
-    "ncclinvalidargument",
-    "/dev/shm",
-    "cuda error",
-    "cuda failure",
-    "out of memory",
-    "no nvidia driver",
-    "invalid device ordinal",
-    "no cuda gpus are available",
-    "busy or unavailable",
-    "not compiled with cuda",
-)
-
-
-def is_secondary(exc: BaseException, during_init: bool = False) -> bool:
-    """True for an error this rank got because another rank failed (a consequence, not a cause).
-
-    Communication errors that say a peer vanished or never came are consequences; so is any
-    other ``DistError`` once training runs. At set-up, a ``DistBackendError`` is NCCL (or gloo)
-    failing on this rank's own system — shared memory, P2P, the network interface — and a
-    cause, unless it says it timed out waiting for the others.
-    """
-    text = f"{type(exc).__name__}: {exc}".lower()
-    if any(m in text for m in _PRIMARY_MARKERS):
-        return False
-    if any(m in text for m in _SECONDARY_MARKERS):
-        return True
-    if during_init and isinstance(exc, getattr(dist, "DistBackendError", ())):
-        return False
-    return isinstance(exc, getattr(dist, "DistError", ()))
+from . import rundir, targets
+from .heartbeat import HeartbeatThread
+from .protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
+                       read_stop_request, write_result)
+from .rank_errors import is_secondary
 
 
 def one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -98,28 +49,6 @@ def one_line_warning(message, category, filename, lineno, line=None) -> str:
     """
     text = " ".join(str(message).split())
     return f"{category.__name__}: {text} ({os.path.basename(filename)}:{lineno})\n"
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """What each spawned process receives (picklable plain values)."""
-
-    target: str
-    args: tuple
-    kwargs: dict
-    world_size: int
-    backend: str
-    gpus: tuple
-    store_host: str
-    store_port: int
-    run_dir: str
-    parent_pid: Optional[int]  # None: started by a forkserver (the parent is the server)
-    threads: int
-    timeout_s: float
-    env: dict = field(default_factory=dict)  # set in the child: a forkserver's children do not
-                                             # inherit the kernel's environment of the moment
-    kernel: Optional[tuple] = None  # (pid, start time) of the launching process, watched
-    all_values: bool = False  # every rank stores its return value, not rank 0 alone
 
 
 class Context:
@@ -150,13 +79,13 @@ class Context:
         self.waiting = False
         self._progress_time = time.time()
         self._stop_checked = 0.0
-        self._stop = False
+        self._stop_reason: Optional[str] = None
         self._progress_written = 0.0
         self._metrics_file = None
-        self._progress_file: Optional[RecordFile] = None
+        self._progress_file: Optional[ProgressWriter] = None
         self._tensorboard = None
         self._logged = 0  # ctx.log calls so far: TensorBoard's step when a record names none
-        self._beat: Optional["_Heartbeat"] = None
+        self._beat: Optional[HeartbeatThread] = None
         rundir.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
 
     # -- progress and metrics ---------------------------------------------------------
@@ -183,6 +112,12 @@ class Context:
         self._progress_time = time.time()
         if self._beat is not None:
             self._beat.progressed()
+
+    def _heartbeat_record(self, state: str) -> Heartbeat:
+        """This rank's heartbeat record now, in lifecycle ``state`` (the heartbeat thread's snapshot)."""
+        return Heartbeat(rank=self.rank, pid=os.getpid(), state=state, epoch=self.epoch, step=self.step,
+                         phase=self.phase, waiting=self.waiting, progress_time=self._progress_time,
+                         beat_time=time.time(), stopping=self._stop_reason is not None)
 
     def log(self, **metrics: Any) -> None:
         """Record metrics: rank 0's go live to the notebook and to the run's ``metrics.jsonl``.
@@ -289,25 +224,38 @@ class Context:
         now = time.time()
         if self.is_main and now - self._progress_written >= 0.2:
             self._progress_written = now
-            fields = {k: json_value(v) for k, v in fields.items()}
-            fields["time"] = round(now, 3)
             if self._progress_file is None:
-                self._progress_file = RecordFile(rundir.progress_path(self.run_dir))
-            self._progress_file.write(fields)
+                self._progress_file = ProgressWriter(self.run_dir)
+            self._progress_file.write(Progress({k: json_value(v) for k, v in fields.items()}, now))
 
     def should_stop(self) -> bool:
-        """True once the notebook asked this run to stop (Stop button, ``handle.stop()``).
+        """True once the notebook asked this run to stop (Stop button, ``handle.stop()``, Interrupt).
 
+        Cheap enough for every step: the request is looked for at most 5 times a second.
         Local to this rank: to leave a loop together, agree first, e.g.
         ``if nbddp.dist.any_rank(ctx.should_stop()): break``.
         """
-        now = time.time()
-        if not self._stop and now - self._stop_checked >= 0.2:
-            self._stop_checked = now
-            self._stop = rundir.stop_path(self.run_dir).exists()
-            if self._stop and self._beat is not None:
-                self._beat.beat()  # tells the launcher this rank obeys: it lets it finish
-        return self._stop
+        if self._stop_reason is None and time.time() - self._stop_checked >= 0.2:
+            self._look_for_stop()
+        return self._stop_reason is not None
+
+    def stop_reason(self) -> Optional[str]:
+        """Why the notebook asked this run to stop, or ``None`` if it has not (yet).
+
+        ``"stop"`` (Stop button, ``handle.stop()``: the run's result is kept), ``"interrupt"``
+        (Jupyter's Interrupt: the cell raises, so work whose only use is the result, such as a
+        final evaluation or an export, can be skipped) or ``"failure"`` (another rank failed).
+        Looks afresh until a request came (use :meth:`should_stop` in a loop); local to this rank.
+        """
+        if self._stop_reason is None:
+            self._look_for_stop()
+        return self._stop_reason
+
+    def _look_for_stop(self) -> None:
+        self._stop_checked = time.time()
+        self._stop_reason = read_stop_request(self.run_dir)
+        if self._stop_reason is not None and self._beat is not None:
+            self._beat.beat()  # tells the launcher this rank obeys: it lets it finish
 
     def close(self) -> None:
         if self._tensorboard is not None:
@@ -434,75 +382,10 @@ def redirect_output(log_path: Path) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
 
 
-class _Heartbeat(threading.Thread):
-    """Keeps ``rank<r>.json`` current: pid, state, epoch, step, time of the last progress.
-
-    Written at once when the worker reports progress (at most every 10 ms), so a rank killed
-    mid-step is reported where it was; and by this thread every second, so the file stays
-    fresh while the main thread waits in a collective (the GIL is released there). The
-    *progress* time inside it tells a rank that stopped making progress.
-    """
-
-    def __init__(self, ctx: Context, interval: float = 1.0):
-        super().__init__(daemon=True, name="nbddp-heartbeat")
-        self.ctx, self.interval = ctx, interval
-        self.file = RecordFile(rundir.heartbeat_path(ctx.run_dir, ctx.rank))
-        self.state = "starting"
-        self._lock = threading.Lock()
-        self._last_write = 0.0
-        self._wake = threading.Event()
-        ctx._beat = self
-
-    def beat(self) -> None:
-        c = self.ctx
-        record = {"rank": c.rank, "pid": os.getpid(), "state": self.state, "epoch": c.epoch, "step": c.step,
-                  "phase": c.phase, "waiting": c.waiting, "progress_time": c._progress_time, "beat_time": time.time(),
-                  "stopping": c._stop}
-        with self._lock:
-            try:
-                self.file.write(record)
-            except OSError:
-                pass  # a full disk must not kill the heartbeat; the main thread will report it
-            self._last_write = time.time()
-
-    def progressed(self) -> None:
-        if time.time() - self._last_write >= 0.01:
-            self.beat()
-        else:
-            self._wake.set()  # coalesce: the thread writes it in a moment
-
-    watch: Optional[tuple] = None  # (pid, start time) of the kernel that launched this run
-
-    def run(self) -> None:
-        from .system import is_same_process
-
-        while True:
-            self._wake.wait(self.interval)
-            self._wake.clear()
-            self.beat()
-            if self.watch is not None and not is_same_process(*self.watch):
-                # The kernel is gone (killed, restarted). Under a forkserver our parent is the
-                # server, so the parent-death signal alone may not fire: end this rank and its
-                # DataLoader workers (our process group) ourselves, even if the main thread is
-                # blocked in a collective.
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
-def _error_record(exc: BaseException, ctx: Optional[Context], rank: int, during_init: bool = False) -> dict:
-    secondary = is_secondary(exc, during_init)
-    return {
-        "rank": rank,
-        "pid": os.getpid(),
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": traceback.format_exc(),
-        "epoch": ctx.epoch if ctx else None,
-        "step": ctx.step if ctx else None,
-        "secondary": bool(secondary),
-        # An error may know better which rank caused it (e.g. a NaN seen on another rank).
-        "root_rank": getattr(exc, "rank", None) if isinstance(getattr(exc, "rank", None), int) else None,
-    }
+def _error_record(exc: BaseException, ctx: Context, during_init: bool = False) -> ErrorRecord:
+    """``exc`` (being handled) as ``ctx``'s rank's error record, classified cause or consequence."""
+    return ErrorRecord.from_exception(exc, ctx.rank, traceback.format_exc(), is_secondary(exc, during_init),
+                                      epoch=ctx.epoch, step=ctx.step)
 
 
 #: The environment variable naming the per-rank start-up hook (see :func:`run_rank_hook`).
@@ -525,7 +408,7 @@ def run_rank_hook(rank: int) -> None:
     """
     spec = os.environ.get(RANK_HOOK_ENV)
     if spec:
-        load_target(spec)(rank)
+        targets.load_target(spec)(rank)
 
 
 def entry(local_rank: int, spec: LaunchSpec) -> None:
@@ -572,26 +455,30 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     os._exit(code)
 
 
-def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs: dict,
+def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., Any]], args: tuple, kwargs: dict,
              watch: Optional[tuple] = None, all_values: bool = False) -> tuple:
     """Run one rank's target around heartbeats and error records; shared by every launcher.
+
+    ``target`` is a spec (``"pkg.mod:fn"``, ``"/path/file.py:fn"``), loaded once the process
+    group is up so that a worker file's import error is this rank's error record, or the
+    function itself.
 
     Returns:
         ``(exit_code, value)``: 0 and the target's return value, or 1 and ``None`` after the
         error record (type, traceback, epoch, step) was written and the traceback printed.
     """
-    beat = _Heartbeat(ctx)
-    beat.watch = watch
+    beat = HeartbeatThread(HeartbeatWriter(ctx.run_dir, ctx.rank), ctx._heartbeat_record, watch=watch)
+    ctx._beat = beat
     beat.beat()
     beat.start()
     code, value = 0, None
     try:
         init_process_group()
         beat.state = "running"
-        fn = load_target(target)
+        fn = targets.load_target(target) if isinstance(target, str) else target
         value = fn(ctx, *args, **kwargs)
         if ctx.rank == 0 or all_values:
-            rundir.write_result(ctx.run_dir, to_cpu(value), ctx.rank)
+            write_result(ctx.run_dir, to_cpu(value), ctx.rank)
         beat.state = "finishing"
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -600,18 +487,15 @@ def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs:
         code = 1
         during_init = beat.state == "starting"
         beat.state = "failed"
-        record = _error_record(exc, ctx, ctx.rank, during_init=during_init)
-        try:
-            rundir.write_json_atomic(rundir.error_record_path(ctx.run_dir, ctx.rank), record)
-        except OSError:
-            pass
-        if record["secondary"] or record["root_rank"] not in (None, ctx.rank):
+        record = _error_record(exc, ctx, during_init=during_init)
+        record.write(ctx.run_dir)
+        if record.secondary or record.root_rank not in (None, ctx.rank):
             # A consequence of another rank's failure: one line here, so the notebook's echo of
             # this rank does not read as the cause. The full traceback is in the error record.
-            print(f"rank {ctx.rank} stopped because another rank failed: {record['type']}: "
-                  f"{record['message'].splitlines()[0] if record['message'] else ''}", file=sys.stderr)
+            print(f"rank {ctx.rank} stopped because another rank failed: {record.type}: {record.first_line}",
+                  file=sys.stderr)
         else:
-            print(record["traceback"], file=sys.stderr)
+            print(record.traceback, file=sys.stderr)
     finally:
         ctx.close()
         beat.beat()
@@ -619,8 +503,3 @@ def run_rank(ctx: Context, init_process_group, target: str, args: tuple, kwargs:
         sys.stderr.flush()
     return code, value
 
-
-def load_target(target: str):
-    from .targets import load_target as _load
-
-    return _load(target)

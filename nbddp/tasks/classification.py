@@ -746,12 +746,7 @@ def _final_pass(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Prog
 
 def _interrupted(ctx) -> bool:
     """Collective: the stop came from an Interrupt, whose cell raises: no final evaluation nor export then."""
-    reason = ""
-    if ctx.is_main:
-        try:
-            reason = rundir.stop_path(ctx.run_dir).read_text().strip()
-        except OSError:
-            pass
+    reason = ctx.stop_reason() if ctx.is_main else None
     if any_rank(reason == "interrupt"):
         if ctx.is_main:
             print("interrupted: no final evaluation nor export; the checkpoints are kept", flush=True)
@@ -767,6 +762,6 @@ def _export(cfg: TrainConfig, ctx, data: _Data, best_state, best_epoch: int, fin
     paths = export_weights(best_state, export_dir, data.classes, extra=meta)
     preds = [{"path": os.path.abspath(data.val_samples[i][0]), "label": data.val_samples[i][1], "pred": p}
              for i, p in final.predictions]
-    rundir.atomic_write_text(json.dumps(preds), rundir.val_predictions_path(ctx.run_dir))
+    rundir.atomic_write_text(rundir.val_predictions_path(ctx.run_dir), json.dumps(preds))
     print(f"best val_acc {final.accuracy:.4f} (epoch {best_epoch + 1}); weights exported to {export_dir}", flush=True)
     return paths["pth"]

@@ -50,9 +50,9 @@ def _act(action: str, rank: int) -> None:
         while True:
             time.sleep(1)
     if action == "stop":
-        from nbddp import rundir
+        from nbddp.protocol import write_stop_request
 
-        rundir.stop_path(_rank_ctx.run_dir).write_text("stop")  # what RunHandle.stop() writes
+        write_stop_request(_rank_ctx.run_dir, "stop")  # what RunHandle.stop() writes
         _rank_ctx._stop_checked = 0.0  # looked at in this step's agreement, not up to 0.2 s later
 
 
@@ -104,40 +104,48 @@ def _record_context() -> None:
     runtime.Context.__init__ = recording_init
 
 
-def _arm_start(rank: int, action: str) -> None:
-    """Wrap the process-group set-up that ``run_rank`` receives (spawn_train's and elastic's)."""
+def _wrap_run_rank(wrap) -> None:
+    """Replace ``run_rank`` (spawn_train's and elastic's) by ``wrap(run_rank)``."""
     from nbddp import runtime
 
-    run_rank = runtime.run_rank
-
-    def faulty_run_rank(ctx, init_process_group, *args, **kwargs):
-        def init():
-            _act(action, rank)
-            init_process_group()
-
-        return run_rank(ctx, init, *args, **kwargs)
-
+    faulty_run_rank = wrap(runtime.run_rank)
     for module in (runtime, sys.modules.get("nbddp.elastic")):
         if module is not None:
             module.run_rank = faulty_run_rank
 
 
+def _arm_start(rank: int, action: str) -> None:
+    """Wrap the process-group set-up that ``run_rank`` receives."""
+
+    def wrap(run_rank):
+        def faulty_run_rank(ctx, init_process_group, *args, **kwargs):
+            def init():
+                _act(action, rank)
+                init_process_group()
+
+            return run_rank(ctx, init, *args, **kwargs)
+
+        return faulty_run_rank
+
+    _wrap_run_rank(wrap)
+
+
 def _arm_run(rank: int, action: str) -> None:
-    """Wrap the worker function ``run_rank`` loads, after the process group is up."""
-    from nbddp import runtime
+    """Wrap the worker function ``run_rank`` runs: called after the process group is up."""
+    from nbddp.targets import load_target
 
-    load_target = runtime.load_target
+    def wrap(run_rank):
+        def faulty_run_rank(ctx, init_process_group, target, *args, **kwargs):
+            def faulty_target(*a, **kw):
+                fn = load_target(target) if isinstance(target, str) else target
+                _act(action, rank)
+                return fn(*a, **kw)
 
-    def faulty_load_target(spec):
-        fn = load_target(spec)
+            return run_rank(ctx, init_process_group, faulty_target, *args, **kwargs)
 
-        def target(*args, **kwargs):
-            _act(action, rank)
-            return fn(*args, **kwargs)
+        return faulty_run_rank
 
-        return target
-
-    runtime.load_target = faulty_load_target
+    _wrap_run_rank(wrap)
 
 
 def _arm_step(rank: int, action: str, epoch: int, step: int) -> None:

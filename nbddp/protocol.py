@@ -1,0 +1,341 @@
+"""What crosses between the kernel and the ranks: the launch contract and every record after it.
+
+Each record is a typed dataclass with exactly one writer and one reader; :mod:`nbddp.rundir`
+owns where the files are, this module what they hold::
+
+    record          file (.nbddp/)       written by                        read by
+    LaunchSpec      (pickled to a rank)  the kernel (launch)               the rank (runtime.entry)
+    Heartbeat       rank<r>.json         rank r: HeartbeatWriter           kernel: read_heartbeats
+    Progress        progress.json        rank 0: ProgressWriter            kernel: read_progress
+    stop request    stop                 kernel: write_stop_request        ranks: read_stop_request
+    ErrorRecord     error.rank<r>.json   rank r: ErrorRecord.write         kernel: read_error_records
+                                         (or the kernel, from torch's error file: adopt_torch_error_file)
+    result          result[.rank<r>].pkl rank r: write_result              kernel: read_result
+
+The JSON records' readers never raise on a record that is missing, being rewritten or from an
+older nbddp: a missing record is ``None`` (or absent from the mapping) and a missing field takes
+its default. Not here: ``metrics.jsonl``, free-form lines the worker logs (``Context.log``) and
+the handle tails, and ``launch.json``, which only kernels read and write (:mod:`nbddp.rundir`).
+
+Shared by both sides: imports nothing of nbddp but ``rundir`` and ``paths``, and nothing of torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from . import rundir
+from .paths import PathLike
+from .rundir import RecordFile
+
+
+# ---------------------------------------------------------------------------- the launch
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What each spawned process receives (picklable plain values)."""
+
+    target: str
+    args: tuple
+    kwargs: dict
+    world_size: int
+    backend: str
+    gpus: tuple
+    store_host: str
+    store_port: int
+    run_dir: str
+    parent_pid: Optional[int]  # None: started by a forkserver (the parent is the server)
+    threads: int
+    timeout_s: float
+    env: dict = field(default_factory=dict)  # set in the child: a forkserver's children do not
+                                             # inherit the kernel's environment of the moment
+    kernel: Optional[tuple] = None  # (pid, start time) of the launching process, watched
+    all_values: bool = False  # every rank stores its return value, not rank 0 alone
+
+
+def _from_json(cls, obj: Any, **defaults: Any):
+    """An instance of dataclass ``cls`` from a JSON object: unknown keys ignored, missing ones defaulted."""
+    if not isinstance(obj, dict):
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {**defaults, **{k: v for k, v in obj.items() if k in names}}
+    try:
+        return cls(**values)
+    except TypeError:  # a required field is missing: not a record of this kind
+        return None
+
+
+# ---------------------------------------------------------------------------- heartbeat
+_PHASES = {"train": 0, "eval": 1, "eval-end": 2}
+
+
+@dataclass
+class Heartbeat:
+    """Where one rank is and whether it is alive, rewritten per step and every second.
+
+    Attributes:
+        rank: the rank.
+        pid: its process id.
+        state: ``starting``, ``running``, ``finishing``, ``done`` or ``failed``.
+        epoch, step, phase: where training is (``phase``: ``train``, ``eval``, ``eval-end``).
+        waiting: about to wait for the other ranks in a collective.
+        progress_time: when the rank last made progress (a hung rank's stays old).
+        beat_time: when this record was written (the thread writes it even inside a collective).
+        stopping: the rank has seen the stop request.
+    """
+
+    rank: int
+    pid: Optional[int] = None
+    state: str = "starting"
+    epoch: Optional[int] = None
+    step: Optional[int] = None
+    phase: Optional[str] = "train"
+    waiting: bool = False
+    progress_time: Optional[float] = None
+    beat_time: Optional[float] = None
+    stopping: bool = False
+
+    @property
+    def position(self) -> tuple:
+        """How far the rank got, comparable between ranks: (epoch, phase, step, waiting).
+
+        Evaluation comes after the epoch's training steps, and its end (where ranks with shards
+        of different sizes wait for each other) after every evaluation step; ``waiting`` (about
+        to wait for the others in a collective) comes after the local work of the same step.
+        """
+        return (self.epoch if self.epoch is not None else -1, _PHASES.get(self.phase or "train", 0),
+                self.step if self.step is not None else -1, bool(self.waiting))
+
+
+class HeartbeatWriter:
+    """Rank ``rank``'s heartbeat file (the one writer of :class:`Heartbeat`)."""
+
+    def __init__(self, run_dir: PathLike, rank: int):
+        self._file = RecordFile(rundir.heartbeat_path(run_dir, rank))
+
+    def write(self, beat: Heartbeat) -> None:
+        self._file.write(dataclasses.asdict(beat))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_heartbeats(run_dir: PathLike, world_size: int) -> Dict[int, Heartbeat]:
+    """Every rank's last heartbeat, by rank (ranks without a readable one are left out)."""
+    beats = {}
+    for r in range(world_size):
+        beat = _from_json(Heartbeat, rundir.read_json(rundir.heartbeat_path(run_dir, r)), rank=r)
+        if beat is not None:
+            beats[r] = beat
+    return beats
+
+
+# ---------------------------------------------------------------------------- progress
+@dataclass
+class Progress:
+    """Rank 0's live progress for the notebook: what the worker passed to ``ctx.progress``.
+
+    Attributes:
+        fields: the worker's own fields (epoch, step, total, loss...), JSON values.
+        time: when it was reported.
+    """
+
+    fields: Dict[str, Any]
+    time: float
+
+    def as_dict(self) -> dict:
+        """The fields and ``time`` in one flat dict: the file's form, and what the panel is given."""
+        return {**self.fields, "time": round(self.time, 3)}
+
+
+class ProgressWriter:
+    """The run's progress file (the one writer of :class:`Progress`; rank 0 only)."""
+
+    def __init__(self, run_dir: PathLike):
+        self._file = RecordFile(rundir.progress_path(run_dir))
+
+    def write(self, progress: Progress) -> None:
+        self._file.write(progress.as_dict())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_progress(run_dir: PathLike) -> Optional[Progress]:
+    """The last progress rank 0 reported, or None (none yet, or caught mid-rewrite)."""
+    obj = rundir.read_json(rundir.progress_path(run_dir))
+    if not isinstance(obj, dict) or not obj:
+        return None
+    fields = dict(obj)
+    stamp = fields.pop("time", None)
+    return Progress(fields, float(stamp) if isinstance(stamp, (int, float)) else 0.0)
+
+
+# ---------------------------------------------------------------------------- stop request
+#: Why the kernel asks the ranks to stop: the Stop button or ``handle.stop()``, Jupyter's
+#: Interrupt, or another rank's failure.
+STOP_REASONS = ("stop", "interrupt", "failure")
+
+
+def write_stop_request(run_dir: PathLike, reason: str) -> None:
+    """Ask every rank to stop, for ``reason`` (one of :data:`STOP_REASONS`); best effort.
+
+    Written atomically: a rank never reads a request without its reason.
+    """
+    if reason not in STOP_REASONS:
+        raise ValueError(f"stop reason {reason!r}: use one of {', '.join(STOP_REASONS)}")
+    with contextlib.suppress(OSError):
+        rundir.atomic_write(rundir.stop_path(run_dir), reason.encode(), durable=False)
+
+
+def read_stop_request(run_dir: PathLike) -> Optional[str]:
+    """The reason the kernel asked this run to stop, or None if it has not.
+
+    A request whose reason is unreadable (written by hand, say) reads as ``"stop"``.
+    """
+    try:
+        text = rundir.stop_path(run_dir).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "stop"
+    return text if text in STOP_REASONS else "stop"
+
+
+def clear_stop_request(run_dir: PathLike) -> None:
+    """Remove the request once the run has ended (the folder may be launched again: resume)."""
+    with contextlib.suppress(OSError):
+        rundir.stop_path(run_dir).unlink()
+
+
+# ---------------------------------------------------------------------------- error record
+@dataclass
+class ErrorRecord:
+    """The exception that ended one rank, written before it exits.
+
+    Attributes:
+        rank, pid: the rank and its process.
+        time: when it failed (the earliest primary error is the likeliest cause).
+        type, message, traceback: the exception.
+        epoch, step: where training was.
+        secondary: a consequence of another rank's failure (its peer vanished, a timeout).
+        root_rank: the rank the exception itself names as the cause (a NaN seen on another rank).
+    """
+
+    rank: int
+    pid: Optional[int] = None
+    time: float = 0.0
+    type: str = "Exception"
+    message: str = ""
+    traceback: str = ""
+    epoch: Optional[int] = None
+    step: Optional[int] = None
+    secondary: bool = False
+    root_rank: Optional[int] = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, rank: int, formatted: str, secondary: bool,
+                       epoch: Optional[int] = None, step: Optional[int] = None) -> "ErrorRecord":
+        """The record of ``exc`` (``formatted``: its traceback as text)."""
+        root = getattr(exc, "rank", None)
+        return cls(rank=rank, pid=os.getpid(), time=time.time(), type=type(exc).__name__, message=str(exc),
+                   traceback=formatted, epoch=epoch, step=step, secondary=bool(secondary),
+                   root_rank=root if isinstance(root, int) and not isinstance(root, bool) else None)
+
+    @property
+    def first_line(self) -> str:
+        return self.message.splitlines()[0] if self.message else ""
+
+    def write(self, run_dir: PathLike) -> None:
+        """Store it as rank ``rank``'s error record; best effort (a full disk must not hide the error)."""
+        with contextlib.suppress(OSError):
+            rundir.write_json_atomic(rundir.error_record_path(run_dir, self.rank), dataclasses.asdict(self))
+
+
+def read_error_records(run_dir: PathLike, world_size: int) -> Dict[int, ErrorRecord]:
+    """Every rank's error record, by rank (ranks that wrote none are left out)."""
+    records = {}
+    for r in range(world_size):
+        rec = _from_json(ErrorRecord, rundir.read_json(rundir.error_record_path(run_dir, r)), rank=r)
+        if rec is not None:
+            records[r] = rec
+    return records
+
+
+class _StringsOnly(pickle.Unpickler):
+    def find_class(self, module, name):  # a traceback is a plain str: no object is ever built
+        raise pickle.UnpicklingError(f"refusing {module}.{name} in a torch error file")
+
+
+def read_torch_traceback(path: str) -> Optional[str]:
+    """The traceback string torch's spawn wrapper pickled, if the file is ours and holds one.
+
+    The file sits in the shared temp folder: only a regular file owned by this user is read,
+    and nothing but a string is unpickled.
+    """
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        with open(path, "rb") as f:
+            text = _StringsOnly(f).load()
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+        return None
+    return text if isinstance(text, str) else None
+
+
+def exception_from_traceback(text: str) -> tuple:
+    """``(type name, message)`` from a formatted traceback's closing lines."""
+    lines = text.rstrip().splitlines()
+    last_frame = max((i for i, ln in enumerate(lines) if ln.startswith("  ")), default=-1)
+    tail = "\n".join(lines[last_frame + 1:]) or (lines[-1] if lines else "")
+    kind, sep, message = tail.partition(": ")
+    if not sep or " " in kind.strip():
+        return "Exception", tail.strip()
+    return kind.strip().rpartition(".")[2], message.strip()
+
+
+def adopt_torch_error_file(run_dir: PathLike, rank: int, pid: int, path: Optional[str]) -> None:
+    """A failure before nbddp's own error handling (torch's ``_wrap`` caught it) becomes a record.
+
+    torch writes such a traceback to a ``pytorch-errorfile-*.pickle`` in the temp folder, which
+    only its own ``join()`` reads. It becomes the rank's error record unless the rank wrote one
+    itself, so the notebook quotes the original exception.
+    """
+    if not path or rundir.error_record_path(run_dir, rank).exists():
+        return
+    text = read_torch_traceback(path)
+    if text is None:
+        return
+    kind, message = exception_from_traceback(text)
+    ErrorRecord(rank=rank, pid=pid, time=time.time(), type=kind, message=message, traceback=text).write(run_dir)
+
+
+# ---------------------------------------------------------------------------- result
+def write_result(run_dir: PathLike, value: Any, rank: int = 0) -> None:
+    """Store a rank's return value (pickled; read back only by the kernel that launched it)."""
+    try:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(
+            f"rank {rank}'s return value ({type(value).__name__}) cannot be pickled: {exc}. "
+            "Return plain values, tensors or dicts of them."
+        ) from exc
+    rundir.atomic_write(rundir.result_path(run_dir, rank), data, durable=False)
+
+
+def has_result(run_dir: PathLike) -> bool:
+    """Rank 0 returned (and stored its value)."""
+    return rundir.result_path(run_dir).exists()
+
+
+def read_result(run_dir: PathLike, rank: int = 0) -> Any:
+    """A rank's return value, as the launching kernel's own workers wrote it."""
+    with open(rundir.result_path(run_dir, rank), "rb") as f:
+        return pickle.load(f)

@@ -1,0 +1,112 @@
+"""The staged end of a run's processes: ask, then SIGTERM, then SIGKILL.
+
+A :class:`Shutdown` knows only time and its own stage; what it asks of the processes goes
+through the two functions it is given (send a signal to every live rank; say whether the ranks
+are still finishing), so it can be driven by a fake clock in a test. :class:`nbddp.handle.RunHandle`
+starts one on a Stop, an Interrupt or a failure and calls :meth:`Shutdown.advance` on every poll;
+the run ends when every process has exited, whatever the stage.
+
+Kernel side.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from typing import Callable, Dict, Iterable
+
+from .protocol import Heartbeat
+
+# After a stop request (Stop or Interrupt), the longest a worker that saw it and still sends
+# heartbeats may take to finish (its last step, checkpoint, evaluation and export) before it is
+# ended with SIGTERM.
+STOP_TIMEOUT_S = 300.0
+
+# A rank beats every second, even inside a collective: one silent this long past grace_s is stuck.
+_BEAT_SLACK_S = 2.0
+
+
+class Stage(enum.Enum):
+    ASK = "ask"    # the stop request is written; the ranks may finish on their own
+    TERM = "term"  # SIGTERM sent; SIGKILL follows grace_s later
+    KILL = "kill"  # SIGKILL sent; nothing is left to do but reap
+
+
+class Shutdown:
+    """One run's staged shutdown, started for ``reason`` at ``now``.
+
+    Transitions (``since``: when the current stage began):
+
+    * start: ``failure`` goes straight to TERM (the peers of a failed rank are most likely
+      blocked in a collective: no point asking nicely); ``stop`` and ``interrupt`` to ASK.
+    * ASK → TERM: for ``stop`` and ``interrupt``, once ``stop_timeout_s`` has passed or the
+      ranks are no longer finishing (see :func:`ranks_finishing`); for any other reason after
+      ``grace_s``. A stop keeps the result: the workers may be finishing the epoch's evaluation,
+      the export or NCCL's teardown, which can take far longer than ``grace_s`` on a GPU. An
+      interrupt keeps the work: the step in flight and its checkpoint can take longer too.
+    * TERM → KILL: ``grace_s`` after the SIGTERM.
+    * any → KILL at once: :meth:`kill_now` (a second Interrupt).
+
+    Args:
+        reason: ``"stop"``, ``"interrupt"`` or ``"failure"``.
+        now: the time it starts.
+        grace_s: how long SIGTERM is given before SIGKILL (and a non-stop request before SIGTERM).
+        stop_timeout_s: the longest finishing ranks are waited for after a stop or interrupt.
+        kill: sends a signal to every rank still running.
+        finishing: ``finishing(now, since)``: True while the ranks may still be finishing.
+    """
+
+    def __init__(self, reason: str, now: float, grace_s: float, stop_timeout_s: float,
+                 kill: Callable[[int], None], finishing: Callable[[float, float], bool]):
+        self.reason, self.grace_s, self.stop_timeout_s = reason, grace_s, stop_timeout_s
+        self._kill, self._finishing = kill, finishing
+        self.stage, self.since = Stage.ASK, now
+        if reason == "failure":
+            self._enter(Stage.TERM, now)
+
+    @property
+    def waits_for_finish(self) -> bool:
+        """A stop or an interrupt lets ranks that obey the request finish their work."""
+        return self.reason in ("stop", "interrupt")
+
+    def advance(self, now: float) -> Stage:
+        """Move on if this stage's time is up; returns the stage it is in afterwards."""
+        if self.stage is Stage.ASK:
+            if self.waits_for_finish:
+                if now - self.since < self.stop_timeout_s and self._finishing(now, self.since):
+                    return self.stage
+            elif now - self.since < self.grace_s:
+                return self.stage
+            self._enter(Stage.TERM, now)
+        elif self.stage is Stage.TERM and now - self.since >= self.grace_s:
+            self._enter(Stage.KILL, now)
+        return self.stage
+
+    def kill_now(self, now: float) -> None:
+        """No more grace (a second Interrupt): SIGKILL every rank now."""
+        self._enter(Stage.KILL, now)
+
+    def _enter(self, stage: Stage, now: float) -> None:
+        self.stage, self.since = stage, now
+        self._kill(signal.SIGTERM if stage is Stage.TERM else signal.SIGKILL)
+
+
+def ranks_finishing(now: float, since: float, grace_s: float, beats: Dict[int, Heartbeat],
+                    running: Iterable[int]) -> bool:
+    """True while the ranks may still be finishing after a stop request made at ``since``.
+
+    That is: within ``grace_s`` of the request, or once a rank has seen the request
+    (``ctx.should_stop()``; the built-in worker checks it every step), as long as every running
+    rank's heartbeat is younger than ``grace_s + 2`` s (it beats every second, even inside a
+    collective). A worker that never asks whether to stop gets ``grace_s``.
+
+    Args:
+        beats: this launch's heartbeats, by rank.
+        running: the ranks whose process is still running.
+    """
+    for rank in running:
+        beat = beats.get(rank)
+        last = max((beat.beat_time or 0.0) if beat else 0.0, since)  # not started: from the request
+        if now - last > grace_s + _BEAT_SLACK_S:
+            return False  # stuck (or stopped) with its heartbeat
+    return now - since < grace_s or any(b.stopping for b in beats.values())

@@ -1,0 +1,79 @@
+"""The staged shutdown's transitions, driven by a fake clock: no process is started."""
+
+import signal
+
+from nbddp.protocol import Heartbeat
+from nbddp.shutdown import Shutdown, Stage, ranks_finishing
+
+GRACE, PATIENCE = 1.0, 300.0
+
+
+class Ranks:
+    """Records the signals sent; ``finishing`` is what the fake ranks say."""
+
+    def __init__(self, finishing: bool = True):
+        self.sent, self.finishing = [], finishing
+
+    def kill(self, sig):
+        self.sent.append(sig)
+
+    def shutdown(self, reason, now=0.0):
+        return Shutdown(reason, now, GRACE, PATIENCE, kill=self.kill, finishing=lambda now, since: self.finishing)
+
+
+def test_a_failure_sends_sigterm_at_once_then_sigkill_after_grace():
+    ranks = Ranks()
+    sd = ranks.shutdown("failure", now=10.0)
+    assert (sd.stage, ranks.sent) == (Stage.TERM, [signal.SIGTERM])
+    assert sd.advance(10.0 + GRACE / 2) is Stage.TERM and ranks.sent == [signal.SIGTERM]
+    assert sd.advance(10.0 + GRACE) is Stage.KILL
+    assert ranks.sent == [signal.SIGTERM, signal.SIGKILL]
+    sd.advance(100.0)
+    assert ranks.sent == [signal.SIGTERM, signal.SIGKILL], "SIGKILL is sent once"
+
+
+def test_a_stop_waits_while_the_ranks_finish_up_to_the_stop_timeout():
+    ranks = Ranks(finishing=True)
+    sd = ranks.shutdown("stop")
+    assert sd.stage is Stage.ASK and ranks.sent == []
+    assert sd.advance(PATIENCE - 1) is Stage.ASK and ranks.sent == []
+    assert sd.advance(PATIENCE) is Stage.TERM and ranks.sent == [signal.SIGTERM]
+    assert sd.advance(PATIENCE + GRACE) is Stage.KILL and ranks.sent == [signal.SIGTERM, signal.SIGKILL]
+
+
+def test_a_stop_ends_ranks_that_are_no_longer_finishing():
+    ranks = Ranks(finishing=True)
+    sd = ranks.shutdown("interrupt")
+    assert sd.advance(5.0) is Stage.ASK
+    ranks.finishing = False  # a heartbeat went silent, or nobody asked should_stop within grace
+    assert sd.advance(6.0) is Stage.TERM and ranks.sent == [signal.SIGTERM]
+    assert sd.since == 6.0, "SIGKILL comes grace_s after the SIGTERM, not after the request"
+    assert sd.advance(6.0 + GRACE - 0.1) is Stage.TERM
+    assert sd.advance(6.0 + GRACE) is Stage.KILL
+
+
+def test_a_second_interrupt_kills_at_once():
+    ranks = Ranks()
+    sd = ranks.shutdown("interrupt")
+    sd.kill_now(0.5)
+    assert sd.stage is Stage.KILL and ranks.sent == [signal.SIGKILL]
+
+
+def beat(rank, beat_time, stopping=False):
+    return Heartbeat(rank=rank, pid=100 + rank, state="running", beat_time=beat_time, stopping=stopping)
+
+
+def test_ranks_are_finishing_within_grace_or_once_one_saw_the_request():
+    beats = {0: beat(0, 10.0), 1: beat(1, 10.0)}
+    assert ranks_finishing(10.5, 10.0, GRACE, beats, running=[0, 1]), "within grace_s of the request"
+    assert not ranks_finishing(11.5, 10.0, GRACE, beats, running=[0, 1]), "nobody asked should_stop"
+    beats = {0: beat(0, 11.4, stopping=True), 1: beat(1, 11.4)}
+    assert ranks_finishing(11.5, 10.0, GRACE, beats, running=[0, 1]), "rank 0 obeys and both beat"
+
+
+def test_a_rank_whose_heartbeat_went_silent_is_not_finishing():
+    beats = {0: beat(0, 50.0, stopping=True), 1: beat(1, 10.0)}
+    assert not ranks_finishing(50.0, 10.0, GRACE, beats, running=[0, 1])
+    assert ranks_finishing(50.0, 10.0, GRACE, beats, running=[0]), "an exited rank's old beat does not count"
+    assert ranks_finishing(10.0 + GRACE + 1.5, 10.0, GRACE, {0: beat(0, 10.0 + GRACE, stopping=True)}, running=[0, 1]), \
+        "a rank with no heartbeat yet is timed from the request"
