@@ -26,13 +26,13 @@ shared      ``paths``            what a path is (FIFO, /proc) before anything re
 shared      ``system``           process identity (pid + start time), CPU cores, signalling
 shared      ``targets``          ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (kernel), loaded (rank)
 shared      ``cells``            functions from notebook cells: checked and pickled by value (kernel), loaded (rank)
+shared      ``conventions``      a worker's convention and arguments, read from its signature and source
 shared      ``gpus``             GPUs from NVML or nvidia-smi, never through CUDA
 shared      ``tasks``            every launch's plan (``LaunchPlan``): target, world, name, resume
 shared      ``checkpoint``       atomic save, weights-only load, export files
 kernel      ``launch``           ``spawn_train``: plan, run folder, store, environment, start
 kernel      ``forkserver``       the warm server workers fork from; pre-warmed in a kernel
 kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
-kernel      ``conventions``      a worker's convention and arguments, read from its signature and source
 kernel      ``shutdown``         the staged stop: ask, SIGTERM, SIGKILL, as a small state machine
 kernel      ``report``           a failed run's root-cause rank and its one error
 kernel      ``procs``            ``cleanup`` of an earlier launch's workers, proven by marker
@@ -67,7 +67,7 @@ SIDES = {
     "runtime": "worker", "heartbeat": "worker", "rank_errors": "worker", "elastic": "worker", "dist": "worker", "engine": "worker", "data": "worker",
     "tensor_data": "worker", "models": "worker", "sync_bn": "worker",
     "tasks.classification": "worker",
-    "cli": "entry", "__main__": "entry", "calls": "worker", "conventions": "kernel",
+    "cli": "entry", "__main__": "entry", "calls": "worker", "conventions": "shared",
 }
 
 __version__ = "0.1.0"

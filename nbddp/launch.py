@@ -31,6 +31,7 @@ from .procs import MARKER_ENV, live_workers
 from .protocol import LaunchSpec
 from .runtime import entry
 from .shutdown import STOP_TIMEOUT_S
+from .calls import MP_SPAWN
 from .system import cpu_cores, kill_group_or_process, start_time
 from .tasks import LaunchPlan
 
@@ -53,6 +54,14 @@ def _free_store(timeout_s: float) -> dist.TCPStore:
         raise
     sock.detach()  # the store closes the listening socket when it goes
     return store
+
+
+def _free_port() -> int:
+    """A port free now on loopback, for code that hosts its own rendezvous there (an mp.spawn
+    function's rank 0); the kernel's own store is on another port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -136,14 +145,23 @@ def spawn_train(
     env: Optional[Dict[str, str]] = None,
     resume: Union[bool, str, Path, None] = None,
     all_values: bool = False,
+    call: str = "ctx",
+    argv: Optional[Sequence[Any]] = None,
 ) -> Union[TrainResult, RunHandle]:
     """Run a DDP worker function in one process per GPU (nccl) or ``nprocs`` CPU processes (gloo).
 
     Args:
-        target: a ``TrainConfig`` (runs the built-in classification worker), or a worker
-            function: ``"path/to/file.py:fn"``, ``"package.module:fn"`` or a function defined
-            at module level in a file. It is called as ``fn(ctx, *args, **kwargs)`` after the
-            process group is set up; ``ctx`` is a :class:`nbddp.runtime.Context`.
+        target: what every rank runs, your code as you wrote it:
+
+            - a ``TrainConfig``: the built-in classification worker;
+            - a function: ``"path/to/file.py:fn"``, ``"package.module:fn"``, a function of a
+              module, or one defined in a notebook cell (shipped by value with the classes and
+              helpers it uses; its source is kept as ``worker_source.py`` in the run folder).
+              ``call`` says how it is called;
+            - a torchrun script, run unchanged as ``__main__``: ``"train.py"``, or ``"-m"``
+              followed by the module (``spawn_train("-m", "pkg.train", argv=[...])``). It
+              gets ``sys.argv == ["train.py", *argv]``, the kernel's working directory and
+              torchrun's environment, and calls ``init_process_group`` itself (``env://``).
         *args: positional arguments for the worker function (must be picklable).
         nprocs: number of CPU processes (gloo). Defaults to 1 when ``gpus`` is not given.
         gpus: GPU ids (as in ``nvidia-smi``); rank r runs on ``gpus[r]`` with nccl. ``"idle"``
@@ -181,6 +199,12 @@ def spawn_train(
             (A ``TrainConfig`` says it in the config: ``cfg.replace(resume=True)``.)
         all_values: collect every rank's return value into ``TrainResult.values`` (each rank
             pickles its value into the run folder); by default only rank 0's is kept.
+        call: how each rank calls a function: ``"ctx"`` (default: ``fn(ctx, *args, **kwargs)``
+            after nbddp made the process group), ``"mp.spawn"`` (``fn(rank, *args, **kwargs)``,
+            as ``torch.multiprocessing.spawn`` calls it; the function makes its own group) or
+            ``"torchrun"`` (``fn(*args, **kwargs)`` with torchrun's environment; the function
+            makes its own group, ``env://``). A mismatch is refused before anything starts.
+        argv: a script's command line, ``sys.argv[1:]`` (strings; numbers are written out).
 
     Returns:
         A ``TrainResult`` (``block=True``) or a ``RunHandle`` (``block=False``).
@@ -200,7 +224,7 @@ def spawn_train(
                           "kernel has used CUDA, so it is not offered)")
     target, gpus = _resolve_gpus(target, gpus)  # "idle" (here or in a config): the GPUs idle now; busy ones warn
     plan = tasks.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
-                      timeout_s=timeout_s, resume=resume)
+                      timeout_s=timeout_s, resume=resume, call=call, argv=argv)
     _check_picklable(plan.args, plan.kwargs)
     world, backend = _world(plan)
     # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
@@ -220,7 +244,9 @@ def spawn_train(
     spec = LaunchSpec(target=plan.target, args=tuple(plan.args), kwargs=plan.kwargs, world_size=world, backend=backend,
                       gpus=tuple(plan.gpus), store_host="127.0.0.1", store_port=store.port, run_dir=str(run_dir),
                       parent_pid=None if warm else os.getpid(), threads=threads, timeout_s=timeout,
-                      env=snapshot, kernel=(os.getpid(), start_time(os.getpid())), all_values=all_values)
+                      env=snapshot, kernel=(os.getpid(), start_time(os.getpid())), all_values=all_values,
+                      call=plan.call, argv=plan.argv, payload=plan.payload, cwd=os.getcwd(),
+                      master_port=_free_port() if plan.call == MP_SPAWN else None)
     if warm:
         _prepare_forkserver()
     if stall_timeout_s is None:
@@ -263,6 +289,8 @@ def _prepare_run_dir(plan: LaunchPlan, world: int) -> Path:
                 f"they may hold its GPUs and checkpoints. End them with nbddp.cleanup({str(run_dir)!r}) "
                 "and launch again.")
     rundir.prepare_launch(run_dir, world)
+    if plan.source is not None:
+        rundir.atomic_write_text(rundir.worker_source_path(run_dir), plan.source)
     if plan.config is not None:
         plan.config.save(rundir.config_path(run_dir))
     return run_dir

@@ -57,6 +57,11 @@ class LaunchSpec:
                                              # inherit the kernel's environment of the moment
     kernel: Optional[tuple] = None  # (pid, start time) of the launching process, watched
     all_values: bool = False  # every rank stores its return value, not rank 0 alone
+    call: str = "ctx"  # how the rank calls the target (nbddp.calls): ctx, mp.spawn, torchrun
+    argv: tuple = ()  # a script's command-line arguments (sys.argv[1:])
+    payload: Optional[bytes] = None  # a function from a notebook cell, pickled by value
+    cwd: Optional[str] = None  # the kernel's working directory at the launch
+    master_port: Optional[int] = None  # MASTER_PORT for code that hosts its own rendezvous (mp.spawn)
 
 
 def _from_json(cls, obj: Any, **defaults: Any):

@@ -52,6 +52,8 @@ CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 CLASS_INDICES = "class_indices.json"
 VAL_PREDICTIONS = "val_predictions.json"
+#: A function from a notebook cell, as source: what ran, readable and runnable as a file.
+WORKER_SOURCE = "worker_source.py"
 LOGS = "logs"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_SUFFIX = ".pt"
@@ -94,6 +96,10 @@ def name_problem(name: Any) -> Optional[str]:
 
 def config_path(run_dir: PathLike) -> Path:
     return Path(run_dir) / CONFIG
+
+
+def worker_source_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / WORKER_SOURCE
 
 
 def metrics_path(run_dir: PathLike) -> Path:

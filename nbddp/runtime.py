@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import rundir, targets
+from . import calls, cells, rundir, targets
 from .heartbeat import HeartbeatThread
 from .protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
                        read_stop_request, write_result)
@@ -382,10 +382,38 @@ def redirect_output(log_path: Path) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
 
 
+#: What torch says when a group is initialised a second time, and what nbddp says instead.
+_SECOND_INIT = "trying to initialize the default process group twice"
+_SECOND_INIT_FIX = (
+    "the worker called torch.distributed.init_process_group, but nbddp had made the process group before "
+    "calling it (call='ctx'). Launch it with call='torchrun' (called as fn(*args), its group from the "
+    "environment, env://) or call='mp.spawn' (called as fn(rank, *args)), or drop the call and use ctx.")
+
+
 def _error_record(exc: BaseException, ctx: Context, during_init: bool = False) -> ErrorRecord:
     """``exc`` (being handled) as ``ctx``'s rank's error record, classified cause or consequence."""
-    return ErrorRecord.from_exception(exc, ctx.rank, traceback.format_exc(), is_secondary(exc, during_init),
-                                      epoch=ctx.epoch, step=ctx.step)
+    record = ErrorRecord.from_exception(exc, ctx.rank, traceback.format_exc(), is_secondary(exc, during_init),
+                                        epoch=ctx.epoch, step=ctx.step)
+    if isinstance(exc, ValueError) and _SECOND_INIT in str(exc):
+        record.message = _SECOND_INIT_FIX
+    return record
+
+
+def _call_user_code(ctx: Context, target: Union[str, Callable[..., Any]], args: tuple, kwargs: dict, call: str,
+                    argv: tuple, payload: Optional[bytes]) -> Any:
+    """Run the user's code as it was written: a script as ``__main__``, a function by its convention."""
+    if isinstance(target, str) and calls.is_script(target):
+        try:
+            calls.run_script(target, argv)
+        except SystemExit as exc:
+            if calls.exit_code(exc) != 0:
+                raise
+        return None
+    if payload is not None:
+        fn = cells.load(payload)
+    else:
+        fn = targets.load_target(target) if isinstance(target, str) else target
+    return calls.call_function(fn, call, ctx, args, kwargs)
 
 
 #: The environment variable naming the per-rank start-up hook (see :func:`run_rank_hook`).
@@ -423,16 +451,21 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     if spec.env:
         os.environ.clear()  # exactly the launching kernel's environment of this launch
         os.environ.update(spec.env)
+    if spec.cwd:
+        os.chdir(spec.cwd)  # the kernel's working directory now, not the warm server's at its start
     rank = local_rank  # single-machine launch: global rank == local rank
     run_rank_hook(rank)
     run_dir = Path(spec.run_dir)
     redirect_output(rundir.rank_log(run_dir, rank))
     warnings.formatwarning = one_line_warning  # rank 0's log is echoed into the cell line by line
 
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec.world_size),
-        "LOCAL_WORLD_SIZE": str(spec.world_size), "NBDDP_RUN_DIR": str(run_dir),
-    })
+    # torchrun's environment, for every kind of target: code written for torchrun reads it,
+    # and env:// in code that makes its own group meets the kernel's store (its "agent store").
+    own_group = calls.makes_own_group(spec.call, spec.target)
+    os.environ.update(calls.torchrun_environment(
+        rank, spec.world_size, spec.store_host, spec.master_port or spec.store_port, run_id=run_dir.name,
+        agent_store=own_group and spec.call != calls.MP_SPAWN))
+    os.environ["NBDDP_RUN_DIR"] = str(run_dir)
     torch.set_num_threads(spec.threads)
     # No CUDA call here: device set-up runs inside run_rank's error handling, so "invalid
     # device ordinal" or "no NVIDIA driver" reach the notebook as this rank's error.
@@ -448,15 +481,17 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
         init_group(spec.backend, store, rank, spec.world_size, spec.timeout_s, device)
 
-    code, _ = run_rank(ctx, init_process_group, spec.target, spec.args, spec.kwargs, watch=spec.kernel,
-                       all_values=spec.all_values)
+    code, _ = run_rank(ctx, (lambda: None) if own_group else init_process_group, spec.target, spec.args,
+                       spec.kwargs, watch=spec.kernel, all_values=spec.all_values, call=spec.call, argv=spec.argv,
+                       payload=spec.payload)
     # os._exit skips interpreter teardown: atexit hooks and non-daemon threads (DataLoader,
     # gloo) can deadlock there after the process group is gone; everything is flushed already.
     os._exit(code)
 
 
 def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., Any]], args: tuple, kwargs: dict,
-             watch: Optional[tuple] = None, all_values: bool = False) -> tuple:
+             watch: Optional[tuple] = None, all_values: bool = False, call: str = calls.CTX, argv: tuple = (),
+             payload: Optional[bytes] = None) -> tuple:
     """Run one rank's target around heartbeats and error records; shared by every launcher.
 
     ``target`` is a spec (``"pkg.mod:fn"``, ``"/path/file.py:fn"``), loaded once the process
@@ -475,8 +510,7 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
     try:
         init_process_group()
         beat.state = "running"
-        fn = targets.load_target(target) if isinstance(target, str) else target
-        value = fn(ctx, *args, **kwargs)
+        value = _call_user_code(ctx, target, args, kwargs, call, argv, payload)
         if ctx.rank == 0 or all_values:
             write_result(ctx.run_dir, to_cpu(value), ctx.rank)
         beat.state = "finishing"

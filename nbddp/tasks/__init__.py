@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
-from .. import rundir
+from .. import calls, cells, rundir
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..targets import resolve_target
@@ -48,6 +49,10 @@ class LaunchPlan:
     run_dir: Optional[Path] = None  # an existing run folder to continue; None for a new one
     config: Any = None          # saved as the run folder's config.json (has .save(path))
     kwargs: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the worker
+    call: str = calls.CTX       # how each rank calls the target (nbddp.calls)
+    argv: Tuple[str, ...] = ()  # a script's command-line arguments
+    payload: Optional[bytes] = None  # a function from a notebook cell, pickled by value
+    source: Optional[str] = None     # that function's source, kept in the run folder
 
     def process_group_timeout(self, on_gpu: Optional[bool] = None) -> float:
         """``timeout_s``, or the default for where the ranks run (GPUs when the plan names some)."""
@@ -66,13 +71,16 @@ def is_task_config(obj: Any) -> bool:
 def plan(target: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None, *,
          nprocs: Optional[int] = None, gpus: Optional[Sequence[int]] = None, name: Optional[str] = None,
          runs_dir: Union[str, os.PathLike, None] = None, timeout_s: Optional[float] = None,
-         resume: Any = None) -> LaunchPlan:
+         resume: Any = None, call: str = calls.CTX, argv: Optional[Sequence[Any]] = None) -> LaunchPlan:
     """The launch plan of a config (its task's plan) or of a worker function target.
 
     Args:
-        target: a config object of a built-in task, or a worker target
-            (``"file.py:fn"``, ``"pkg.mod:fn"``, a module-level function).
-        args, kwargs: the worker function's arguments (a config takes none).
+        target: a config object of a built-in task, a worker function (``"file.py:fn"``,
+            ``"pkg.mod:fn"``, a function, one from a notebook cell included), or a script
+            (``"train.py"``, ``"-m"`` with the module first in ``args``, or ``"-m pkg.train"``).
+        args, kwargs: the worker function's arguments (a config and a script take none).
+        call: how each rank calls a function: ``"ctx"``, ``"mp.spawn"`` or ``"torchrun"`` (:mod:`nbddp.calls`).
+        argv: a script's command line (``sys.argv[1:]``).
         nprocs, gpus: CPU processes, or GPU ids (a config carries its own).
         name: the run's name (default: the config's, or the target's file and function).
         runs_dir: where run folders go (default: the config's, or ``rundir.RUNS_DIR``).
@@ -97,14 +105,87 @@ def plan(target: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         task_plan = importlib.import_module(_TASKS[type(target)]).plan(target)
         return dataclasses.replace(task_plan, name=name or task_plan.name,
                                    timeout_s=timeout_s or task_plan.timeout_s)
-    spec = resolve_target(target)
+    what = _what_runs(target, args, kwargs, call, argv)
     gpus = tuple(gpus or ())
     if gpus and nprocs not in (None, len(gpus)):
         raise ConfigError(f"nprocs={nprocs} but gpus={list(gpus)}: one process per GPU; drop nprocs")
-    name = name or default_name(spec)
+    name = name or default_name(what["target"])
     runs_dir = str(runs_dir if runs_dir is not None else rundir.RUNS_DIR)
-    return LaunchPlan(target=spec, args=tuple(args), kwargs=kwargs, gpus=gpus, nprocs=nprocs, name=name,
-                      runs_dir=runs_dir, timeout_s=timeout_s, run_dir=run_to_resume(resume, runs_dir, name))
+    return LaunchPlan(gpus=gpus, nprocs=nprocs, name=name, runs_dir=runs_dir, timeout_s=timeout_s,
+                      run_dir=run_to_resume(resume, runs_dir, name), **what)
+
+
+def _what_runs(target: Any, args: Sequence[Any], kwargs: Dict[str, Any], call: str,
+               argv: Optional[Sequence[Any]]) -> Dict[str, Any]:
+    """The target as ranks load it, with its arguments, convention and, for a cell, its payload."""
+    from ..conventions import check_call
+
+    if call not in calls.CALLS:
+        raise ConfigError(f"call={call!r}: use one of {', '.join(map(repr, calls.CALLS))} (fn(ctx, ...), "
+                          "fn(rank, ...) with its own process group, fn(...) with torchrun's environment)")
+    if target == "-m" or isinstance(target, str) and calls.is_script(target):
+        spec, args = _script_spec(target, args)
+        if args or kwargs:
+            raise ConfigError(f"{spec} is a script: pass its command line as argv=[...] (sys.argv[1:]), not "
+                              "positional arguments or kwargs")
+        if call == calls.MP_SPAWN:
+            raise ConfigError(f"{spec} is a script, run as __main__ with torchrun's environment; call='mp.spawn' "
+                              "is for a function: 'file.py:main'")
+        return dict(target=spec, args=(), argv=_argv(argv), call=calls.TORCHRUN)
+    if argv is not None:
+        raise ConfigError("argv=[...] is for scripts ('train.py' or '-m', 'pkg.train'); a function takes its "
+                          "arguments positionally and as kwargs={...}")
+    label = getattr(target, "__qualname__", None) or str(target).rpartition(":")[2]
+    if cells.is_cell_function(target):
+        check_call(target, call, args, kwargs, label)
+        shipped = cells.ship(target)
+        return dict(target=f"cell:{shipped.name}", args=tuple(args), kwargs=dict(kwargs), call=call,
+                    payload=shipped.payload, source=shipped.source)
+    spec = resolve_target(target)
+    check_call(target if callable(target) else spec, call, args, kwargs, label)
+    return dict(target=spec, args=tuple(args), kwargs=dict(kwargs), call=call)
+
+
+def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:
+    """``("train.py" | "-m pkg.train", the rest of args)``, checked without running it."""
+    import ast
+    import importlib.util
+
+    if target == "-m" or target.startswith(calls.MODULE_PREFIX):
+        module = target[len(calls.MODULE_PREFIX):].strip() if target != "-m" else (args[0] if args else "")
+        args = args if target != "-m" else args[1:]
+        if not isinstance(module, str) or not all(p.isidentifier() for p in module.split(".")):
+            raise ConfigError(f"spawn_train('-m', {module!r}): give the module as python -m takes it, "
+                              "e.g. spawn_train('-m', 'pkg.train', argv=[...])")
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise ConfigError(f"no module {module!r} can be imported from {os.getcwd()} (python -m {module} would "
+                              "fail the same way); check the name and the working directory")
+        return calls.MODULE_PREFIX + module, args
+    path = Path(target).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"script {target} does not exist (relative paths start at the kernel's working directory "
+                          f"{os.getcwd()}); write it first, e.g. with %%writefile {Path(target).name}")
+    try:
+        ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as exc:
+        raise ConfigError(f"script {target} has a syntax error at line {exc.lineno}: {exc.msg}") from None
+    return target, args
+
+
+def _argv(argv: Optional[Sequence[Any]]) -> Tuple[str, ...]:
+    if argv is None:
+        return ()
+    if isinstance(argv, (str, bytes)) or not isinstance(argv, (list, tuple)):
+        raise ConfigError(f"argv={argv!r}: pass the command line as a list, argv=['10', '5', '--batch_size', '32']")
+    bad = [a for a in argv if not isinstance(a, (str, int, float, os.PathLike)) or isinstance(a, bool)]
+    if bad:
+        raise ConfigError(f"argv holds {bad[0]!r} ({type(bad[0]).__name__}); a command line is words: strings, "
+                          "numbers or paths")
+    return tuple(os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in argv)
 
 
 def run_to_resume(resume: Any, runs_dir: Union[str, os.PathLike], name: str, checkpoint: Optional[str] = None,
@@ -139,10 +220,17 @@ def run_to_resume(resume: Any, runs_dir: Union[str, os.PathLike], name: str, che
 
 
 def default_name(spec: str) -> str:
-    """A worker target's run name: its file's stem and its function (``"my_worker-train"``)."""
+    """A target's run name: its file's stem and its function (``"my_worker-train"``), a cell
+    function's name, a script's stem or a module's last part."""
+    if spec.startswith(calls.MODULE_PREFIX):
+        return spec.rpartition(".")[2] or "run"
+    if calls.is_script(spec):
+        return Path(spec).stem or "run"
     where, _, qual = spec.rpartition(":")
     stem = Path(where).stem if where.endswith(".py") else ""
-    return "-".join(x for x in (stem, qual) if x) or "run"
+    name = "-".join(x for x in (stem, qual) if x)
+    # A nested function or a lambda from a cell: "make.<locals>.train" -> "make-locals-.train".
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")[:rundir.NAME_MAX] or "run"
 
 
 __all__ = ["LaunchPlan", "DEFAULT_TIMEOUT_S", "is_task_config", "plan", "run_to_resume", "default_name"]
