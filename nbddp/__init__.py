@@ -34,6 +34,7 @@ kernel      ``launch``           ``spawn_train``: plan, run folder, store, envir
 kernel      ``forkserver``       the warm server workers fork from; pre-warmed in a kernel
 kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
 kernel      ``shutdown``         the staged stop: ask, SIGTERM, SIGKILL, as a small state machine
+kernel      ``output``           rank 0's output in the cell as a terminal shows it (``\\r`` bars, long lines)
 kernel      ``report``           a failed run's root-cause rank and its one error
 kernel      ``procs``            ``cleanup`` of an earlier launch's workers, proven by marker
 kernel      ``export``,          weights out of a run folder; prediction in the kernel
@@ -60,7 +61,7 @@ entry       ``cli``              ``python -m nbddp``: a shell's launcher, or one
 SIDES = {
     "config": "shared", "errors": "shared", "rundir": "shared", "paths": "shared", "system": "shared",
     "targets": "shared", "protocol": "shared", "cells": "shared", "fieldspec": "shared", "cluster": "shared", "gpus": "shared", "tasks": "shared", "checkpoint": "shared",
-    "launch": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel", "shutdown": "kernel",
+    "launch": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel", "shutdown": "kernel", "output": "kernel",
     "export": "kernel", "inference": "kernel", "ui": "kernel", "ui.panel": "kernel",
     "ui.charts": "kernel", "ui.tensorboard": "kernel", "ui.devices": "kernel", "ui.form": "kernel",
     "ui.layout": "kernel", "ui.run_view": "kernel", "ui.worker_form": "kernel",

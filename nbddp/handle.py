@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from .errors import RunAbandoned, TrainingInterrupted
 from .report import RankEnd, build_worker_error
+from .output import CellEcho, OutputTail
 from . import rundir
 from .protocol import (LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_error_records,
                        read_heartbeats, read_progress, read_result, write_stop_request)
@@ -144,7 +145,8 @@ class RunHandle:
         self.metrics: List[dict] = []
         self.progress: dict = {}
         self._ends: Dict[int, RankEnd] = {}
-        self._log_tail = _LineTail(rundir.rank_log(self.run_dir, 0))
+        self._log_tail = OutputTail(rundir.rank_log(self.run_dir, 0))
+        self._echo = CellEcho("[rank0] ")
         self._metrics_tail = _LineTail(rundir.metrics_path(self.run_dir))
         self._listeners: List[Callable[[str, Any], None]] = []
         self._lock = threading.RLock()
@@ -159,7 +161,8 @@ class RunHandle:
         return not self._done.is_set()
 
     def subscribe(self, callback: Callable[[str, Any], None]) -> None:
-        """Call ``callback(kind, payload)`` for ``"line"``, ``"metrics"``, ``"progress"`` and ``"end"``."""
+        """Call ``callback(kind, payload)`` for ``"line"``, ``"update"`` (rank 0 rewrote its current line
+        with ``\r``: a progress bar), ``"metrics"``, ``"progress"`` and ``"end"``."""
         self._listeners.append(callback)
 
     def stop(self, wait: bool = True, timeout: Optional[float] = None) -> None:
@@ -327,11 +330,13 @@ class RunHandle:
                 return rank
         return None
 
-    def _read_streams(self) -> None:
-        for line in self._log_tail.read():
+    def _read_streams(self, final: bool = False) -> None:
+        for kind, text in (self._log_tail.rest() if final else self._log_tail.read()):
             if self.echo:
-                print(f"[rank0] {line}", flush=True)
-            self._emit("line", line)
+                self._echo.show(kind, text)
+            self._emit(kind, text)  # "line", or "update": the current line rewritten (\r)
+        if final and self.echo:
+            self._echo.close()
         for line in self._metrics_tail.read():
             try:
                 rec = json.loads(line)
@@ -393,7 +398,7 @@ class RunHandle:
 
     def _finish(self) -> None:
         self._remove_torch_error_files()
-        self._read_streams()
+        self._read_streams(final=True)
         seconds = time.time() - self.started_at
         reason = self._shutdown.reason if self._shutdown else None
         all_ok = all(e.exitcode == 0 for e in self._ends.values())

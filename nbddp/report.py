@@ -107,11 +107,16 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int)
     where_from = rec or beat
     epoch = where_from.epoch if where_from else None
     step = where_from.step if where_from else None
-    where = f"epoch {epoch}, step {step}" if epoch is not None or step is not None else "before its first step"
+    where = f"at epoch {epoch}, step {step}" if epoch is not None or step is not None else "before its first step"
     sig = signal_name(end.exitcode) if end else None
     pid = end.pid if end else (beat.pid if beat else None)
 
-    if rec and not rec.secondary:
+    if rec and not rec.secondary and rec.type == "SystemExit":
+        # sys.exit(2) from argparse says why only on stderr: its last lines are the headline.
+        said = "\n".join("    " + line for line in tail(log_path, 6).splitlines() if line.strip())
+        headline = f"rank {root} exited with SystemExit({rec.message or 'None'})" + (
+            f"; its last output:\n{said}" if said else "")
+    elif rec and not rec.secondary:
         headline = f"rank {root} raised {rec.type}: {rec.message}"
         if rec.root_rank is not None and rec.rank != root:
             headline = f"rank {root}: {rec.type}: {rec.message}"
@@ -132,7 +137,7 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int)
         headline = f"rank {root} stopped making progress (last progress {age:.0f} s ago)"
 
     parts = [f"Training failed: {headline}",
-             f"  at {where} · pid {pid} · log: {log_path}"]
+             f"  {where} · pid {pid} · log: {log_path}"]
     others = []
     for r in sorted(set(range(world_size)) - {root}):
         o_rec, o_end = records.get(r), ends.get(r)

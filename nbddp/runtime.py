@@ -528,7 +528,7 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
             # this rank does not read as the cause. The full traceback is in the error record.
             print(f"rank {ctx.rank} stopped because another rank failed: {record.type}: {record.first_line}",
                   file=sys.stderr)
-        else:
+        elif not isinstance(exc, SystemExit):  # sys.exit(2) (argparse): its own words are the last lines
             print(record.traceback, file=sys.stderr)
     finally:
         ctx.close()
