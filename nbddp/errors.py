@@ -5,6 +5,8 @@ Every error is user interface: the message says what happened, where, and what t
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class NbddpError(Exception):
     """Base class of every error nbddp raises on purpose."""
@@ -76,10 +78,19 @@ class TrainingInterrupted(NbddpError):
         self.run_dir = run_dir
 
     @classmethod
-    def for_run(cls, what: str, world_size: int, run_dir) -> "TrainingInterrupted":
-        """The error for a run that was ``what`` (``"interrupted"``, ``"stopped"``) once every worker is gone."""
-        return cls(f"training {what}: all {world_size} workers were stopped and reaped. "
-                   f"Logs and the last checkpoint are kept in {run_dir}", run_dir=run_dir)
+    def for_run(cls, what: str, world_size: int, run_dir, how: str = "", checkpoint: Optional[str] = None
+                ) -> "TrainingInterrupted":
+        """The error for a run that was ``what`` (``"interrupted"``, ``"stopped"``) once every worker is gone.
+
+        Args:
+            how: how the ranks ended (``"rank 0: KeyboardInterrupt; rank 1: SIGTERM"``).
+            checkpoint: the newest checkpoint the run folder holds, if any (never claimed otherwise).
+        """
+        kept = (f"Logs and the last checkpoint ({checkpoint}) are kept in {run_dir}" if checkpoint
+                else f"Logs are kept in {run_dir} (no checkpoint was written)")
+        ended = f" ({how})" if how else ""
+        return cls(f"training {what}: all {world_size} workers were stopped and reaped{ended}. {kept}",
+                   run_dir=run_dir)
 
 
 class RunAbandoned(NbddpError):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from .errors import RunAbandoned, TrainingInterrupted
-from .report import RankEnd, build_worker_error
+from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
 from . import rundir
 from .protocol import (LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_error_records,
@@ -119,6 +119,16 @@ class _LineTail:
         data = self.partial + data
         *lines, self.partial = data.split(b"\n")
         return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines]
+
+
+def _newest_checkpoint(run_dir: Path) -> Optional[str]:
+    """``checkpoints/<name>.pt`` most recently written in the run folder, or None."""
+    paths = [rundir.checkpoints_dir(run_dir) / n for n in rundir.checkpoint_names(run_dir)]
+    paths = [p for p in paths if p.is_file()]
+    if not paths:
+        return None
+    newest = max(paths, key=lambda p: p.stat().st_mtime)
+    return f"{newest.parent.name}/{newest.name}"
 
 
 class RunHandle:
@@ -414,7 +424,10 @@ class RunHandle:
             # An interrupted cell always ends in an exception, even when the workers obeyed the
             # stop request and returned: the user asked the cell to stop.
             what = "interrupted" if reason == "interrupt" else "stopped"
-            outcome = TrainingInterrupted.for_run(what, self.world_size, self.run_dir)
+            records = read_error_records(self.run_dir, self.world_size)
+            outcome = TrainingInterrupted.for_run(what, self.world_size, self.run_dir,
+                                                  how=how_ranks_stopped(self._ends, records),
+                                                  checkpoint=_newest_checkpoint(self.run_dir))
         self._outcome = outcome
         for p in self._procs.processes:
             with contextlib.suppress(Exception):

@@ -38,6 +38,10 @@ class HeartbeatThread(threading.Thread):
         self._lock = threading.Lock()
         self._last_write = 0.0
         self._wake = threading.Event()
+        #: ``poll_stop() -> reason or None``, looked at every beat for code that never asks
+        #: ``ctx.should_stop()``; ``on_stop(reason)`` is called once when a request came.
+        self.poll_stop: Optional[Callable[[], Optional[str]]] = None
+        self.on_stop: Optional[Callable[[str], None]] = None
 
     def beat(self) -> None:
         """Write the heartbeat now."""
@@ -63,6 +67,11 @@ class HeartbeatThread(threading.Thread):
             self._wake.wait(self.interval)
             self._wake.clear()
             self.beat()
+            if self.poll_stop is not None and self.state == "running":
+                reason = self.poll_stop()
+                if reason is not None:
+                    self.poll_stop = None
+                    self.on_stop(reason)
             if self.watch is not None and not is_same_process(*self.watch):
                 # The kernel is gone (killed, restarted). Under a forkserver our parent is the
                 # server, so the parent-death signal alone may not fire: end this rank and its

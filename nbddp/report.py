@@ -96,6 +96,30 @@ def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord], b
     return min(ends) if ends else 0
 
 
+def how_ranks_stopped(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord]) -> str:
+    """How each rank of a stopped run ended, ranks that ended alike together:
+    ``"ranks 0-1: KeyboardInterrupt at the stop request; rank 2: SIGTERM"``."""
+    kinds: Dict[str, list] = {}
+    for r in sorted(ends):
+        rec, code = records.get(r), ends[r].exitcode
+        if rec is not None and rec.type == "KeyboardInterrupt":
+            kind = "KeyboardInterrupt at the stop request"
+        elif code == 0:
+            kind = "finished after the request"
+        elif signal_name(code):
+            kind = f"ended by {signal_name(code)}"
+        else:
+            kind = f"{rec.type} after the request" if rec else f"exit code {code}"
+        kinds.setdefault(kind, []).append(r)
+    parts = []
+    for kind, ranks in kinds.items():
+        label = f"rank {ranks[0]}" if len(ranks) == 1 else (
+            f"ranks {ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1))
+            else "ranks " + ", ".join(map(str, ranks)))
+        parts.append(f"{label}: {kind}")
+    return "; ".join(parts)
+
+
 def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int) -> WorkerError:
     """Compose the one exception the notebook shows for a failed run."""
     records, beats = read_error_records(run_dir, world_size), read_heartbeats(run_dir, world_size)

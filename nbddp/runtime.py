@@ -399,6 +399,23 @@ def _error_record(exc: BaseException, ctx: Context, during_init: bool = False) -
     return record
 
 
+def _interrupt_on_stop(ctx: Context, beat: HeartbeatThread) -> None:
+    """Stop code that never asks ``ctx.should_stop()`` (a script, an mp.spawn or torchrun function):
+    a stop request raises ``KeyboardInterrupt`` in its main thread, between two statements (or
+    out of a blocking system call), as Ctrl-C would; the launcher's SIGTERM and SIGKILL follow
+    for code that catches it or waits in a collective."""
+    def raise_stop(signum, frame):
+        raise KeyboardInterrupt(f"nbddp: the notebook asked this run to stop ({ctx._stop_reason})")
+
+    def on_stop(reason: str) -> None:
+        ctx._stop_reason = reason
+        beat.beat()  # the launcher sees this rank act on the request
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    signal.signal(signal.SIGINT, raise_stop)
+    beat.poll_stop, beat.on_stop = (lambda: read_stop_request(ctx.run_dir)), on_stop
+
+
 def _call_user_code(ctx: Context, target: Union[str, Callable[..., Any]], args: tuple, kwargs: dict, call: str,
                     argv: tuple, payload: Optional[bytes]) -> Any:
     """Run the user's code as it was written: a script as ``__main__``, a function by its convention."""
@@ -507,6 +524,8 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
     beat.beat()
     beat.start()
     code, value = 0, None
+    if calls.makes_own_group(call, target if isinstance(target, str) else ""):
+        _interrupt_on_stop(ctx, beat)
     try:
         init_process_group()
         beat.state = "running"
