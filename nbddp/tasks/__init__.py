@@ -21,6 +21,7 @@ import dataclasses
 import importlib
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -149,7 +150,7 @@ def _what_runs(target: Any, args: Sequence[Any], kwargs: Dict[str, Any], call: s
 def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:
     """``("train.py" | "-m pkg.train", the rest of args)``, checked without running it."""
     import ast
-    import importlib.util
+    import importlib.machinery
 
     if target == "-m" or target.startswith(calls.MODULE_PREFIX):
         module = target[len(calls.MODULE_PREFIX):].strip() if target != "-m" else (args[0] if args else "")
@@ -157,11 +158,11 @@ def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:
         if not isinstance(module, str) or not all(p.isidentifier() for p in module.split(".")):
             raise ConfigError(f"spawn_train('-m', {module!r}): give the module as python -m takes it, "
                               "e.g. spawn_train('-m', 'pkg.train', argv=[...])")
-        try:
-            found = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
+        # Only the top-level package is looked up, never imported: the kernel runs none of the
+        # user's code. The rank puts the working directory first on sys.path, as python -m does.
+        top = module.split(".")[0]
+        found = top in sys.modules or importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path])
+        if not found:
             raise ConfigError(f"no module {module!r} can be imported from {os.getcwd()} (python -m {module} would "
                               "fail the same way); check the name and the working directory")
         return calls.MODULE_PREFIX + module, args

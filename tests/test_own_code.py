@@ -1,0 +1,140 @@
+"""Code written for other launchers runs unchanged: torchrun scripts and modules, mp.spawn and
+torchrun-style functions; mismatches are refused in the kernel with the fix; a stop reaches code
+that never asks ``ctx.should_stop()``.
+
+The scripts in ``tests/workers/own_code`` are written as the PyTorch tutorials write them: their
+own ``init_process_group``, argparse, ``LOCAL_RANK``, a hard-coded ``MASTER_PORT``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nbddp import spawn_train
+from nbddp.errors import ConfigError, TrainingInterrupted, WorkerError
+
+OWN = Path(__file__).parent / "workers" / "own_code"
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A copy of the scripts as a user's project folder, and the kernel's working directory there."""
+    folder = tmp_path / "project"
+    shutil.copytree(OWN, folder)
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_torchrun_script_runs_unchanged_and_trains_as_under_torchrun(project, tmp_path):
+    argv = ["3", "1", "--batch_size", "8"]
+    result = spawn_train("torchrun_train.py", nprocs=2, argv=argv, runs_dir=tmp_path / "runs", echo=False)
+    report = json.loads((project / "report.json").read_text())
+    assert result.value is None and (project / "snapshot.pt").is_file()
+    assert report["argv"] == ["torchrun_train.py", *argv] and report["name"] == "__main__"
+    assert report["cwd"] == str(project) and report["world"] == 2
+    env = report["env"]
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("0", "0", "2", "2")
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["TORCHELASTIC_RESTART_COUNT"] == "0"
+    assert env["TORCHELASTIC_RUN_ID"] == result.run_dir.name
+    assert "[GPU1] epoch 2" in (result.run_dir / "logs" / "rank1.log").read_text()
+
+    # The same file under torchrun itself ends with the same weights.
+    out = tmp_path / "torchrun"
+    out.mkdir()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                    str(free_port()), "torchrun_train.py", *argv, "--out", str(out)], check=True, timeout=180,
+                   capture_output=True)
+    assert json.loads((out / "report.json").read_text())["weight"] == report["weight"]
+
+
+def test_a_module_runs_as_python_m_does(project, tmp_path):
+    spawn_train("-m", "pkg.train", nprocs=2, argv=["--steps", 3], runs_dir=tmp_path / "runs", echo=False)
+    report = json.loads((project / "module_report.json").read_text())
+    assert report == {"steps": 3, "argv0": "train.py", "name": "__main__", "world": 2}
+
+
+def test_an_mp_spawn_function_makes_its_own_group_on_its_hard_coded_port(project, tmp_path, monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("OWN_CODE_PORT", str(port))  # what the tutorial hard-codes as "12355"
+    result = spawn_train("multigpu.py:main", 2, 3, 8, nprocs=2, call="mp.spawn", runs_dir=tmp_path / "runs",
+                         echo=False, all_values=True)
+    report = json.loads((project / "report.json").read_text())
+    assert result.values == [0, 10] and report["world"] == 2 and report["port"] == str(port)
+
+
+def test_a_torchrun_function_is_called_with_its_arguments_only(project, tmp_path):
+    result = spawn_train("env_fn.py:train", 7, nprocs=2, call="torchrun", kwargs={"tag": "x"},
+                         runs_dir=tmp_path / "runs", echo=False)
+    assert result.value == "x:7:2:0"
+
+
+@pytest.mark.parametrize("target, args, kwargs, call, words", [
+    ("multigpu.py:main", (2, 3, 8), {}, "ctx", "looks like an mp.spawn function: .* call='mp.spawn'"),
+    ("multigpu.py:main", (2, 3), {}, "mp.spawn", r"missing a required argument: 'batch_size'"),
+    ("multigpu.py:main", (2, 3), {"total_epochs": 3}, "mp.spawn", "multiple values for argument 'total_epochs'"),
+    ("env_fn.py:train", (), {}, "torchrun", "missing a required argument: 'total_epochs'"),
+    ("torchrun_train.py", (1,), {}, "ctx", r"is a script: pass its command line as argv=\[...\]"),
+    ("-m", ("no_such.module",), {}, "ctx", "no module 'no_such.module' can be imported"),
+    ("-m", ("pkg train",), {}, "ctx", "give the module as python -m takes it"),
+    ("env_fn.py:train", (1,), {}, "tcp", "call='tcp': use one of"),
+])
+def test_a_mismatch_is_refused_before_any_process_starts(project, tmp_path, target, args, kwargs, call, words):
+    with pytest.raises(ConfigError, match=words):
+        spawn_train(target, *args, kwargs=kwargs, call=call, nprocs=2, runs_dir=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_ctx_function_that_makes_its_own_group_is_refused_from_its_source(project, tmp_path):
+    (project / "own_group.py").write_text(
+        "import torch.distributed as dist\n\ndef setup():\n    dist.init_process_group('gloo')\n\n"
+        "def train(ctx):\n    setup()\n")
+    with pytest.raises(ConfigError, match="calls torch.distributed.init_process_group itself.*call='torchrun'"):
+        spawn_train("own_group.py:train", nprocs=2, runs_dir=tmp_path / "runs")
+
+
+def test_a_second_group_at_run_time_gets_nbddp_s_message_and_argparse_s_exit_its_last_lines(project, tmp_path):
+    (project / "hidden.py").write_text(
+        "import torch.distributed as dist\n\ndef train(ctx):\n    getattr(dist, 'init_process_' + 'group')('gloo')\n")
+    with pytest.raises(WorkerError) as err:
+        spawn_train("hidden.py:train", nprocs=2, runs_dir=tmp_path / "runs", echo=False)
+    assert "nbddp had made the process group before calling it (call='ctx')" in str(err.value)
+    assert "trying to initialize the default process group twice" not in str(err.value).splitlines()[0]
+
+    with pytest.raises(WorkerError) as err:
+        spawn_train("torchrun_train.py", nprocs=2, argv=["3"], runs_dir=tmp_path / "runs", echo=False)
+    headline = str(err.value).split("\n  before its first step")[0]
+    assert "rank 0 exited with SystemExit(2); its last output:" in headline
+    assert "error: the following arguments are required: save_every" in headline
+    assert "at before" not in str(err.value)
+
+
+@pytest.mark.parametrize("target, kwargs", [("endless.py:spin", {"call": "mp.spawn"}),
+                                            ("endless.py", {"argv": ["120"]})])
+def test_stop_reaches_code_that_never_checks_should_stop(project, tmp_path, target, kwargs):
+    handle = spawn_train(target, nprocs=2, block=False, runs_dir=tmp_path / "runs", echo=False, **kwargs)
+    log = handle.run_dir / "logs" / "rank1.log"
+    deadline = time.time() + 90
+    while "spinning" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
+        time.sleep(0.1)
+    t0 = time.time()
+    handle.stop(wait=False)
+    with pytest.raises(TrainingInterrupted) as err:
+        handle.wait(60)
+    # Between two statements (out of time.sleep), not at the launcher's SIGTERM grace_s later.
+    assert time.time() - t0 < handle.grace_s + 2
+    assert "ranks 0-1: KeyboardInterrupt at the stop request" in str(err.value)
+    assert "no checkpoint was written" in str(err.value) and "last checkpoint" not in str(err.value)
