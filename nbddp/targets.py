@@ -206,7 +206,7 @@ def worker_signature(spec: str) -> Optional[WorkerSignature]:
         sig = inspect.signature(load_target(spec))
     except (TypeError, ValueError):
         return None
-    return _signature_from_inspect(sig, qualname)
+    return signature_from_inspect(sig, qualname)
 
 
 def _find_def(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
@@ -267,7 +267,7 @@ def _annotation(node: Optional[ast.expr]) -> Tuple[Optional[type], Optional[tupl
     return None, None
 
 
-def _signature_from_inspect(sig: inspect.Signature, qualname: str) -> WorkerSignature:
+def signature_from_inspect(sig: inspect.Signature, qualname: str) -> WorkerSignature:
     params, var_kwargs = [], False
     P = inspect.Parameter
     for i, p in enumerate(sig.parameters.values()):

@@ -74,13 +74,14 @@ def test_rank_dying_without_exception_is_named(runs_dir, fn, expected):
     assert not worker_children()
 
 
-def test_notebook_function_refused_before_any_process(runs_dir):
-    ns = {"__name__": "__main__"}
-    exec("def train(ctx):\n    return 1\n", ns)
-    with pytest.raises(ConfigError) as info:
-        spawn_train(ns["train"], nprocs=2, runs_dir=runs_dir)
-    assert "%%writefile my_worker.py" in str(info.value)
-    assert '"my_worker.py:train"' in str(info.value)
+def test_a_notebook_function_holding_an_open_file_is_refused_before_any_process(runs_dir, tmp_path):
+    with open(tmp_path / "data.csv", "w") as handle:
+        ns = {"__name__": "__main__", "handle": handle}
+        exec("def train(ctx):\n    return handle.name\n", ns)
+        with pytest.raises(ConfigError) as info:
+            spawn_train(ns["train"], nprocs=2, runs_dir=runs_dir)
+    assert "`handle` (a global that train uses) is an open file" in str(info.value)
+    assert "pass its path and open it inside the function" in str(info.value)
     assert not runs_dir.exists(), "nothing may be created before the target is accepted"
     assert not worker_children()
 
@@ -101,8 +102,9 @@ def test_bad_targets_are_explained(tmp_path, runs_dir):
         spawn_train("train", runs_dir=runs_dir)
     with pytest.raises(ConfigError, match="cannot be imported"):
         spawn_train("no_such_module_xyz:train", runs_dir=runs_dir)
-    with pytest.raises(ConfigError, match="lambda or nested"):
-        spawn_train(lambda ctx: 1, runs_dir=runs_dir)
+    lock = threading.Lock()
+    with pytest.raises(ConfigError, match="`lock` .* synchronises the kernel's threads only"):
+        spawn_train(lambda ctx: lock.locked(), runs_dir=runs_dir)
 
 
 def test_interrupt_while_blocked_in_collective_leaves_nothing_and_relaunch_works(runs_dir):

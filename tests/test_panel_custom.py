@@ -149,8 +149,11 @@ def test_a_function_object_from_a_module(tmp_path, monkeypatch):
     assert {n: (type(w), w.value) for n, w in panel.kwargs_inputs.items()} == {
         "epochs": (W.IntText, 3), "mode": (W.Dropdown, "fast"), "ratio": (W.FloatText, 0.75)}
     assert "toy_module_worker:train" in text_of(panel.widget.children[0])
-    with pytest.raises(ConfigError, match="defined in the notebook"):
-        exec("def here(ctx): pass\nTrainingPanel(here)", {"TrainingPanel": TrainingPanel, "__name__": "__main__"})
+    # A function from a cell: its own parameters make the form; it is launched by value.
+    ns = {"TrainingPanel": TrainingPanel, "__name__": "__main__"}
+    exec("def here(ctx, lr: float = 0.1, steps=3): pass\npanel = TrainingPanel(here)", ns)
+    assert {n: w.value for n, w in ns["panel"].kwargs_inputs.items()} == {"lr": 0.1, "steps": 3}
+    assert text_of(ns["panel"].widget.children[0]).endswith("training · here")
 
 
 def test_scalar_charts_pick_the_x_axis_per_key():

@@ -7,6 +7,8 @@ is shown greyed out: a given kwarg is passed as it is, a default is left to the 
 
 from __future__ import annotations
 
+import inspect
+
 import html
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -14,7 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import ipywidgets as W
 
 from ..errors import ConfigError
-from ..targets import WorkerSignature, resolve_target, worker_signature
+from ..cells import is_cell_function
+from ..targets import WorkerSignature, signature_from_inspect, resolve_target, worker_signature
 from .layout import GREY, field, grid
 
 _EDITABLE = (bool, int, float, str)
@@ -131,9 +134,14 @@ class WorkerForm:
         for key, values in (choices or {}).items():
             if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
                 raise ConfigError(f"choices[{key!r}] must be a non-empty list of values, e.g. ['sgd', 'adamw']")
-        self.worker = resolve_target(target)  # file exists, function defined: nothing runs yet
-        self.label = target if isinstance(target, str) else self.worker
-        self.signature = worker_signature(self.worker)
+        if is_cell_function(target):
+            # Defined in a cell: launched by value, its parameters read from the function itself.
+            self.worker, self.label = target, target.__qualname__
+            self.signature = signature_from_inspect(inspect.signature(target), target.__qualname__)
+        else:
+            self.worker = resolve_target(target)  # file exists, function defined: nothing runs yet
+            self.label = target if isinstance(target, str) else self.worker
+            self.signature = worker_signature(self.worker)
         self.fields = _worker_fields(self.signature, dict(kwargs or {}), dict(choices or {}), f"worker {self.label}")
         self.kwargs_inputs = {f.name: _kw_widget(f) for f in self.fields if f.kind}
         self.fixed_inputs = {
