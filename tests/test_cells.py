@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +166,47 @@ def test_captured_data_over_the_limit_is_refused_with_its_size_and_the_biggest_v
     with pytest.raises(ConfigError, match=r"captures 1\.1 MiB of data, over the 1 MiB limit \(largest: `data`"):
         ship(fn, max_bytes=2**20)
     assert load(ship(fn).payload)(None) == 300_003  # under the default limit it goes
+
+
+def test_in_a_real_kernel_cell_functions_train_block_or_not_and_keep_their_source(kernel, tmp_path):
+    from conftest import ROOT
+    from test_kernel import execute
+
+    km, kc = kernel
+    cells = [
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\nimport torch\nimport torch.nn as nn\n"
+        "from torch.utils.data import DataLoader, Dataset\nfrom nbddp import spawn_train",
+        "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(2, 1)\n\n"
+        "    def forward(self, x):\n        return self.fc(x)",
+        "class Pairs(Dataset):\n    def __len__(self):\n        return 16\n\n"
+        "    def __getitem__(self, i):\n        return torch.tensor([float(i), 1.0]), torch.tensor([2.0 * i])",
+        "def fit(model, loader, lr):\n    opt = torch.optim.SGD(model.parameters(), lr=lr)\n"
+        "    for x, y in loader:\n        opt.zero_grad()\n        nn.functional.mse_loss(model(x), y).backward()\n"
+        "        opt.step()\n    return model",
+        "def train(ctx, lr=1e-3):\n    torch.manual_seed(0)\n    loader = DataLoader(Pairs(), batch_size=4)\n"
+        "    model = fit(Net(), loader, lr)\n    print('trained on', ctx.world_size, 'ranks')\n"
+        "    return round(float(model.fc.weight.sum()), 6)",
+    ]
+    for code in cells:
+        reply, out = execute(kc, code)
+        assert reply["status"] == "ok", out
+    reply, out = execute(kc, f"r = spawn_train(train, nprocs=2, runs_dir={str(tmp_path / 'runs')!r}); print(r.value)")
+    assert reply["status"] == "ok", out
+    assert "[rank0] trained on 2 ranks" in out
+    value = float(out.strip().splitlines()[-1])
+    reply, out = execute(kc, "h = spawn_train(train, 5e-4, nprocs=2, block=False, echo=False, name='cells', "
+                             f"runs_dir={str(tmp_path / 'runs')!r}); print(h.wait().value, h.run_dir)")
+    assert reply["status"] == "ok", out
+    other, run_dir = out.strip().splitlines()[-1].split()
+    assert float(other) != value
+
+    # The source kept in the run folder defines the same function: run as a file, it trains the same.
+    source = (Path(run_dir) / "worker_source.py").read_text()
+    assert "class Net(nn.Module)" in source and "class Pairs(Dataset)" in source and "def fit(" in source
+    ns = {"__name__": "worker_source"}
+    exec(compile(source, "worker_source.py", "exec"), ns)
+
+    class Ctx:
+        world_size = 1
+
+    assert ns["train"](Ctx(), 5e-4) == float(other)
