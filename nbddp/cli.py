@@ -2,7 +2,8 @@
 
     python -m nbddp train --data-path data/digits --model resnet34 --image-size 32 --epochs 5
     python -m nbddp train --config runs/<run>/config.json --epochs 20
-    python -m nbddp run examples/linear_regression.py:train --nprocs 2
+    python -m nbddp run --nprocs 2 examples/linear_regression.py:train
+    python -m nbddp run --nprocs 2 train.py 10 5 --batch_size 32    (a torchrun script, unchanged)
     python -m nbddp gpus
 
 Every ``TrainConfig`` field is a flag (``--batch-size``, ``--sync-bn``/``--no-sync-bn``...);
@@ -104,6 +105,48 @@ def parse_gpus(text: str) -> List[int]:
     return [int(w) for w in words]
 
 
+#: ``run`` options that take a value (what follows them is not the target).
+_RUN_VALUE_OPTIONS = ("--nprocs", "--gpus", "--kwargs", "--run-dir", "--call")
+
+
+def _split_script_command(argv: List[str]) -> Optional[List[str]]:
+    """Cut a script's own command line off ``run``'s arguments (in place), as python does:
+    everything after ``train.py`` or ``-m MODULE`` is the script's. None for other commands and
+    for function targets, whose options may come before or after them."""
+    from .calls import is_script
+
+    if not argv or argv[0] != "run":
+        return None
+    i = 1
+    while i < len(argv):
+        word = argv[i]
+        if word in _RUN_VALUE_OPTIONS:
+            i += 2
+        elif word.startswith("-") and word != "-m":
+            i += 1
+        else:
+            cut = i + 2 if word == "-m" else i + 1
+            if word == "-m" or is_script(word):
+                rest = argv[cut:]
+                del argv[cut:]
+                return rest
+            return None
+    return None
+
+
+def _run_target(ns: argparse.Namespace) -> tuple:
+    """``(target, args, spawn_train keywords)`` of ``python -m nbddp run``."""
+    from . import calls
+
+    if ns.module:
+        return "-m", (ns.module,), dict(argv=list(ns.argv or ()), call="ctx", kwargs={})
+    if not ns.target:
+        raise ConfigError("python -m nbddp run: give a target (file.py:function, or a script train.py) or -m MODULE")
+    if calls.is_script(ns.target):
+        return ns.target, (), dict(argv=list(ns.argv or ()), call="ctx", kwargs={})
+    return ns.target, (), dict(argv=None, call=ns.call, kwargs=parse_kwargs(ns.kwargs))
+
+
 def parse_kwargs(text: str) -> dict:
     """The ``--kwargs`` JSON object.
 
@@ -130,14 +173,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.add_argument("--run-dir", default=None,
                    help="run folder (under torchrun/srun: shared by all ranks; a restart resumes from it)")
     _add_config_flags(t)
-    r = sub.add_parser("run", help="run a worker function file.py:function")
-    r.add_argument("target")
+    r = sub.add_parser("run", help="run a worker function (file.py:function) or a torchrun script unchanged",
+                       description="Options come first; a script's own arguments follow it: "
+                       "python -m nbddp run --nprocs 2 train.py 10 5 --batch_size 32, or "
+                       "python -m nbddp run --nprocs 2 -m pkg.train --steps 3.")
+    r.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a module as python -m does")
+    r.add_argument("target", nargs="?", default=None,
+                   help="file.py:function, package.module:function, or a script train.py; what follows a "
+                   "script (or -m MODULE) is its own command line")
+    r.add_argument("--call", default="ctx", choices=("ctx", "mp.spawn", "torchrun"),
+                   help="how a function is called: fn(ctx, **kwargs) (default), fn(rank, **kwargs), fn(**kwargs)")
     r.add_argument("--nprocs", type=int, default=None)
     r.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1, or 'idle' (the GPUs idle at launch)")
     r.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments")
     r.add_argument("--run-dir", default=None, help="run folder (default: runs/<time>-<name>)")
     sub.add_parser("gpus", help="list the GPUs (without initialising CUDA)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_argv = _split_script_command(argv)
     ns = parser.parse_args(argv)
+    ns.argv = script_argv
 
     from .elastic import detect
     from .errors import NbddpError
@@ -158,7 +212,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         if ns.command == "run":
             gpus = _gpus_word(ns.gpus) if ns.gpus else None  # "idle" is resolved by spawn_train, in the kernel
-            result = spawn_train(ns.target, nprocs=ns.nprocs, gpus=gpus, kwargs=parse_kwargs(ns.kwargs))
+            target, args, how = _run_target(ns)
+            result = spawn_train(target, *args, nprocs=ns.nprocs, gpus=gpus, **how)
             print(f"result: {result.value!r}\nrun folder: {result.run_dir}")
             return 0
         cfg = build_config(ns)
@@ -237,7 +292,13 @@ def _under_launcher(ns: argparse.Namespace, le) -> int:
     run_dir = Path(ns.run_dir) if ns.run_dir else None
     if ns.command == "run":
         cfg = None
-        plan = tasks.plan(ns.target, kwargs=parse_kwargs(ns.kwargs))
+        target, args, how = _run_target(ns)
+        if how["call"] != "ctx" or how["argv"] is not None:
+            raise ConfigError(
+                f"under {le.kind}, a script or a function that makes its own process group needs no nbddp: run the "
+                f"script itself (torchrun --nproc_per_node=N train.py ...; srun python train.py ...). "
+                "python -m nbddp run under a launcher takes fn(ctx) workers")
+        plan = tasks.plan(target, args, kwargs=how["kwargs"])
     else:
         cfg = build_config(ns).replace(gpus=(), nprocs=le.world_size)
         if run_dir is None and le.job_id:

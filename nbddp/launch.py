@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import pickle
 import socket
 import sys
 import types
@@ -98,18 +97,6 @@ def _bare_main():
             sys.modules["__main__"] = main
 
 
-
-
-def _check_picklable(args: tuple, kwargs: dict) -> None:
-    for label, obj in [(f"args[{i}]", a) for i, a in enumerate(args)] + [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]:
-        try:
-            pickle.dumps(obj)
-        except Exception as exc:  # noqa: BLE001
-            raise ConfigError(
-                f"{label} ({type(obj).__name__}) cannot be sent to the worker processes: {exc}. "
-                "Pass plain values (numbers, strings, paths, lists, dicts, CPU tensors) and build "
-                "models, loaders and open files inside the worker function."
-            ) from exc
 
 
 def _check_launch_args(nprocs: Any, timeout_s: Any, name: Any) -> None:
@@ -225,7 +212,6 @@ def spawn_train(
     target, gpus = _resolve_gpus(target, gpus)  # "idle" (here or in a config): the GPUs idle now; busy ones warn
     plan = tasks.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
-    _check_picklable(plan.args, plan.kwargs)
     world, backend = _world(plan)
     # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
     # that could escape an allocation. Refuses unknown or repeated ids, listing the GPUs.

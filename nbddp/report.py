@@ -88,7 +88,9 @@ def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord], b
         def staleness(b: Heartbeat):
             # Least progress first (epoch, phase, step), then the oldest progress time.
             return (*b.position, b.progress_time if b.progress_time is not None else 0.0)
-        stuck = [b for r, b in beats.items() if r not in records or records[r].secondary]
+        # A rank that returned (exit code 0) is not stuck, however old its last progress.
+        stuck = [b for r, b in beats.items() if (r not in records or records[r].secondary)
+                 and not (r in ends and ends[r].exitcode == 0)]
         if stuck and len(records) < len(beats):
             return min(stuck, key=staleness).rank
     if records:

@@ -138,3 +138,19 @@ def test_stop_reaches_code_that_never_checks_should_stop(project, tmp_path, targ
     assert time.time() - t0 < handle.grace_s + 2
     assert "ranks 0-1: KeyboardInterrupt at the stop request" in str(err.value)
     assert "no checkpoint was written" in str(err.value) and "last checkpoint" not in str(err.value)
+
+
+def test_the_command_line_takes_the_same_targets_and_under_torchrun_a_script_is_just_the_script(
+        project, tmp_path, monkeypatch, capsys):
+    from nbddp import cli
+
+    assert cli.main(["run", "--nprocs", "2", "-m", "pkg.train", "--steps", "2"]) == 0
+    assert json.loads((project / "module_report.json").read_text())["steps"] == 2
+    assert cli.main(["run", "--call", "torchrun", "env_fn.py:train", "--kwargs", '{"total_epochs": 4}',
+                     "--nprocs", "2"]) == 0
+    assert "result: 'run:4:2:0'" in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert cli.main(["run", "torchrun_train.py", "3", "1"]) == 2
+    assert "run the script itself (torchrun --nproc_per_node=N train.py" in capsys.readouterr().err

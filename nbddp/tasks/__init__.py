@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import pickle
 import re
 import sys
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ def _what_runs(target: Any, args: Sequence[Any], kwargs: Dict[str, Any], call: s
     if argv is not None:
         raise ConfigError("argv=[...] is for scripts ('train.py' or '-m', 'pkg.train'); a function takes its "
                           "arguments positionally and as kwargs={...}")
+    check_picklable(args, kwargs)  # before anything reads the target: plain values cross, nothing else
     label = getattr(target, "__qualname__", None) or str(target).rpartition(":")[2]
     if cells.is_cell_function(target):
         check_call(target, call, args, kwargs, label)
@@ -145,6 +147,18 @@ def _what_runs(target: Any, args: Sequence[Any], kwargs: Dict[str, Any], call: s
     spec = resolve_target(target)
     check_call(target if callable(target) else spec, call, args, kwargs, label)
     return dict(target=spec, args=tuple(args), kwargs=dict(kwargs), call=call)
+
+
+def check_picklable(args: tuple, kwargs: dict) -> None:
+    for label, obj in [(f"args[{i}]", a) for i, a in enumerate(args)] + [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]:
+        try:
+            pickle.dumps(obj)
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(
+                f"{label} ({type(obj).__name__}) cannot be sent to the worker processes: {exc}. "
+                "Pass plain values (numbers, strings, paths, lists, dicts, CPU tensors) and build "
+                "models, loaders and open files inside the worker function."
+            ) from exc
 
 
 def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:

@@ -15,4 +15,5 @@ if dist.get_rank() == 0:
     with open("module_report.json", "w") as f:
         json.dump({"steps": args.steps, "argv0": os.path.basename(sys.argv[0]), "name": __name__,
                    "world": dist.get_world_size()}, f)
+dist.barrier()  # every rank has joined before any leaves
 dist.destroy_process_group()
