@@ -197,3 +197,34 @@ def test_hung_rank_on_gpus_is_named_before_nccls_watchdog(runs_dir):
         spawn_train(f"{FAULTY}:hang_in_python", gpus=GPUS[:2], runs_dir=runs_dir, echo=False,
                     timeout_s=60, stall_timeout_s=5, grace_s=2)
     assert info.value.rank == 1 and "stopped making progress" in str(info.value), str(info.value)
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", ["cell", "script", "mp.spawn", "torchrun"])
+def test_your_code_as_it_is_runs_on_the_chosen_gpu(tmp_path, runs_dir, monkeypatch, mode):
+    """Each mode on one GPU with NCCL: the rank's LOCAL_RANK device is the GPU chosen."""
+    import json
+    import shutil
+
+    own = tmp_path / "own"
+    shutil.copytree(WORKERS / "own_code", own)
+    monkeypatch.chdir(own)
+    gpu = [GPUS[-1]]
+    if mode == "cell":
+        ns = {"__name__": "__main__"}
+        exec("import torch\n\ndef train(ctx):\n    x = torch.ones(4, device=ctx.device)\n"
+             "    return str(x.device), torch.cuda.current_device()\n", ns)
+        assert spawn_train(ns["train"], gpus=gpu, runs_dir=runs_dir, echo=False).value == ("cuda:0", 0)
+    elif mode == "script":
+        spawn_train("torchrun_train.py", gpus=gpu, argv=["2", "1", "--batch_size", "4"], runs_dir=runs_dir, echo=False)
+        assert json.loads((own / "report.json").read_text())["env"]["LOCAL_RANK"] == "0"
+    elif mode == "mp.spawn":
+        port = __import__("socket").socket()
+        port.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("OWN_CODE_PORT", str(port.getsockname()[1]))
+        port.close()
+        assert spawn_train("multigpu.py:main", 1, 2, 4, gpus=gpu, call="mp.spawn", runs_dir=runs_dir,
+                           echo=False).value == 0
+    else:
+        assert spawn_train("env_fn.py:train", 3, gpus=gpu, call="torchrun", runs_dir=runs_dir,
+                           echo=False).value == "run:3:1:0"
