@@ -194,7 +194,7 @@ class TrainConfig:
     gpus: Union[tuple, str] = spec((), group="choices", launch=True, metavar="IDS",
                                    help="GPU ids, e.g. 0,1 ('all' = every GPU; 'idle' = the GPUs idle at launch: at "
                                    "least 90% memory free, at most 10% busy; default: all, else CPU)")
-    runs_dir: str = spec("runs", help="folder that holds one sub-folder per run", check=_PATH, metavar="DIR")
+    runs_dir: str = spec(rundir.RUNS_DIR, help="folder that holds one sub-folder per run", check=_PATH, metavar="DIR")
     name: str = spec("train", group="choices", help="short name appended to the run folder")
     resume: Union[bool, str] = spec(False, check=_PATH, launch=True, metavar="RUN",
                                     help="'true' (newest run of --name) or a run folder")

@@ -55,7 +55,7 @@ class TrainingPanel:
         nprocs: a worker's starting number of CPU processes (default 2; a ``TrainConfig``
             brings its own).
         gpus: a worker's starting GPU choice (default: every GPU).
-        runs_dir: where a worker's run folders go (default ``"runs"``).
+        runs_dir: where a worker's run folders go (default: ``spawn_train``'s, ``runs``).
         name: suffix of a worker's run folders (default: file and function name).
 
     Attributes:
@@ -102,7 +102,7 @@ class TrainingPanel:
             self._form = form = WorkerForm(target, kwargs, choices)
             self._worker, self._label = form.worker, form.label
             start_gpus, start_nprocs = gpu_choice(gpus), nprocs or 2
-            self._runs_dir, self._name = runs_dir or "runs", name
+            self._runs_dir, self._name = runs_dir, name  # None: spawn_train's default
             plan = planned(form.values())
             self.kwargs_inputs, self.fixed_inputs = form.kwargs_inputs, form.fixed_inputs
         self._devices = DevicePicker(self._gpus, start_gpus, start_nprocs)

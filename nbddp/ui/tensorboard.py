@@ -36,6 +36,7 @@ from typing import Dict, Optional
 
 from ..errors import NbddpError
 from ..paths import PathLike
+from ..rundir import RUNS_DIR
 
 
 # Runs in the child before TensorBoard: argv[1] is the kernel's pid.
@@ -203,7 +204,7 @@ def _launch(logdir: Path, port: int, timeout: float, reload_interval: int) -> Te
         f"Its output ({log_path}):\n{_tail(log_path)}")
 
 
-def start_tensorboard(logdir: PathLike = "runs", port: Optional[int] = None, timeout: float = 30.0,
+def start_tensorboard(logdir: PathLike = RUNS_DIR, port: Optional[int] = None, timeout: float = 30.0,
                       reload_interval: int = 5) -> TensorBoardServer:
     """Start TensorBoard for ``logdir``, or return the server already running for it.
 
@@ -247,7 +248,7 @@ def start_tensorboard(logdir: PathLike = "runs", port: Optional[int] = None, tim
     return server
 
 
-def show_tensorboard(logdir: PathLike = "runs", port: Optional[int] = None, height: int = 600,
+def show_tensorboard(logdir: PathLike = RUNS_DIR, port: Optional[int] = None, height: int = 600,
                      strict: bool = False, timeout: float = 30.0):
     """Start (or reuse) TensorBoard for ``logdir`` and embed it in the notebook.
 
@@ -287,7 +288,7 @@ def show_tensorboard(logdir: PathLike = "runs", port: Optional[int] = None, heig
                     f'<pre style="white-space:pre-wrap">{html.escape(str(exc))}</pre></div>')
 
 
-def tensorboard_url(logdir: PathLike = "runs", port: Optional[int] = None) -> str:
+def tensorboard_url(logdir: PathLike = RUNS_DIR, port: Optional[int] = None) -> str:
     """Start (or reuse) TensorBoard for ``logdir`` (a run folder works too) and return its URL.
 
     For scripts and terminals: print it, or open it over an SSH tunnel (see
