@@ -11,16 +11,9 @@ from nbddp.checkpoint import load_checkpoint, load_state_dict_file
 from nbddp.engine import evaluate
 from nbddp.inference import load_model, predict
 from nbddp.models import build_model
-from conftest import ROOT, WORKERS, fault_env, make_tree, worker_children
+from conftest import ROOT, WORKERS, fault_env, make_tree, small_cfg, worker_children
 
 DIGITS = ROOT / "data" / "digits"
-
-
-def small_cfg(tree, runs_dir, **kw):
-    base = dict(data_path=str(tree), model="resnet18", image_size=32, epochs=2, batch_size=4, lr=0.01,
-                nprocs=2, runs_dir=str(runs_dir), name="t", check_images=True)
-    base.update(kw)
-    return TrainConfig(**base)
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, WORKERS, survivors, wait_for
+from conftest import ROOT, WORKERS, kernel_pid, survivors, wait_for
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
@@ -116,10 +116,6 @@ def start_run_in_kernel(kc, runs, code_target: str, extra: str = ""):
     assert wait_for(running, timeout=90), "workers did not start"
     launch = next(runs.glob("*/.nbddp/launch.json"))
     return msg_id, launch.parent.parent, json.loads(launch.read_text())["pids"]
-
-
-def kernel_pid(km) -> int:
-    return km.provisioner.process.pid
 
 
 def wait_reply(kc, msg_id, timeout=60):
