@@ -117,6 +117,17 @@ def tree(tmp_path):
     return make_tree(tmp_path / "data")
 
 
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """``(cfg, result)`` of one ``small_cfg`` run on its own default tree, shared by the tests that
+    only read what a plain run leaves (or start another run from it); none may change its files."""
+    from nbddp import spawn_train
+
+    root = tmp_path_factory.mktemp("small_run")
+    cfg = small_cfg(make_tree(root / "data"), root / "runs")
+    return cfg, spawn_train(cfg, echo=False)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

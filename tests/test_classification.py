@@ -13,13 +13,13 @@ from nbddp.inference import load_model, predict
 from nbddp.models import build_model
 from conftest import WORKERS, fault_env, make_tree, small_cfg, worker_children
 
-def test_a_run_leaves_its_metrics_export_checkpoint_and_tensorboard(tree, runs_dir):
+def test_a_run_leaves_its_metrics_export_checkpoint_and_tensorboard(small_run):
     """What a run leaves, on the small tree. That ResNet34 really learns the digits (the Quickstart
     run, minutes on 2 CPU cores) is checked by bench/digits.py, with these same checks."""
     from nbddp.data import scan_class_folders, split_samples
 
-    result = spawn_train(small_cfg(tree, runs_dir), echo=False)
-    n_val = len(split_samples(scan_class_folders(tree)[1], 0.2, 0)[1])
+    cfg, result = small_run
+    n_val = len(split_samples(scan_class_folders(cfg.data_path)[1], 0.2, 0)[1])
     assert [m["epoch"] for m in result.metrics] == list(range(2))
     assert set(result.metrics[0]) >= {"epoch", "train_loss", "val_loss", "val_accuracy", "lr", "seconds"}
     assert all(m["val_images"] == n_val for m in result.metrics), "every val image counted exactly once"
@@ -93,8 +93,8 @@ def test_sync_bn_run_on_cpu(tree, runs_dir):
     assert result.value["best_epoch"] == 0
 
 
-def test_weights_from_another_run_fine_tune_a_different_class_count(tmp_path, tree, runs_dir):
-    first = spawn_train(small_cfg(tree, runs_dir, epochs=1), echo=False)
+def test_weights_from_another_run_fine_tune_a_different_class_count(tmp_path, runs_dir, small_run):
+    _, first = small_run  # 3 classes
     four = make_tree(tmp_path / "four", classes=("w", "x", "y", "z"), per_class=10, seed=1)
     second = spawn_train(small_cfg(four, runs_dir, epochs=1, weights=str(first.run_dir)), echo=False)
     log = (second.run_dir / "logs" / "rank0.log").read_text()

@@ -17,9 +17,8 @@ from conftest import WORKERS, fault_env, free_port, launcher_env, small_cfg
 PY = sys.executable
 
 
-def test_two_torchrun_nodes_match_spawn_train(tree, runs_dir, tmp_path):
-    cfg = small_cfg(tree, runs_dir, name="c")
-    reference = spawn_train(cfg, echo=False)
+def test_two_torchrun_nodes_match_spawn_train(small_run, tmp_path):
+    cfg, reference = small_run  # the same config, on the same data
     port = free_port()
     run_dir = tmp_path / "torchrun-run"
     cmd = [PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",

@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 import torchvision
 
-from nbddp import ConfigError, TrainConfig, WeightsError, spawn_train
+from nbddp import ConfigError, TrainConfig, WeightsError
 from nbddp.checkpoint import atomic_save, export_weights, load_state_dict_file
 from nbddp.data import scan_class_folders, split_samples
 from nbddp.rundir import write_class_indices
@@ -135,11 +135,8 @@ def test_prediction_grid_and_confusion_figure(fake_run, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_export_of_a_real_run_predicts_like_the_workers(tmp_path):
-    data = make_tree(tmp_path / "data")
-    cfg = TrainConfig(data_path=str(data), model="resnet18", image_size=32, epochs=1, batch_size=4, lr=0.01,
-                      nprocs=2, runs_dir=str(tmp_path / "runs"), name="export")
-    result = spawn_train(cfg, echo=False)
+def test_export_of_a_real_run_predicts_like_the_workers(tmp_path, small_run):
+    _, result = small_run
     paths = export_run(result.run_dir, tmp_path / "exported")
     torchvision.models.resnet18(num_classes=3).load_state_dict(torch.load(paths["pth"], weights_only=True), strict=True)
     meta = json.loads(paths["meta"].read_text())
