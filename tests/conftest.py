@@ -1,7 +1,12 @@
-"""Shared test helpers: process-survival checks read /proc, as the reliability doc asks."""
+"""Shared test helpers, one per job: process-survival checks (they read /proc, as the reliability doc
+asks), a free port, a clean launcher environment, a small learnable image tree and the small
+training config every launched test starts from."""
 
 import os
+import re
+import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -72,17 +77,21 @@ def runs_dir(tmp_path):
 
 
 def make_tree(root: Path, classes=("a", "b", "c"), per_class: int = 12, size: int = 16, seed: int = 0) -> Path:
-    """A small learnable class-folder tree: each class has its own colour, plus noise."""
+    """A small learnable class-folder tree: each class has its own colour, plus noise.
+
+    ``classes`` may also map each class name to its own number of images (``{"cat": 3, "dog": 0}``).
+    """
     import random
 
     from PIL import Image
 
+    counts = dict(classes) if isinstance(classes, Mapping) else dict.fromkeys(classes, per_class)
     rng = random.Random(seed)
     palette = [(220, 40, 40), (40, 200, 60), (50, 60, 220), (230, 200, 30), (200, 50, 200)]
-    for ci, name in enumerate(classes):
+    for ci, (name, n) in enumerate(counts.items()):
         folder = Path(root) / name
         folder.mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
+        for i in range(n):
             base = palette[ci % len(palette)]
             img = Image.new("RGB", (size, size))
             img.putdata([tuple(max(0, min(255, c + rng.randint(-40, 40))) for c in base) for _ in range(size * size)])
@@ -90,14 +99,73 @@ def make_tree(root: Path, classes=("a", "b", "c"), per_class: int = 12, size: in
     return Path(root)
 
 
+def small_cfg(tree, runs_dir, **overrides):
+    """The small run launched tests start from: ResNet18 at 32 px, 2 CPU ranks of batch 4, 2 epochs.
+
+    On the default tree (3 classes x 12 images) an epoch is 3 batches a rank. ``overrides`` replace
+    any field, e.g. ``epochs=1`` or ``name="fault"``.
+    """
+    from nbddp import TrainConfig
+
+    base = dict(data_path=str(tree), model="resnet18", image_size=32, epochs=2, batch_size=4, lr=0.01,
+                nprocs=2, runs_dir=str(runs_dir), name="t")
+    return TrainConfig(**{**base, **overrides})
+
+
 @pytest.fixture
 def tree(tmp_path):
     return make_tree(tmp_path / "data")
 
 
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """``(cfg, result)`` of one ``small_cfg`` run on its own default tree, shared by the tests that
+    only read what a plain run leaves (or start another run from it); none may change its files."""
+    from nbddp import spawn_train
+
+    root = tmp_path_factory.mktemp("small_run")
+    cfg = small_cfg(make_tree(root / "data"), root / "runs")
+    return cfg, spawn_train(cfg, echo=False)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_env(**extra) -> dict:
+    """This environment without what a launcher (torchrun, SLURM, nbddp) would set, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "NBDDP_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def text_of(html_widget) -> str:
+    """The text an HTML widget shows: tags dropped, entities decoded."""
+    import html
+
+    return html.unescape(re.sub(r"<[^>]+>", "", html_widget.value))
+
+
+def kernel_pid(km) -> int:
+    """The pid of a jupyter_client kernel manager's kernel process."""
+    return km.provisioner.process.pid
+
+
 def fault_env(spec: str) -> dict:
     """Worker environment that injects the faults ``spec`` ("<where>:<rank>:<action>", see tests/workers/faults.py)."""
     return {"NBDDP_RANK_HOOK": f"{WORKERS / 'faults.py'}:install", "NBDDP_FAULT": spec}
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """The training panel lists no GPU: its runs use CPU processes, even on a machine with GPUs."""
+    monkeypatch.setattr("nbddp.ui.panel.list_gpus", lambda: [])
+
 
 @pytest.fixture
 def kernel(tmp_path):

@@ -12,7 +12,7 @@ import torch
 from nbddp import ConfigError, TrainConfig, WeightsError, spawn_train
 from nbddp.gpus import GPUInfo, check_gpu_ids
 from nbddp.models import build_model
-from conftest import WORKERS, worker_children
+from conftest import WORKERS, small_cfg, worker_children
 
 FAULTY = str(WORKERS / "faulty.py")
 FAKE = [GPUInfo(0, "NVIDIA H100", 81559, 80000, 0), GPUInfo(1, "NVIDIA H100", 81559, 1000, 97)]
@@ -20,12 +20,6 @@ FAKE = [GPUInfo(0, "NVIDIA H100", 81559, 80000, 0), GPUInfo(1, "NVIDIA H100", 81
 
 def nothing_started(runs_dir):
     return not worker_children() and not list(runs_dir.glob("*/logs/rank0.log"))
-
-
-def cfg_for(tree, runs_dir, **kw):
-    base = dict(data_path=str(tree), model="resnet18", image_size=32, epochs=1, batch_size=4,
-                nprocs=2, runs_dir=str(runs_dir))
-    return TrainConfig(**{**base, **kw})
 
 
 def test_gpu_ids_out_of_range_or_repeated_list_the_gpus():
@@ -51,7 +45,7 @@ def test_more_processes_than_gpus(runs_dir):
 
 def test_weights_file_missing(tree, runs_dir, tmp_path):
     with pytest.raises(WeightsError, match="nope.pth"):
-        spawn_train(cfg_for(tree, runs_dir, weights=str(tmp_path / "nope.pth")), echo=False)
+        spawn_train(small_cfg(tree, runs_dir, epochs=1, weights=str(tmp_path / "nope.pth")), echo=False)
     assert nothing_started(runs_dir)
 
 
@@ -59,7 +53,7 @@ def test_weights_of_another_architecture_listed_key_by_key(tree, runs_dir, tmp_p
     path = tmp_path / "other.pth"
     torch.save(torch.nn.Sequential(torch.nn.Linear(4, 4)).state_dict(), path)
     with pytest.raises(WeightsError) as info:
-        spawn_train(cfg_for(tree, runs_dir, weights=str(path)), echo=False)
+        spawn_train(small_cfg(tree, runs_dir, epochs=1, weights=str(path)), echo=False)
     msg = str(info.value)
     assert "other.pth" in msg and "0.weight" in msg and "conv1.weight" in msg
     assert nothing_started(runs_dir)
@@ -73,7 +67,7 @@ def test_weights_not_weights_only_safe(tree, runs_dir, tmp_path):
     path = tmp_path / "evil.pth"
     torch.save({"model": build_model("resnet18", 3).state_dict(), "x": Payload()}, path)
     with pytest.raises(WeightsError, match="weights-only|weights_only"):
-        spawn_train(cfg_for(tree, runs_dir, weights=str(path)), echo=False)
+        spawn_train(small_cfg(tree, runs_dir, epochs=1, weights=str(path)), echo=False)
     assert not (tmp_path / "ran").exists()
     assert nothing_started(runs_dir)
 
@@ -82,7 +76,7 @@ def test_output_folder_not_writable(tree, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     with pytest.raises(ConfigError, match=r"runs_dir=.*a-file/runs.*not writable.*choose another folder"):
-        spawn_train(cfg_for(tree, blocker / "runs"), echo=False)
+        spawn_train(small_cfg(tree, blocker / "runs", epochs=1), echo=False)
     assert not worker_children()
 
 
@@ -102,7 +96,7 @@ def test_hidden_folders_and_notebook_checkpoints_are_not_classes(tree, runs_dir)
     (tree / "notes.txt").write_text("not an image")
     from nbddp.tasks.classification import preflight
 
-    assert preflight(cfg_for(tree, runs_dir, num_classes=3)) is None  # 3 classes, not 4
+    assert preflight(small_cfg(tree, runs_dir, epochs=1, num_classes=3)) is None  # 3 classes, not 4
 
 
 # ------------------------------------------------------------------ small inputs, clear answers
@@ -119,7 +113,7 @@ def test_zero_processes_refused(runs_dir, capsys):
 
 def test_timeout_below_the_minimum_refused(tree, runs_dir):
     with pytest.raises(ConfigError, match=r"TrainConfig\.timeout_s=0\.001: must be at least 5 seconds"):
-        cfg_for(tree, runs_dir, timeout_s=0.001)
+        small_cfg(tree, runs_dir, epochs=1, timeout_s=0.001)
     for t in (0, 0.5, -3, float("nan")):
         with pytest.raises(ConfigError, match=r"timeout_s=.*: must be .*seconds"):
             spawn_train(f"{FAULTY}:info", nprocs=2, timeout_s=t, runs_dir=runs_dir)
@@ -131,10 +125,10 @@ def test_batch_of_one_image_under_batchnorm_refused(tree, runs_dir):
 
     # resnet18 at 32 px ends on a 1x1 map: one image gives BatchNorm one value per channel.
     with pytest.raises(ConfigError, match=r"(?s)batch_size=1.*BatchNorm.*batch_size >= 2"):
-        spawn_train(cfg_for(tree, runs_dir, batch_size=1, nprocs=1), echo=False)
+        spawn_train(small_cfg(tree, runs_dir, epochs=1, batch_size=1, nprocs=1), echo=False)
     assert nothing_started(runs_dir)
     # frozen BatchNorm layers run in eval mode: a batch of one is fine there
-    assert preflight(cfg_for(tree, runs_dir, batch_size=1, nprocs=1, freeze_layers=True)) is None
+    assert preflight(small_cfg(tree, runs_dir, epochs=1, batch_size=1, nprocs=1, freeze_layers=True)) is None
 
 
 def test_last_partial_batch_is_dropped_not_a_one_image_batch(tree, runs_dir):
@@ -151,7 +145,7 @@ def test_split_without_validation_images_refused(tmp_path, runs_dir):
 
     one = make_tree(tmp_path / "one", per_class=1)  # a single image per class: all go to training
     with pytest.raises(DataError, match=r"(?s)no validation image.*at least 2 images"):
-        spawn_train(cfg_for(one, runs_dir, batch_size=3, nprocs=1), echo=False)
+        spawn_train(small_cfg(one, runs_dir, epochs=1, batch_size=3, nprocs=1), echo=False)
     assert nothing_started(runs_dir)
 
 
@@ -161,12 +155,12 @@ def test_names_that_are_not_utf8_refused(tree, runs_dir, tmp_path):
     raw = os.fsencode(str(tmp_path)) + b"/data-\xff"
     os.rename(os.fsencode(str(tree)), raw)
     with pytest.raises(ConfigError, match=r"TrainConfig\.data_path=.*not valid UTF-8.*rename"):
-        cfg_for(os.fsdecode(raw), runs_dir)
+        small_cfg(os.fsdecode(raw), runs_dir, epochs=1)
     # a class folder becomes a label in class_indices.json and in every prediction
     os.rename(raw, os.fsencode(str(tree)))
     os.rename(os.fsencode(str(tree / "a")), os.fsencode(str(tree)) + b"/caf\xe9")
     with pytest.raises(DataError, match=r"(?s)class folder.*not valid UTF-8: b'caf\\xe9'.*rename"):
-        spawn_train(cfg_for(tree, runs_dir), echo=False)
+        spawn_train(small_cfg(tree, runs_dir, epochs=1), echo=False)
     assert nothing_started(runs_dir)
 
 

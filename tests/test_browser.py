@@ -37,7 +37,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, children_of, make_tree, proc_state, survivors, wait_for
+from conftest import ROOT, children_of, free_port, make_tree, proc_state, survivors, wait_for
 
 CHROMIUM = os.environ.get("NBDDP_CHROMIUM", "/usr/bin/chromium")
 # Without the background-networking flags Chromium's own connections are refused here and
@@ -101,12 +100,6 @@ def kill_all(pids):
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 5.0):

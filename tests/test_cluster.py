@@ -1,55 +1,30 @@
 """The same run under torchrun (c10d rendezvous, elastic restarts) and SLURM, on loopback."""
 
 import json
-import os
 from pathlib import Path
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from nbddp import TrainConfig, spawn_train
+from nbddp import spawn_train
 from nbddp.checkpoint import load_checkpoint
 from nbddp.cluster import cli_flags
 from nbddp.elastic import first_host
-from conftest import ROOT, WORKERS, fault_env
+from conftest import WORKERS, fault_env, free_port, launcher_env, small_cfg
 
 PY = sys.executable
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env(**extra):
-    env = dict(os.environ)
-    for k in list(env):  # a clean launcher environment: nothing inherited from this process
-        if k.startswith(("SLURM_", "TORCHELASTIC_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k)
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))
-    env.update(extra)
-    return env
-
-
-def cfg_for(tree, runs_dir, **kw):
-    base = dict(data_path=str(tree), model="resnet18", image_size=32, epochs=2, batch_size=4, lr=0.01,
-                nprocs=2, runs_dir=str(runs_dir), name="c")
-    return TrainConfig(**{**base, **kw})
-
-
-def test_two_torchrun_nodes_match_spawn_train(tree, runs_dir, tmp_path):
-    cfg = cfg_for(tree, runs_dir)
-    reference = spawn_train(cfg, echo=False)
+def test_two_torchrun_nodes_match_spawn_train(small_run, tmp_path):
+    cfg, reference = small_run  # the same config, on the same data
     port = free_port()
     run_dir = tmp_path / "torchrun-run"
     cmd = [PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes", "-m", "nbddp", "train",
            *cli_flags(cfg), "--run-dir", str(run_dir)]
-    agents = [subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agents = [subprocess.Popen(cmd, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for _ in range(2)]
     outs = [a.communicate(timeout=300)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(outs)
@@ -67,7 +42,7 @@ def test_fake_slurm_environment_initialises_two_ranks(tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = child_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+        env = launcher_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
                         SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4242", MASTER_PORT=str(port),
                         SLURM_NTASKS_PER_NODE="2")
         procs.append(subprocess.Popen(
@@ -87,12 +62,12 @@ def test_first_host_of_slurm_node_lists():
 
 
 def test_torchrun_restart_resumes_from_the_checkpoint(tree, runs_dir, tmp_path):
-    cfg = cfg_for(tree, runs_dir, epochs=3)
+    cfg = small_cfg(tree, runs_dir, name="c", epochs=3)
     run_dir = tmp_path / "elastic"
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
            "--max-restarts=1", "-m", "nbddp", "train", *cli_flags(cfg), "--run-dir", str(run_dir)]
     # rank 0 dies (SIGKILL) right after checkpointing epoch 0, on the first attempt only
-    out = subprocess.run(cmd, env=child_env(**fault_env("epoch0:0:sigkill")), capture_output=True, text=True, timeout=400)
+    out = subprocess.run(cmd, env=launcher_env(**fault_env("epoch0:0:sigkill")), capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "(restart 1)" in log and f"resumed from {run_dir / 'checkpoints' / 'last.pt'} at epoch 1" in log
@@ -101,7 +76,7 @@ def test_torchrun_restart_resumes_from_the_checkpoint(tree, runs_dir, tmp_path):
 
 
 def test_commands_for_the_cluster(tree, runs_dir):
-    cfg = cfg_for(tree, runs_dir, sync_bn=True)
+    cfg = small_cfg(tree, runs_dir, name="c", sync_bn=True)
     cmd = cfg.torchrun_command(nnodes=2, nproc_per_node=4, rdzv_endpoint="gpu01:29400", max_restarts=3)
     assert cmd.startswith("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=gpu01:29400")
     assert "--max-restarts=3" in cmd and "-m nbddp train" in cmd and "--sync-bn" in cmd
@@ -127,15 +102,15 @@ def test_commands_for_the_cluster(tree, runs_dir):
 def test_resume_across_launchers_notebook_torchrun_notebook(tree, runs_dir):
     from nbddp import WorkerError
 
-    straight = spawn_train(cfg_for(tree, runs_dir, epochs=3, name="straight"), echo=False)
-    cfg = cfg_for(tree, runs_dir, epochs=3, name="hop")
+    straight = spawn_train(small_cfg(tree, runs_dir, epochs=3, name="straight"), echo=False)
+    cfg = small_cfg(tree, runs_dir, epochs=3, name="hop")
     with pytest.raises(WorkerError):  # the notebook run dies after epoch 0
         spawn_train(cfg, echo=False, env=fault_env("epoch0:0:exit3"))
     run_dir = next(runs_dir.glob("*-hop"))
     # torchrun continues it, and dies after epoch 1
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2", "-m", "nbddp",
            "train", "--config", str(run_dir / "config.json"), "--resume", str(run_dir)]
-    out = subprocess.run(cmd, env=child_env(**fault_env("epoch1:0:exit3")), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, env=launcher_env(**fault_env("epoch1:0:exit3")), capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["epoch"] == 1
     # and the notebook finishes it

@@ -19,15 +19,9 @@ import pytest
 
 from nbddp import ConfigError, TrainConfig, WeightsError, WorkerError, cleanup, spawn_train
 from nbddp.checkpoint import load_checkpoint
-from conftest import WORKERS, fault_env, make_tree, survivors, wait_for, worker_children
+from conftest import WORKERS, fault_env, make_tree, small_cfg, survivors, wait_for, worker_children
 
 FAULTY = str(WORKERS / "faulty.py")
-
-
-def cfg_for(tree, runs_dir, **kw):
-    base = dict(data_path=str(tree), model="resnet18", image_size=32, epochs=2, batch_size=4, lr=0.01,
-                nprocs=2, runs_dir=str(runs_dir), name="fault")
-    return TrainConfig(**{**base, **kw})
 
 
 def launched_pids(run_dir: Path):
@@ -63,7 +57,7 @@ FAULTS = {
 @pytest.mark.parametrize("name", list(FAULTS))
 def test_fault_in_builtin_worker(tree, runs_dir, name):
     fault, launch_kw, root, (epoch, step), text = FAULTS[name]
-    cfg = cfg_for(tree, runs_dir)
+    cfg = small_cfg(tree, runs_dir, name="fault")
     t0 = time.time()
     with pytest.raises(WorkerError) as info:
         spawn_train(cfg, echo=False, grace_s=1.0, env=fault_env(fault), **launch_kw)
@@ -98,7 +92,7 @@ def test_corrupt_image_found_at_run_time_stops_every_rank_at_one_step(tmp_path, 
     from nbddp.data import scan_class_folders, split_samples
 
     tree = make_tree(tmp_path / "data", per_class=12)
-    cfg = cfg_for(tree, runs_dir, check_images=False, epochs=1)
+    cfg = small_cfg(tree, runs_dir, name="fault", check_images=False, epochs=1)
     train, val = split_samples(scan_class_folders(tree)[1], cfg.val_fraction, cfg.seed)
     victim = Path((train if split == "train" else val)[0][0])
     victim.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)  # truncated PNG
@@ -131,7 +125,7 @@ def test_busy_requested_port_is_not_used(runs_dir, monkeypatch):
 
 
 def test_stale_workers_are_refused_and_cleanup_ends_only_them(tree, runs_dir, tmp_path):
-    cfg = cfg_for(tree, runs_dir, epochs=1)
+    cfg = small_cfg(tree, runs_dir, name="fault", epochs=1)
     first = spawn_train(cfg, echo=False)
     # Stand-ins for workers an earlier kernel left behind, and an unrelated twin process.
     # The stale one carries the run's marker, as real workers do; the twin does not.
@@ -158,7 +152,7 @@ def test_stale_workers_are_refused_and_cleanup_ends_only_them(tree, runs_dir, tm
 
 
 def test_crash_between_temp_write_and_rename(tree, runs_dir):
-    cfg = cfg_for(tree, runs_dir, epochs=1)
+    cfg = small_cfg(tree, runs_dir, name="fault", epochs=1)
     first = spawn_train(cfg, echo=False)
     ckpt = first.run_dir / "checkpoints"
     leftover = ckpt / ".last.pt.tmp-999999-deadbeef"
@@ -170,7 +164,7 @@ def test_crash_between_temp_write_and_rename(tree, runs_dir):
 
 
 def test_truncated_checkpoint_refused_on_resume(tree, runs_dir):
-    cfg = cfg_for(tree, runs_dir, epochs=1)
+    cfg = small_cfg(tree, runs_dir, name="fault", epochs=1)
     first = spawn_train(cfg, echo=False)
     last = first.run_dir / "checkpoints" / "last.pt"
     last.write_bytes(last.read_bytes()[:1000])
@@ -182,7 +176,7 @@ def test_truncated_checkpoint_refused_on_resume(tree, runs_dir):
 def test_malicious_checkpoint_refused_on_resume(tree, runs_dir, tmp_path):
     import torch
 
-    cfg = cfg_for(tree, runs_dir, epochs=1)
+    cfg = small_cfg(tree, runs_dir, name="fault", epochs=1)
     first = spawn_train(cfg, echo=False)
     marker = tmp_path / "pwned"
 

@@ -6,10 +6,23 @@ import time
 
 import pytest
 
-from conftest import ROOT, WORKERS, survivors, wait_for
+from conftest import ROOT, WORKERS, kernel_pid, survivors, wait_for
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
+
+@pytest.fixture(scope="module")
+def shared_kernel(tmp_path_factory):
+    """One real kernel for the tests that leave it usable, as a user's kernel is used cell after cell
+    (interrupted runs included); the tests that kill or restart their kernel get their own."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path_factory.mktemp("kernel")))
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def execute(kc, code: str, timeout: float = 120.0):
@@ -37,8 +50,8 @@ def execute(kc, code: str, timeout: float = 120.0):
             return reply["content"], "".join(out)
 
 
-def test_interrupt_in_real_kernel_stops_every_worker_and_kernel_stays_usable(kernel, tmp_path):
-    km, kc = kernel
+def test_interrupt_in_real_kernel_stops_every_worker_and_kernel_stays_usable(shared_kernel, tmp_path):
+    km, kc = shared_kernel
     runs = tmp_path / "runs"
     reply, out = execute(kc, f"import sys; sys.path.insert(0, {str(ROOT)!r}); from nbddp import spawn_train")
     assert reply["status"] == "ok", out
@@ -84,8 +97,8 @@ def test_interrupt_in_real_kernel_stops_every_worker_and_kernel_stays_usable(ker
     assert "world 2" in out
 
 
-def test_notebook_defined_function_is_refused_in_kernel(kernel, tmp_path):
-    km, kc = kernel
+def test_notebook_defined_function_is_refused_in_kernel(shared_kernel, tmp_path):
+    km, kc = shared_kernel
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
         "from nbddp import spawn_train\n"
@@ -118,10 +131,6 @@ def start_run_in_kernel(kc, runs, code_target: str, extra: str = ""):
     return msg_id, launch.parent.parent, json.loads(launch.read_text())["pids"]
 
 
-def kernel_pid(km) -> int:
-    return km.provisioner.process.pid
-
-
 def wait_reply(kc, msg_id, timeout=60):
     """The error name of a cell's reply (None if it succeeded)."""
     while True:
@@ -131,8 +140,8 @@ def wait_reply(kc, msg_id, timeout=60):
             return c.get("ename") if c["status"] == "error" else None
 
 
-def test_interrupt_sent_to_the_kernel_pid_only(kernel, tmp_path):
-    km, kc = kernel
+def test_interrupt_sent_to_the_kernel_pid_only(shared_kernel, tmp_path):
+    km, kc = shared_kernel
     runs = tmp_path / "runs"
     msg_id, run_dir, pids = start_run_in_kernel(kc, runs, repr(str(WORKERS / "faulty.py") + ":barrier_and_sleep") + ", nprocs=2")
     import os
@@ -143,13 +152,13 @@ def test_interrupt_sent_to_the_kernel_pid_only(kernel, tmp_path):
     assert wait_for(lambda: survivors(pids) == {}, timeout=20)
 
 
-def test_interrupt_during_training_keeps_the_checkpoint_and_resume_works(kernel, tmp_path):
+def test_interrupt_during_training_keeps_the_checkpoint_and_resume_works(shared_kernel, tmp_path):
     import sys as _sys
 
     _sys.path.insert(0, str(ROOT / "tests"))
     from conftest import make_tree
 
-    km, kc = kernel
+    km, kc = shared_kernel
     tree = make_tree(tmp_path / "data")
     runs = tmp_path / "runs"
     cfg = (f"TrainConfig(data_path={str(tree)!r}, model='resnet18', image_size=32, epochs=40, batch_size=2, "

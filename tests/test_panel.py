@@ -11,37 +11,21 @@ import time
 import pytest
 
 import nbddp.ui.panel as panel_mod
-from nbddp import ConfigError, DataError, TrainConfig, TrainingInterrupted, TrainResult, WorkerError
+from nbddp import ConfigError, DataError, TrainingInterrupted, TrainResult, WorkerError
 from nbddp.gpus import GPUInfo
 from nbddp.ui import TrainingPanel
-from conftest import fault_env, make_tree, survivors, wait_for, worker_children
+from conftest import fault_env, small_cfg, survivors, text_of, wait_for, worker_children
 
 PROGRESS = re.compile(r"epoch \d+/(\d+) · step \d+/\d+ · loss \d+\.\d{4} · [\d,]+ img/s")
 
 
-@pytest.fixture(autouse=True)
-def no_gpu(monkeypatch):
-    """Every run here uses CPU processes, even on a machine with GPUs (the GPU test overrides)."""
-    monkeypatch.setattr(panel_mod, "list_gpus", lambda: [])
+# Every run here uses CPU processes, even on a machine with GPUs (the GPU test overrides).
+pytestmark = pytest.mark.usefixtures("no_gpu")
 
 
-def small_cfg(tmp_path, **kw):
-    tree = tmp_path / "data"
-    if not tree.exists():
-        make_tree(tree)  # 3 classes x 12 images of 16 px
-    base = dict(data_path=str(tree), model="resnet18", image_size=32, epochs=2, batch_size=4, lr=0.01,
-                nprocs=2, runs_dir=str(tmp_path / "runs"), name="panel")
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-def text_of(html_widget):
-    return re.sub(r"<[^>]+>", "", html_widget.value)
-
-
-def test_cpu_controls_and_config_follow_the_widgets(tmp_path):
+def test_cpu_controls_and_config_follow_the_widgets(tmp_path, tree, runs_dir):
     assert TrainingPanel().nprocs_input.value == 2  # no config: 2 CPU processes
-    panel = TrainingPanel(small_cfg(tmp_path, nprocs=1, val_fraction=0.3, seed=7))
+    panel = TrainingPanel(small_cfg(tree, runs_dir, name="panel", nprocs=1, val_fraction=0.3, seed=7))
     assert panel.gpu_checkboxes == [] and panel.nprocs_input.value == 1  # from the config
     assert "No GPU found" in panel.device_note.value and "gloo" in panel.device_note.value
 
@@ -61,7 +45,7 @@ def test_cpu_controls_and_config_follow_the_widgets(tmp_path):
     assert cfg.data_pipeline == "pil" and not panel.tensor_toggle.value
     panel.tensor_toggle.value = True
     assert panel.config.data_pipeline == "tensor"
-    assert TrainingPanel(small_cfg(tmp_path, data_pipeline="tensor")).tensor_toggle.value
+    assert TrainingPanel(small_cfg(tree, runs_dir, name="panel", data_pipeline="tensor")).tensor_toggle.value
 
     panel.freeze_toggle.value = True  # SyncBN is disabled and unchecked, with the reason
     assert panel.sync_bn_toggle.disabled and not panel.sync_bn_toggle.value
@@ -79,10 +63,10 @@ def test_cpu_controls_and_config_follow_the_widgets(tmp_path):
     assert panel.handle is None and not panel.running and not panel.train_button.disabled
 
 
-def test_gpu_picker_lists_gpus_with_memory_and_utilisation(monkeypatch, tmp_path):
+def test_gpu_picker_lists_gpus_with_memory_and_utilisation(monkeypatch, tmp_path, tree, runs_dir):
     gpus = [GPUInfo(0, "NVIDIA A100-SXM4-40GB", 40960, 30000, 3), GPUInfo(1, "NVIDIA A100-SXM4-40GB", 40960, 512, 97)]
     monkeypatch.setattr(panel_mod, "list_gpus", lambda: gpus)
-    panel = TrainingPanel(small_cfg(tmp_path, gpus=[1]))
+    panel = TrainingPanel(small_cfg(tree, runs_dir, name="panel", gpus=[1]))
     assert panel.nprocs_input is None
     assert [b.description for b in panel.gpu_checkboxes] == [g.label() for g in gpus]
     assert "10.7/40.0 GiB used · 3% busy" in panel.gpu_checkboxes[0].description
@@ -95,8 +79,8 @@ def test_gpu_picker_lists_gpus_with_memory_and_utilisation(monkeypatch, tmp_path
         panel.config
 
 
-def test_panel_displays_as_one_widget_that_fits_the_page(tmp_path):
-    panel = TrainingPanel(small_cfg(tmp_path))
+def test_panel_displays_as_one_widget_that_fits_the_page(tmp_path, tree, runs_dir):
+    panel = TrainingPanel(small_cfg(tree, runs_dir, name="panel"))
     bundle = panel._repr_mimebundle_()
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == panel.widget.model_id
     assert panel.widget.layout.max_width == "1000px" and panel.widget.layout.width == "100%"
@@ -106,8 +90,8 @@ def test_panel_displays_as_one_widget_that_fits_the_page(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_train_button_runs_in_background_and_widgets_follow_the_run(tmp_path):
-    panel = TrainingPanel(small_cfg(tmp_path))
+def test_train_button_runs_in_background_and_widgets_follow_the_run(tmp_path, tree, runs_dir):
+    panel = TrainingPanel(small_cfg(tree, runs_dir, name="panel"))
     t0 = time.monotonic()
     panel.train_button.click()
     click_s = time.monotonic() - t0
@@ -138,8 +122,8 @@ def test_train_button_runs_in_background_and_widgets_follow_the_run(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_stop_mid_run_leaves_no_worker_and_says_stopped(tmp_path):
-    panel = TrainingPanel(small_cfg(tmp_path, epochs=50))  # far longer than the test waits
+def test_stop_mid_run_leaves_no_worker_and_says_stopped(tmp_path, tree, runs_dir):
+    panel = TrainingPanel(small_cfg(tree, runs_dir, name="panel", epochs=50))  # far longer than the test waits
     panel.train_button.click()
     handle = panel.handle
     assert wait_for(lambda: panel.progress_bar.value > 0, timeout=60), text_of(panel.status)
@@ -159,8 +143,8 @@ def test_stop_mid_run_leaves_no_worker_and_says_stopped(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_run_blocks_and_returns_the_result(tmp_path, capsys):
-    panel = TrainingPanel(small_cfg(tmp_path, epochs=1))
+def test_run_blocks_and_returns_the_result(tmp_path, capsys, tree, runs_dir):
+    panel = TrainingPanel(small_cfg(tree, runs_dir, name="panel", epochs=1))
     result = panel.run()
     assert isinstance(result, TrainResult) and panel.result is result
     assert [m["epoch"] for m in result.metrics] == [0]
@@ -170,8 +154,8 @@ def test_run_blocks_and_returns_the_result(tmp_path, capsys):
     assert not survivors(panel.handle.pids)
 
 
-def test_bad_value_shows_the_error_and_starts_nothing(tmp_path):
-    panel = TrainingPanel(small_cfg(tmp_path))
+def test_bad_value_shows_the_error_and_starts_nothing(tmp_path, tree, runs_dir):
+    panel = TrainingPanel(small_cfg(tree, runs_dir, name="panel"))
     panel.batch_size_input.value = 64  # 30 training images over 2 processes: 15 each
     panel.train_button.click()
     status = text_of(panel.status)
@@ -260,11 +244,11 @@ print(json.dumps({{k: getattr(panel, k).model_id for k in ('train_button', 'prog
 
 
 @pytest.mark.timeout(120)
-def test_a_failing_rank_is_named_in_red(tmp_path, monkeypatch):
+def test_a_failing_rank_is_named_in_red(tmp_path, monkeypatch, tree, runs_dir):
     # The test fault hook (tests/workers/faults.py): rank 1 raises after its first epoch.
     real = panel_mod.spawn_train
     monkeypatch.setattr(panel_mod, "spawn_train", lambda cfg, **kw: real(cfg, env=fault_env("epoch0:1:raise"), **kw))
-    panel = TrainingPanel(small_cfg(tmp_path))
+    panel = TrainingPanel(small_cfg(tree, runs_dir, name="panel"))
     panel.train_button.click()
     with pytest.raises(WorkerError) as err:
         panel.wait(timeout=90)

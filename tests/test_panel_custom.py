@@ -5,8 +5,6 @@ The worker files are written to tmp_path. The kernel (this process) only parses 
 that the file's top level writes proves that nothing imported it before the run.
 """
 
-import html
-import re
 import sys
 import textwrap
 import time
@@ -18,7 +16,7 @@ import nbddp.ui.panel as panel_mod
 from nbddp import ConfigError, TrainResult, WorkerError
 from nbddp.ui import TrainingPanel
 from nbddp.ui.charts import scalar_charts_png, scalar_series
-from conftest import survivors, wait_for
+from conftest import survivors, text_of, wait_for
 
 WORKER = '''
 import time
@@ -46,10 +44,7 @@ def train(ctx, steps: int = 5, lr=0.5, warmup=False, tag="demo", opt: Literal["s
 '''
 
 
-@pytest.fixture(autouse=True)
-def no_gpu(monkeypatch):
-    """CPU processes, even on a machine with GPUs."""
-    monkeypatch.setattr(panel_mod, "list_gpus", lambda: [])
+pytestmark = pytest.mark.usefixtures("no_gpu")  # CPU processes, even on a machine with GPUs
 
 
 @pytest.fixture
@@ -57,10 +52,6 @@ def worker(tmp_path):
     path = tmp_path / "toy_worker.py"
     path.write_text(WORKER)
     return path
-
-
-def text_of(html_widget):
-    return html.unescape(re.sub(r"<[^>]+>", "", html_widget.value))
 
 
 def descriptions(widget):

@@ -8,6 +8,7 @@ import pytest
 from nbddp import ConfigError, TrainConfig, cli
 from nbddp.cluster import cli_flags
 from nbddp.engine import cosine_lambda, warmup_cosine_lambda
+from conftest import small_cfg
 
 RECIPE = dict(optimizer="adamw", grad_accum_steps=3, warmup_epochs=2, label_smoothing=0.1, compile=True,
               early_stop_patience=4)
@@ -160,14 +161,6 @@ def test_gpu_memory_peaks_read_and_reset_torch_cuda_counters_on_gpu_devices_only
 
 
 # ------------------------------------------------------------------------------ launched runs
-def small_cfg(tree, runs_dir, **kw):
-    """As tests/test_classification.py: ResNet18 at 32 px, 2 ranks of batch 4; 36 images give 3 batches an epoch."""
-    base = dict(data_path=str(tree), model="resnet18", image_size=32, epochs=2, batch_size=4, lr=0.01,
-                nprocs=2, runs_dir=str(runs_dir), name="t")
-    base.update(kw)
-    return TrainConfig(**base)
-
-
 def test_accumulated_steps_on_two_ranks_equal_one_process_with_the_whole_batch(runs_dir):
     import sys
 

@@ -7,7 +7,6 @@ are real run folders with real checkpoint, config and launch-record files.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,23 +16,9 @@ import pytest
 from nbddp import ConfigError, TrainConfig
 from nbddp.checkpoint import atomic_save, load_checkpoint
 from nbddp.tasks.classification import find_resume_dir, preflight
-from conftest import ROOT
+from conftest import ROOT, free_port, launcher_env
 
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launcher_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "NBDDP_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), **extra)
-    return env
 
 
 def one_rank(**extra):

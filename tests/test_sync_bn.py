@@ -1,9 +1,11 @@
 """CPUSyncBatchNorm and convert_sync_batchnorm, checked against plain batch norm.
 
 Distributed tests run 2 real processes (spawn, gloo on a file store) and compare what each
-rank ends with against one process that sees the whole batch. Worker functions live at
-module level because spawn children import them by name; pytest puts this folder on
-``sys.path`` and spawn hands the parent's ``sys.path`` to the children.
+rank ends with against one process that sees the whole batch. The two ranks are started once
+for the module and run every distributed case in turn (each case builds its own seeded model
+and data); each test asserts on its case's results. Worker functions live at module level
+because spawn children import them by name; pytest puts this folder on ``sys.path`` and spawn
+hands the parent's ``sys.path`` to the children.
 """
 
 from __future__ import annotations
@@ -240,6 +242,29 @@ def worker_uneven(rank: int, world_size: int, sizes: tuple[int, ...]) -> dict:
     return bn_step(CPUSyncBatchNorm(5), x[part], upstream[part], weight, bias)
 
 
+MOMENTUM_NONE_AFFINE_FALSE = {"momentum": None, "affine": False}
+UNEVEN = {"3+5": (3, 5), "empty+4": (0, 4)}
+# Every two-rank case, by name: (worker, its arguments after rank and world size).
+CASES = {
+    "plain ddp": (worker_plain_ddp, ()),
+    "bn ddp, 1 step": (worker_bn_ddp, (1, {})),
+    "bn ddp, 3 steps, momentum=None, affine=False": (worker_bn_ddp, (3, MOMENTUM_NONE_AFFINE_FALSE)),
+    **{f"uneven {name}": (worker_uneven, (sizes,)) for name, sizes in UNEVEN.items()},
+}
+
+
+def worker_cases(rank: int, world_size: int, cases: dict) -> dict:
+    """Every case in turn on this rank, in one process group: ``{case: result}``."""
+    return {name: worker(rank, world_size, *args) for name, (worker, args) in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """``{case: [rank 0's result, rank 1's result]}`` for every case of ``CASES``, from one launch."""
+    results = run_ranks(worker_cases, tmp_path_factory.mktemp("two_ranks"), CASES)
+    return {name: [r[name] for r in results] for name in CASES}
+
+
 # --------------------------------------------------------------------------------------
 # Single process: without a process group it is ordinary batch norm.
 # --------------------------------------------------------------------------------------
@@ -322,18 +347,18 @@ def test_rejects_a_single_value_per_channel_like_batchnorm():
 # --------------------------------------------------------------------------------------
 
 
-def test_ddp_without_batchnorm_equals_one_process_on_the_whole_batch(tmp_path):
+def test_ddp_without_batchnorm_equals_one_process_on_the_whole_batch(two_ranks):
     expected, expected_probe = reference(make_plain_model, steps=1)
-    for rank, result in enumerate(run_ranks(worker_plain_ddp, tmp_path)):
+    for rank, result in enumerate(two_ranks["plain ddp"]):
         assert_states_close(result["state"], expected)
         torch.testing.assert_close(result["probe"], expected_probe, atol=ATOL, rtol=RTOL)
     # The step really moved the weights: equality above is not trivially "nothing changed".
     assert max_param_diff(expected, snapshot(make_plain_model()), make_plain_model()) > 1e-3
 
 
-def test_sync_bn_ddp_equals_one_process_and_local_bn_does_not(tmp_path):
+def test_sync_bn_ddp_equals_one_process_and_local_bn_does_not(two_ranks):
     expected, expected_probe = reference(make_bn_model, steps=1)
-    results = run_ranks(worker_bn_ddp, tmp_path, 1, {})
+    results = two_ranks["bn ddp, 1 step"]
     for rank, result in enumerate(results):
         # Parameters after the step, running_mean/var and num_batches_tracked.
         assert_states_close(result["sync"]["state"], expected)
@@ -345,11 +370,11 @@ def test_sync_bn_ddp_equals_one_process_and_local_bn_does_not(tmp_path):
         assert diff > 1000 * ATOL, f"rank {rank}: unsynchronised BN matched (diff {diff:.2e})"
 
 
-def test_sync_bn_ddp_momentum_none_affine_false_over_three_steps(tmp_path):
+def test_sync_bn_ddp_momentum_none_affine_false_over_three_steps(two_ranks):
     """Cumulative-average running stats and affine-free layers, over several steps."""
-    steps, bn_kwargs = 3, {"momentum": None, "affine": False}
+    steps, bn_kwargs = 3, MOMENTUM_NONE_AFFINE_FALSE
     expected, expected_probe = reference(make_bn_model, steps=steps, **bn_kwargs)
-    for rank, result in enumerate(run_ranks(worker_bn_ddp, tmp_path, steps, bn_kwargs)):
+    for rank, result in enumerate(two_ranks["bn ddp, 3 steps, momentum=None, affine=False"]):
         assert_states_close(result["sync"]["state"], expected)
         assert int(result["sync"]["state"]["0.num_batches_tracked"]) == steps
         torch.testing.assert_close(
@@ -359,17 +384,17 @@ def test_sync_bn_ddp_momentum_none_affine_false_over_three_steps(tmp_path):
         assert diff > 1000 * ATOL, f"rank {rank}: unsynchronised BN matched (diff {diff:.2e})"
 
 
-@pytest.mark.parametrize("sizes", [(3, 5), (0, 4)], ids=["3+5", "empty+4"])
-def test_uneven_batches_use_global_statistics_and_local_param_grads(tmp_path, sizes):
+@pytest.mark.parametrize("name", list(UNEVEN))
+def test_uneven_batches_use_global_statistics_and_local_param_grads(two_ranks, name):
     """No DDP: the layer alone, with 3D input and a different batch size on each rank.
 
     With a summed loss, the whole-batch gradient of the input is the concatenation of the
     ranks' input gradients, and the whole-batch parameter gradient is the SUM of the ranks'
     local ones (DDP would divide that sum by the world size for a mean loss).
     """
-    x, upstream, weight, bias = uneven_inputs(sizes)
+    x, upstream, weight, bias = uneven_inputs(UNEVEN[name])
     expected = bn_step(nn.BatchNorm1d(5), x, upstream, weight, bias)
-    results = run_ranks(worker_uneven, tmp_path, sizes)
+    results = two_ranks[f"uneven {name}"]
 
     for key in ("out", "grad_input"):
         actual = torch.cat([r[key] for r in results])

@@ -1,18 +1,22 @@
-"""TensorBoard embedding: a real server process, HTTP checks, reuse, proxy URL, clean stop."""
+"""TensorBoard embedding: a real server process, HTTP checks, reuse, proxy URL, clean stop; its log
+file lives in a private folder and never follows a planted link."""
 
 import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from nbddp.ui import tensorboard as tb
-from conftest import survivors, wait_for
+from conftest import free_port, survivors, wait_for
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -147,3 +151,29 @@ def test_server_dies_when_the_kernel_dies(tmp_path):
     assert report["signal"] == signal.SIGTERM or report["code"] is not None, report
     assert not survivors([report["tb_pid"]])
     os.unlink(report["log"])  # kept on purpose after a kernel death; this one was expected
+
+
+@pytest.mark.timeout(90)
+def test_log_goes_to_a_private_folder_and_ignores_planted_links(tmp_path):
+    port = free_port()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    # Another user of the machine plants a link where the log used to go, predictably.
+    planted = Path(tempfile.gettempdir()) / f"nbddp-tensorboard-{os.getpid()}-{port}.log"
+    planted.unlink(missing_ok=True)
+    planted.symlink_to(victim)
+    try:
+        server = tb.start_tensorboard(tmp_path / "runs", port=port)
+        try:
+            log = server.log_path
+            assert log != planted and not log.is_symlink() and log.is_file()
+            folder = log.parent
+            assert folder != Path(tempfile.gettempdir())
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+            assert stat.S_IMODE(log.stat().st_mode) == 0o600
+        finally:
+            server.stop()
+        assert not folder.exists(), "a clean stop leaves no log folder behind"
+        assert victim.read_text() == "precious"
+    finally:
+        planted.unlink(missing_ok=True)
