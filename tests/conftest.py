@@ -3,6 +3,7 @@ asks), a free port, a clean launcher environment, a small learnable image tree a
 training config every launched test starts from."""
 
 import os
+import queue
 import re
 import socket
 import time
@@ -179,3 +180,28 @@ def kernel(tmp_path):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def execute(kc, code: str, timeout: float = 120.0):
+    """Run code in a real kernel as a cell; return (reply content, everything it printed, errors included)."""
+    msg_id = kc.execute(code)
+    out = []
+    deadline = time.time() + timeout
+    while True:
+        try:
+            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.time()))
+        except queue.Empty:
+            raise TimeoutError(f"kernel did not finish within {timeout}s; output so far: {''.join(out)}")
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            out.append(content["text"])
+        elif kind == "error":
+            out.append("\n".join(content["traceback"]))
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    while True:  # skip replies to earlier (e.g. interrupted) cells
+        reply = kc.get_shell_msg(timeout=10)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"], "".join(out)

@@ -169,8 +169,7 @@ def test_captured_data_over_the_limit_is_refused_with_its_size_and_the_biggest_v
 
 
 def test_in_a_real_kernel_cell_functions_train_block_or_not_and_keep_their_source(kernel, tmp_path):
-    from conftest import ROOT
-    from test_kernel import execute
+    from conftest import ROOT, execute
 
     km, kc = kernel
     cells = [

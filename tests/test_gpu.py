@@ -5,7 +5,6 @@ process never initialises CUDA before the test that checks the kernel stays CUDA
 Every test skips without a GPU; the 2-GPU ones skip on a machine with one.
 """
 
-import os
 import tempfile
 from pathlib import Path
 

@@ -1,12 +1,11 @@
 """spawn_train inside a real Jupyter kernel, driven with jupyter_client: that is where users live."""
 
 import json
-import queue
 import time
 
 import pytest
 
-from conftest import ROOT, WORKERS, kernel_pid, survivors, wait_for
+from conftest import ROOT, WORKERS, execute, kernel_pid, survivors, wait_for
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
@@ -23,31 +22,6 @@ def shared_kernel(tmp_path_factory):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-
-
-def execute(kc, code: str, timeout: float = 120.0):
-    """Run code; return (reply content, printed text, error name)."""
-    msg_id = kc.execute(code)
-    out = []
-    deadline = time.time() + timeout
-    while True:
-        try:
-            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.time()))
-        except queue.Empty:
-            raise TimeoutError(f"kernel did not finish within {timeout}s; output so far: {''.join(out)}")
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            out.append(content["text"])
-        elif kind == "error":
-            out.append("\n".join(content["traceback"]))
-        elif kind == "status" and content["execution_state"] == "idle":
-            break
-    while True:  # skip replies to earlier (e.g. interrupted) cells
-        reply = kc.get_shell_msg(timeout=10)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            return reply["content"], "".join(out)
 
 
 def test_interrupt_in_real_kernel_stops_every_worker_and_kernel_stays_usable(shared_kernel, tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
 from nbddp import spawn_train
 from nbddp.errors import ConfigError, TrainingInterrupted, WorkerError
 
@@ -31,12 +31,6 @@ def project(tmp_path, monkeypatch):
     shutil.copytree(OWN, folder)
     monkeypatch.chdir(folder)
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_torchrun_script_runs_unchanged_and_trains_as_under_torchrun(project, tmp_path):

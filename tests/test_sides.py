@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import nbddp
+from conftest import free_port
 from nbddp import spawn_train
 
 PACKAGE = Path(nbddp.__file__).parent
@@ -149,11 +150,7 @@ def test_a_real_rank_holds_no_kernel_module(tmp_path, start_method):
 
 
 def test_a_rank_under_a_launcher_holds_no_kernel_module(tmp_path):
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     out = subprocess.run([sys.executable, "-m", "nbddp", "run", f"{WORKERS / 'sides.py'}:loaded_modules",
