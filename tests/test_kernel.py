@@ -71,17 +71,18 @@ def test_interrupt_in_real_kernel_stops_every_worker_and_kernel_stays_usable(sha
     assert "world 2" in out
 
 
-def test_notebook_defined_function_is_refused_in_kernel(shared_kernel, tmp_path):
+def test_a_notebook_function_that_cannot_cross_is_refused_in_kernel(shared_kernel, tmp_path):
     km, kc = shared_kernel
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
         "from nbddp import spawn_train\n"
-        "def train(ctx):\n    return 1\n"
+        f"notes = open({str(tmp_path / 'notes.txt')!r}, 'w')\n"
+        "def train(ctx):\n    notes.write('hi')\n"
         f"spawn_train(train, nprocs=2, runs_dir={str(tmp_path / 'runs')!r})\n"
     )
     reply, out = execute(kc, code)
     assert reply["status"] == "error" and reply["ename"] == "ConfigError"
-    assert "%%writefile my_worker.py" in reply["evalue"]
+    assert "`notes` (a global that train uses) is an open file" in reply["evalue"]
     assert not (tmp_path / "runs").exists()
 
 

@@ -242,6 +242,7 @@ import sys, json, threading, time
 sys.path.insert(0, {root!r})
 import nbddp
 time.sleep(2)
+import nbddp.forkserver  # asks the server's pid, starts nothing
 print(json.dumps([nbddp.forkserver.server_pid(), [t.name for t in threading.enumerate()]]))
 """
 
