@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from .calls import CTX, MP_SPAWN, TORCHRUN
 from .errors import ConfigError
+from .targets import find_def
 
 #: First parameter names that say "I am called as fn(rank, ...)", as mp.spawn calls.
 RANK_NAMES = ("rank", "local_rank", "gpu", "gpu_id", "device_id", "world_size", "proc_id", "process_id")
@@ -116,7 +117,7 @@ def _function(target: Union[str, Callable[..., Any]]):
             obj = getattr(obj, part)
         return _function(obj)
     module = _module_tree(where)
-    node = _find_def(module, qualname) if module else None
+    node = find_def(module, qualname) if module else None
     return None if node is None else (_signature_of(node), node, where)
 
 
@@ -130,18 +131,6 @@ def _module_tree(path: Optional[str]) -> Optional[ast.Module]:
         return ast.parse("".join(lines))
     except SyntaxError:
         return None
-
-
-def _find_def(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
-    body: list = tree.body
-    node = None
-    for part in qualname.split("."):
-        node = next((n for n in reversed(body) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)  # the last definition wins, as at run time
-        if node is None:
-            return None
-        body = node.body
-    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
 
 
 def _signature_of(node: ast.FunctionDef) -> inspect.Signature:

@@ -200,7 +200,7 @@ def worker_signature(spec: str) -> Optional[WorkerSignature]:
     """
     where, _, qualname = spec.rpartition(":")
     if where.endswith(".py") or os.sep in where:
-        node = _find_def(ast.parse(Path(where).read_text(), filename=where), qualname)
+        node = find_def(ast.parse(Path(where).read_text(), filename=where), qualname)
         return None if node is None else _signature_from_ast(node, qualname)
     try:
         sig = inspect.signature(load_target(spec))
@@ -209,7 +209,7 @@ def worker_signature(spec: str) -> Optional[WorkerSignature]:
     return signature_from_inspect(sig, qualname)
 
 
-def _find_def(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
+def find_def(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
     body: list = tree.body
     node = None
     for part in qualname.split("."):
