@@ -54,6 +54,10 @@ def init_process_group(backend: str, store, rank: int, world_size: int, timeout_
         extra["device_id"] = device
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **extra)
     _TIMEOUT = timeout
+    # Every rank is connected before any goes on: gloo's init can return on one rank while a
+    # peer still completes its connections, and a worker that returns at once would then exit
+    # under it ("Connection closed by peer"). One barrier, a few milliseconds, once per run.
+    barrier()
 
 
 def cpu_group():
