@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 from typing import Optional
@@ -104,14 +105,56 @@ def server_pid() -> Optional[int]:
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
+def start_server() -> None:
+    """Start the server now unless it runs (what the pre-warm and a launch both call).
+
+    It starts with SIGINT blocked, from its first instruction: Jupyter's Interrupt signals the
+    kernel's whole process group, the server included, and a server that took it while
+    importing torch died, failing the launch with an ``EOFError`` instead of the interrupt.
+    The blocked signal stays pending until multiprocessing's server loop ignores SIGINT, which
+    discards it; ranks unblock it for themselves (``runtime.entry``). The kernel's own thread
+    blocks it only for the start, so an Interrupt meanwhile reaches the kernel right after.
+    """
+    prepare()
+    from multiprocessing import forkserver
+
+    with _sys_path_only(), _sigint_blocked():
+        forkserver.ensure_running()  # under the server's lock: a launch waits for a pre-warm
+
+
+def server_death(pid: Optional[int]) -> Optional[str]:
+    """``"signal N"`` or ``"exit code N"`` when server ``pid`` has ended, else ``None``.
+
+    Looks without reaping (``WNOWAIT``): multiprocessing reaps its dead server itself, and
+    starts a new one, at the next launch.
+    """
+    if pid is None:
+        return None
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        return None
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return f"signal {info.si_status}"
+    return f"exit code {info.si_status}"
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT blocked in this thread; a child it starts inherits the blocked mask through exec."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _start() -> None:
     global last_error
     try:
-        prepare()
-        from multiprocessing import forkserver
-
-        with _sys_path_only():
-            forkserver.ensure_running()  # under the server's lock: a launch waits for it
+        start_server()
         last_error = None
     except BaseException as exc:  # noqa: BLE001 - never into the notebook: the launch retries
         last_error = exc
