@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Optional
 
 #: What the forkserver imports once, so that forked workers start with it in memory: torch,
@@ -57,9 +58,34 @@ def prepare() -> None:
         _prepared = True
 
 
+def unsafe_here() -> bool:
+    """True on the interpreters whose forkserver listens on an abstract Unix socket (3.10.0-3.10.8,
+    3.11.0; CVE-2022-42919): any local user could connect to it and have it run their code as
+    you. ``pyproject.toml`` excludes them; this guards an install that went around that."""
+    version = tuple(sys.version_info[:3])
+    return (3, 10, 0) <= version < (3, 10, 9) or version == (3, 11, 0)
+
+
+_warned_unsafe = False
+
+
+def start_method(requested: str) -> str:
+    """``requested``, or ``"spawn"`` in place of ``"forkserver"`` where :func:`unsafe_here` (said once)."""
+    global _warned_unsafe
+    if requested != "forkserver" or not unsafe_here():
+        return requested
+    if not _warned_unsafe:
+        _warned_unsafe = True
+        warnings.warn(f"Python {sys.version.split()[0]}'s forkserver listens on a socket any local user can "
+                      "use (CVE-2022-42919): nbddp starts workers with spawn instead (seconds slower per "
+                      "launch). Upgrade to Python >= 3.10.9 or >= 3.11.1 for warm launches.", stacklevel=3)
+    return "spawn"
+
+
 def enabled() -> bool:
-    """False when ``NBDDP_PREWARM`` says no, and in any process multiprocessing started (workers)."""
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+    """False when ``NBDDP_PREWARM`` says no, on an interpreter whose forkserver is unsafe
+    (:func:`unsafe_here`), and in any process multiprocessing started (workers)."""
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off") or unsafe_here():
         return False
     import multiprocessing
 

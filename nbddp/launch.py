@@ -24,6 +24,7 @@ from .config import MIN_TIMEOUT_S, TrainConfig
 from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError, NbddpError, TrainingInterrupted
 from .forkserver import prepare as _prepare_forkserver, server_death, server_pid, start_server
+from .forkserver import start_method as _forkserver_start_method
 from .gpus import IDLE, cuda_visible_devices, resolve_gpus
 from .handle import RunHandle, TrainResult, interrupts_held
 from .procs import MARKER_ENV, live_workers
@@ -209,6 +210,7 @@ def spawn_train(
     if start_method not in ("spawn", "forkserver"):
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
+    start_method = _forkserver_start_method(start_method)  # spawn where the forkserver is unsafe
     target, gpus = _resolve_gpus(target, gpus)  # "idle" (here or in a config): the GPUs idle now; busy ones warn
     plan = tasks.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
