@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
+import warnings
 from typing import Optional
 
 #: What the forkserver imports once, so that forked workers start with it in memory: torch,
@@ -56,9 +58,34 @@ def prepare() -> None:
         _prepared = True
 
 
+def unsafe_here() -> bool:
+    """True on the interpreters whose forkserver listens on an abstract Unix socket (3.10.0-3.10.8,
+    3.11.0; CVE-2022-42919): any local user could connect to it and have it run their code as
+    you. ``pyproject.toml`` excludes them; this guards an install that went around that."""
+    version = tuple(sys.version_info[:3])
+    return (3, 10, 0) <= version < (3, 10, 9) or version == (3, 11, 0)
+
+
+_warned_unsafe = False
+
+
+def start_method(requested: str) -> str:
+    """``requested``, or ``"spawn"`` in place of ``"forkserver"`` where :func:`unsafe_here` (said once)."""
+    global _warned_unsafe
+    if requested != "forkserver" or not unsafe_here():
+        return requested
+    if not _warned_unsafe:
+        _warned_unsafe = True
+        warnings.warn(f"Python {sys.version.split()[0]}'s forkserver listens on a socket any local user can "
+                      "use (CVE-2022-42919): nbddp starts workers with spawn instead (seconds slower per "
+                      "launch). Upgrade to Python >= 3.10.9 or >= 3.11.1 for warm launches.", stacklevel=3)
+    return "spawn"
+
+
 def enabled() -> bool:
-    """False when ``NBDDP_PREWARM`` says no, and in any process multiprocessing started (workers)."""
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+    """False when ``NBDDP_PREWARM`` says no, on an interpreter whose forkserver is unsafe
+    (:func:`unsafe_here`), and in any process multiprocessing started (workers)."""
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off") or unsafe_here():
         return False
     import multiprocessing
 
@@ -104,14 +131,56 @@ def server_pid() -> Optional[int]:
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
+def start_server() -> None:
+    """Start the server now unless it runs (what the pre-warm and a launch both call).
+
+    It starts with SIGINT blocked, from its first instruction: Jupyter's Interrupt signals the
+    kernel's whole process group, the server included, and a server that took it while
+    importing torch died, failing the launch with an ``EOFError`` instead of the interrupt.
+    The blocked signal stays pending until multiprocessing's server loop ignores SIGINT, which
+    discards it; ranks unblock it for themselves (``runtime.entry``). The kernel's own thread
+    blocks it only for the start, so an Interrupt meanwhile reaches the kernel right after.
+    """
+    prepare()
+    from multiprocessing import forkserver
+
+    with _sys_path_only(), _sigint_blocked():
+        forkserver.ensure_running()  # under the server's lock: a launch waits for a pre-warm
+
+
+def server_death(pid: Optional[int]) -> Optional[str]:
+    """``"signal N"`` or ``"exit code N"`` when server ``pid`` has ended, else ``None``.
+
+    Looks without reaping (``WNOWAIT``): multiprocessing reaps its dead server itself, and
+    starts a new one, at the next launch.
+    """
+    if pid is None:
+        return None
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        return None
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return f"signal {info.si_status}"
+    return f"exit code {info.si_status}"
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT blocked in this thread; a child it starts inherits the blocked mask through exec."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _start() -> None:
     global last_error
     try:
-        prepare()
-        from multiprocessing import forkserver
-
-        with _sys_path_only():
-            forkserver.ensure_running()  # under the server's lock: a launch waits for it
+        start_server()
         last_error = None
     except BaseException as exc:  # noqa: BLE001 - never into the notebook: the launch retries
         last_error = exc

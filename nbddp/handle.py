@@ -26,6 +26,8 @@ from . import rundir
 from .protocol import (LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_error_records,
                        read_heartbeats, read_progress, read_result, write_stop_request)
 from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
+from .forkserver import server_death, server_pid
+from .procs import end_leftovers, orphaned_group
 from .system import kill_group_or_process
 
 
@@ -131,6 +133,20 @@ def _newest_checkpoint(run_dir: Path) -> Optional[str]:
     return f"{newest.parent.name}/{newest.name}"
 
 
+#: How long what the ranks started gets after SIGTERM, once the ranks are gone, before SIGKILL.
+_LEFTOVER_GRACE_S = 1.0
+
+
+def _end_group(pid: int) -> None:
+    """SIGTERM to the process group of a rank that just exited (it led it): what it started
+    there goes with it (see :func:`nbddp.procs.orphaned_group`)."""
+    if orphaned_group(pid):
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 class RunHandle:
     """A running (or finished) launch. ``spawn_train(..., block=False)`` returns one.
 
@@ -164,6 +180,8 @@ class RunHandle:
         self._outcome: Optional[Union[TrainResult, BaseException]] = None
         self._done = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        # The warm server the ranks forked from (none under spawn): if it dies, they die with it.
+        self._server = server_pid() if spec.parent_pid is None else None
 
     # -- public ----------------------------------------------------------------------
     @property
@@ -306,6 +324,7 @@ class RunHandle:
             for rank, p in enumerate(self._procs.processes):
                 if rank not in self._ends and p.exitcode is not None:  # exitcode reaps the child
                     self._ends[rank] = RankEnd(rank, p.pid, p.exitcode, now, self._shutdown is not None)
+                    _end_group(p.pid)
                     if p.exitcode != 0:
                         self._adopt_torch_error_file(rank)
             failed = [e for e in self._ends.values() if e.exitcode != 0 and not e.by_launcher]
@@ -408,12 +427,15 @@ class RunHandle:
 
     def _finish(self) -> None:
         self._remove_torch_error_files()
+        # Nothing a rank started outlives the run: its group, and marked processes that left it.
+        end_leftovers(self.run_dir, groups=self.pids, grace_s=_LEFTOVER_GRACE_S)
         self._read_streams(final=True)
         seconds = time.time() - self.started_at
         reason = self._shutdown.reason if self._shutdown else None
         all_ok = all(e.exitcode == 0 for e in self._ends.values())
         if reason == "failure" or (not all_ok and reason is None):
-            outcome: Union[TrainResult, BaseException] = build_worker_error(self.run_dir, self._ends, self.world_size)
+            outcome: Union[TrainResult, BaseException] = build_worker_error(
+                self.run_dir, self._ends, self.world_size, server_died=server_death(self._server))
         elif all_ok and has_result(self.run_dir) and reason != "interrupt":
             value = read_result(self.run_dir)
             values = ([value] + [read_result(self.run_dir, r) for r in range(1, self.world_size)]

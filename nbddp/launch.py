@@ -22,8 +22,9 @@ import torch.multiprocessing as mp
 from . import rundir, tasks
 from .config import MIN_TIMEOUT_S, TrainConfig
 from .rundir import NAME_RULE, name_problem
-from .errors import ConfigError
-from .forkserver import prepare as _prepare_forkserver
+from .errors import ConfigError, NbddpError, TrainingInterrupted
+from .forkserver import prepare as _prepare_forkserver, server_death, server_pid, start_server
+from .forkserver import start_method as _forkserver_start_method
 from .gpus import IDLE, cuda_visible_devices, resolve_gpus
 from .handle import RunHandle, TrainResult, interrupts_held
 from .procs import MARKER_ENV, live_workers
@@ -209,6 +210,7 @@ def spawn_train(
     if start_method not in ("spawn", "forkserver"):
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
+    start_method = _forkserver_start_method(start_method)  # spawn where the forkserver is unsafe
     target, gpus = _resolve_gpus(target, gpus)  # "idle" (here or in a config): the GPUs idle now; busy ones warn
     plan = tasks.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
@@ -302,7 +304,7 @@ def _child_env(run_dir: Path, port: int, threads: int, visible_devices: Optional
         # The run's marker from the first instruction on, for cleanup to prove a spawned worker
         # is this run's even before it opens its log (forked workers show the server's birth
         # environment in /proc instead; their log on fd 1 marks them, see procs.carries_marker).
-        child_env[MARKER_ENV] = str(run_dir)
+        child_env[MARKER_ENV] = str(Path(run_dir).absolute())
     return child_env
 
 
@@ -313,9 +315,13 @@ def _start(spec: LaunchSpec, store, child_env: Dict[str, Optional[str]], start_m
     # start waits seconds for the forkserver): it is held back until the handle owns the
     # processes and the launch record names them, then handled like any other.
     with interrupts_held() as interrupted:
-        with _patched_env(child_env), _bare_main():
-            procs = mp.start_processes(entry, args=(spec,), nprocs=spec.world_size, join=False,
-                                       start_method=start_method)
+        _start_helpers(start_method)
+        try:
+            with _patched_env(child_env), _bare_main():
+                procs = mp.start_processes(entry, args=(spec,), nprocs=spec.world_size, join=False,
+                                           start_method=start_method)
+        except (EOFError, OSError) as exc:  # the server's connection broke: it died
+            raise _start_failed(spec, start_method, bool(interrupted)) from exc
         try:
             handle = RunHandle(procs, spec, store, **watch)
             if on_event is not None:
@@ -332,6 +338,32 @@ def _start(spec: LaunchSpec, store, child_env: Dict[str, Optional[str]], start_m
     if interrupted:
         handle.end_interrupted()  # staged stop, every worker reaped; raises TrainingInterrupted
     return handle if not block else handle.wait()
+
+
+def _start_failed(spec: LaunchSpec, start_method: str, interrupted: bool) -> BaseException:
+    """The error for a launch whose workers could not be started (the warm server died meanwhile).
+
+    Workers it had forked die with it (their parent-death signal). After an Interrupt that is
+    the interrupt; otherwise the server's end is named, and the next launch starts a new one.
+    """
+    if interrupted:
+        return TrainingInterrupted.for_run("interrupted", spec.world_size, spec.run_dir,
+                                           how="before every worker had started")
+    death = server_death(server_pid()) if start_method == "forkserver" else None
+    what = f"the launch server died ({death})" if death else "starting the workers failed"
+    return NbddpError(f"{what} while starting the workers of {spec.run_dir}; launch again (a new server "
+                      "starts), or use start_method='spawn'.")
+
+
+def _start_helpers(start_method: str) -> None:
+    """Start multiprocessing's resource tracker and the warm server before the launch's environment
+    is set: they stay for later launches, and must carry no run's marker (``cleanup`` would take
+    them for what a rank started) nor its ports."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    if start_method == "forkserver":
+        start_server()
 
 
 def _kill_started(procs) -> None:

@@ -2,6 +2,11 @@
 
 A pid alone can be reused by an unrelated process after ours exited; the pair (pid, start
 time in clock ticks since boot) cannot. Launch records keep both, and ``cleanup`` checks both.
+
+What the ranks start themselves (a ``subprocess.Popen`` in a worker, a data server) is found
+the same way: every rank leads its own process group, and every process it starts inherits
+the run's marker in its environment, even one that left the group for a session of its own
+(``start_new_session=True``). :func:`end_leftovers` ends both once the ranks are gone.
 """
 
 from __future__ import annotations
@@ -11,10 +16,10 @@ import signal
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Union
 
 from . import rundir
-from .system import is_same_process
+from .system import is_same_process, start_time
 
 
 #: Environment variable that marks a worker of a run: its value is the run folder.
@@ -50,6 +55,97 @@ def carries_marker(pid: int, run_dir: Union[str, Path]) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return rundir.is_rank_log(out, target)
+
+
+def _parent(pid: int) -> Optional[int]:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def marked_processes(run_dir: Union[str, Path], spare: Iterable[int] = ()) -> Dict[int, Optional[int]]:
+    """``{pid: start_time}`` of this user's live processes that carry ``run_dir``'s marker.
+
+    Never the calling process, the pids in ``spare``, nor a direct child of either that
+    ``spare`` does not name: a kernel's multiprocessing helpers (resource tracker, forkserver)
+    may have been started while a launch's marker was in its environment, and they stay for
+    the next launch. What a rank started is the rank's descendant, never a kernel's child.
+    """
+    spared = {os.getpid(), *spare}
+    uid = os.getuid()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in spared:
+            continue
+        pid = int(entry)
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid or _parent(pid) in spared:
+                continue
+            if carries_marker(pid, run_dir):
+                started = start_time(pid)
+                if started is not None and is_same_process(pid, started):
+                    found[pid] = started
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def end_leftovers(run_dir: Union[str, Path], groups: Iterable[int] = (), spare: Iterable[int] = (),
+                  grace_s: float = 1.0) -> List[int]:
+    """End what a run's ranks left behind once they are gone: SIGTERM, up to ``grace_s``, SIGKILL.
+
+    That is every member of the ranks' process groups (``groups``: the ranks' pids, each rank
+    leads its own group; see :func:`orphaned_group`) and every process
+    of this user that carries the run's marker (see :func:`marked_processes`).
+
+    Returns:
+        The marked pids that were found and ended (group members are ended without a list).
+    """
+    groups = [g for g in groups if orphaned_group(g)]
+    marked = marked_processes(run_dir, spare)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid, started in marked.items():
+            if is_same_process(pid, started):
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if sig == signal.SIGKILL:
+            break
+        deadline = time.time() + grace_s
+        while time.time() < deadline and (_any_member(groups) or any(
+                is_same_process(p, st) for p, st in marked.items())):
+            time.sleep(0.02)
+        if not _any_member(groups) and not any(is_same_process(p, st) for p, st in marked.items()):
+            break
+    return list(marked)
+
+
+def orphaned_group(group: int) -> bool:
+    """True when the process that led group ``group`` is gone (exited and reaped).
+
+    Linux never gives a pid to a new process while a process group of that id has members, so
+    the group's remaining members are then the leader's own: signalling the group reaches no
+    one else. While a process with that pid exists (the leader, or a new process once the group
+    emptied and the pid was reused), nothing is sent.
+    """
+    return not os.path.exists(f"/proc/{group}")
+
+
+def _any_member(groups: List[int]) -> bool:
+    for group in groups:
+        try:
+            os.killpg(group, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            pass
+    return False
 
 
 def recorded_workers(run_dir: Union[str, Path]) -> Dict[int, Optional[int]]:
@@ -93,7 +189,10 @@ def _other_user(pid: int, run_dir: Union[str, Path]) -> str:
 
 
 def cleanup(run_dir: Union[str, Path], grace_s: float = 3.0) -> List[int]:
-    """End the workers an earlier launch of ``run_dir`` left running: SIGTERM, grace, SIGKILL.
+    """End the workers an earlier launch of ``run_dir`` left running, and what they started.
+
+    SIGTERM, grace, SIGKILL: first to the workers, then to what they started (see
+    :func:`end_leftovers`), a child in a session of its own included.
 
     Only processes that are provably workers of this run are signalled: a pid of the run's
     launch record whose start time matches the recorded one AND that carries the run's marker
@@ -101,7 +200,7 @@ def cleanup(run_dir: Union[str, Path], grace_s: float = 3.0) -> List[int]:
     A process of another user is reported with a warning, not signalled.
 
     Returns:
-        The pids that were running and were ended.
+        The pids that were running and were ended (workers first, then what they started).
 
     Example:
         >>> nbddp.cleanup("runs/20250101-120000-digits")
@@ -139,4 +238,9 @@ def cleanup(run_dir: Union[str, Path], grace_s: float = 3.0) -> List[int]:
                 except ChildProcessError:
                     pass
             time.sleep(0.05)
-    return pids
+    # What the ranks started: their groups' members, and marked processes in sessions of their own.
+    # The launching kernel (alive or not) and its own helpers are spared.
+    parent = rundir.read_launch_record(run_dir).get("parent_pid")
+    spare = [parent] if isinstance(parent, int) else []
+    leftovers = end_leftovers(run_dir, groups=pids, spare=spare + list(recorded), grace_s=grace_s)
+    return pids + [p for p in leftovers if p not in pids]

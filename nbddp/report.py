@@ -122,8 +122,14 @@ def how_ranks_stopped(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord])
     return "; ".join(parts)
 
 
-def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int) -> WorkerError:
-    """Compose the one exception the notebook shows for a failed run."""
+def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
+                       server_died: Optional[str] = None) -> WorkerError:
+    """Compose the one exception the notebook shows for a failed run.
+
+    Args:
+        server_died: how the warm server the ranks forked from ended (``"signal 9"``), if it
+            died during the run: every rank then ends with it, without a word of its own.
+    """
     records, beats = read_error_records(run_dir, world_size), read_heartbeats(run_dir, world_size)
     logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}
     watchdog = frozenset(r for r in range(world_size) if aborted_by_watchdog(ends.get(r), logs[r]))
@@ -146,6 +152,9 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int)
         headline = f"rank {root} raised {rec.type}: {rec.message}"
         if rec.root_rank is not None and rec.rank != root:
             headline = f"rank {root}: {rec.type}: {rec.message}"
+    elif server_died:
+        headline = (f"the launch server died ({server_died}) and its ranks ended with it; the next launch "
+                    "starts a new one")
     elif root in watchdog:
         headline = (f"rank {root} timed out waiting in a collective and NCCL's watchdog aborted it; "
                     "no rank was found behind it")

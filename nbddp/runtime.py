@@ -456,6 +456,10 @@ def run_rank_hook(rank: int) -> None:
         targets.load_target(spec)(rank)
 
 
+#: The environment variable that marks a run's processes (the kernel side's ``procs.MARKER_ENV``).
+_MARKER_ENV = "NBDDP_RUN_DIR"
+
+
 def entry(local_rank: int, spec: LaunchSpec) -> None:
     """Run one rank: set up, call the target, report, tear down. Never returns normally."""
     set_parent_death_signal(spec.parent_pid)
@@ -464,12 +468,18 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     except OSError:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The warm server runs with SIGINT blocked (nbddp.forkserver.start_server): a rank must not,
+    # or a stop request's SIGINT (_interrupt_on_stop) and its children's Ctrl-C would never arrive.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     fork_children()
     if spec.env:
         os.environ.clear()  # exactly the launching kernel's environment of this launch
         os.environ.update(spec.env)
     if spec.cwd:
         os.chdir(spec.cwd)  # the kernel's working directory now, not the warm server's at its start
+    # The run's marker (``procs.MARKER_ENV``), absolute, before any user code: every process the
+    # rank starts inherits it, so the kernel finds them even in a session of their own.
+    os.environ[_MARKER_ENV] = os.path.abspath(spec.run_dir)
     rank = local_rank  # single-machine launch: global rank == local rank
     run_rank_hook(rank)
     run_dir = Path(spec.run_dir)
@@ -482,7 +492,6 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     os.environ.update(calls.torchrun_environment(
         rank, spec.world_size, spec.store_host, spec.master_port or spec.store_port, run_id=run_dir.name,
         agent_store=own_group and spec.call != calls.MP_SPAWN))
-    os.environ["NBDDP_RUN_DIR"] = str(run_dir)
     torch.set_num_threads(spec.threads)
     # No CUDA call here: device set-up runs inside run_rank's error handling, so "invalid
     # device ordinal" or "no NVIDIA driver" reach the notebook as this rank's error.

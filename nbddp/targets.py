@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import inspect
 import sys
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,25 +130,65 @@ def _check_file_target(path: Path, qualname: str) -> str:
 
 
 def load_target(spec: str) -> Callable[..., Any]:
-    """Import the function a spec names (runs in the worker process)."""
+    """Import the function a spec names (runs in the worker process).
+
+    A file target is compiled from the bytes on disk at every launch, never from
+    ``__pycache__``: its bytecode is trusted on mtime and size alone, so a file rewritten with
+    the same size within the same second (``%%writefile`` under "Run All") would run stale.
+    Its folder's other modules, imported by it, are compiled from source too (see
+    :func:`_from_source_in`).
+    """
     where, _, qualname = spec.rpartition(":")
     if where.endswith(".py") or os.sep in where:
         path = Path(where)
         # The file's folder goes on sys.path so the worker can import its sibling modules.
         if str(path.parent) not in sys.path:
             sys.path.insert(0, str(path.parent))
+        _from_source_in(str(path.parent))
         name = "nbddp_user_" + "".join(c if c.isalnum() else "_" for c in path.stem)
-        mod_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(mod_spec)
-        # Registered before exec so pickling and dataclasses inside the file work.
-        sys.modules[name] = module
-        mod_spec.loader.exec_module(module)
-        obj: Any = module
+        obj: Any = _exec_file(name, path)
     else:
         obj = importlib.import_module(where)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _exec_file(name: str, path: Path) -> types.ModuleType:
+    """The module ``name`` made by running ``path``'s source as it is on disk now."""
+    source = path.read_bytes()
+    mod_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(mod_spec)
+    module.__cached__ = None  # no bytecode file stands for it
+    # Registered before exec so pickling and dataclasses inside the file work.
+    sys.modules[name] = module
+    try:
+        exec(compile(source, str(path), "exec", dont_inherit=True), module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+class _SourceLoader(importlib.machinery.SourceFileLoader):
+    """Compiles a module from its source every time, never from ``__pycache__``."""
+
+    def get_code(self, fullname):
+        path = self.get_filename(fullname)
+        return compile(self.get_data(path), path, "exec", dont_inherit=True)
+
+
+def _from_source_in(folder: str) -> None:
+    """Modules imported from ``folder`` (the worker file's own) are compiled from their source.
+
+    Their cached bytecode has the same weakness as the worker file's: a sibling rewritten with
+    the same size in the same second would run as it was. The user's own folder is small, so
+    compiling it at every launch costs little; installed packages keep their caches.
+    """
+    machinery = importlib.machinery
+    sys.path_importer_cache[folder] = machinery.FileFinder(
+        folder, (machinery.ExtensionFileLoader, machinery.EXTENSION_SUFFIXES),
+        (_SourceLoader, machinery.SOURCE_SUFFIXES), (machinery.SourcelessFileLoader, machinery.BYTECODE_SUFFIXES))
 
 
 # ------------------------------------------------------------------------ signatures

@@ -1,0 +1,83 @@
+"""An Interrupt early in a kernel's first launch, and a warm server that dies mid-run.
+
+Jupyter's Interrupt (and Ctrl-C) sends SIGINT to the kernel's whole process group, the warm
+server included. A server that took it while importing torch died, and the cell got an
+``EOFError``; a server killed mid-run left every rank "exited with code 255 without a Python
+exception". The server now starts with SIGINT blocked, and its death is named.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from nbddp import WorkerError, spawn_train
+from nbddp.forkserver import server_pid
+from conftest import ROOT, WORKERS, wait_for
+from test_shared_server import launch_workers
+
+FAULTY = f"{WORKERS / 'faulty.py'}"
+
+_COLD_LAUNCH = """
+import sys, time
+sys.path.insert(0, {root!r})
+import nbddp, nbddp.launch  # torch is imported: the interrupt falls on the launch itself
+print("launching", flush=True)
+try:
+    nbddp.spawn_train({target!r}, {go!r}, nprocs=2, runs_dir={runs!r}, echo=False, grace_s=1)
+except BaseException as exc:
+    print("ended with", type(exc).__name__, exc, flush=True)
+print("alive", flush=True)
+time.sleep(120)  # the kernel lives on after the interrupted cell
+"""
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.6, 1.0, 2.0])
+def test_an_interrupt_to_the_group_early_in_a_cold_launch_raises_training_interrupted(tmp_path, delay):
+    """SIGINT to the launcher's whole group (as Jupyter sends it) ``delay`` s into its first launch,
+    while the warm server starts and imports torch."""
+    marker = uuid.uuid4().hex
+    code = _COLD_LAUNCH.format(root=str(ROOT), target=f"{FAULTY}:barrier_then_wait_for_file",
+                               go=str(tmp_path / "go"), runs=str(tmp_path / "runs"))
+    env = {**os.environ, "NBDDP_TEST_MARKER": marker, "NBDDP_PREWARM": "0"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout.readline().startswith("launching")
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("alive"):
+                break
+        out = "".join(lines)
+        assert "alive" in out, out
+        ended = next(line for line in lines if line.startswith("ended with"))
+        runs = tmp_path / "runs"
+        assert ended.startswith("ended with TrainingInterrupted") or (
+            ended.startswith("ended with KeyboardInterrupt") and not runs.exists()), out
+        assert wait_for(lambda: not launch_workers(marker, proc.pid), timeout=10), (
+            f"workers of the launch remain: {launch_workers(marker, proc.pid)}; output: {out}")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_server_killed_mid_run_is_named(runs_dir, tmp_path):
+    handle = spawn_train(f"{FAULTY}:barrier_then_wait_for_file", str(tmp_path / "go"), nprocs=2,
+                         runs_dir=runs_dir, echo=False, block=False, start_method="forkserver", grace_s=1)
+    try:
+        assert wait_for(lambda: all((handle.run_dir / "logs" / f"rank{r}.log").exists() for r in (0, 1)), 60)
+        os.kill(server_pid(), signal.SIGKILL)
+        with pytest.raises(WorkerError, match=r"the launch server died \(signal 9\)"):
+            handle.wait(timeout=60)
+    finally:
+        if handle.running:
+            handle.stop()
+    # The next launch starts a new server and runs.
+    assert spawn_train(f"{FAULTY}:info", nprocs=1, runs_dir=runs_dir, echo=False).value is not None
