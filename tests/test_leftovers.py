@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from nbddp import WorkerError, cleanup, spawn_train
+from nbddp import WorkerError, spawn_train
 from nbddp.procs import MARKER_ENV
-from nbddp.system import start_time
 from conftest import proc_state, wait_for
 
 _WORKER = """
