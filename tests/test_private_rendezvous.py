@@ -45,8 +45,8 @@ def test_a_launch_store_has_no_port_and_lives_in_a_private_folder(tmp_path, runs
             for r in (0, 1) if (h.run_dir / ".nbddp" / f"rank{r}.json").exists()) and
             all((h.run_dir / ".nbddp" / f"rank{r}.json").exists() for r in (0, 1)), 90), "workers did not meet"
         record = json.loads(launch.read_text())
-        assert record["store"] == "file"
         assert not reachable_by_tcp(record.get("port")), record  # no port, so nothing to dial
+        assert record["store"] == "file"
         folder = Path(h.spec.store_path).parent
         assert folder.is_dir() and mode(folder) == 0o700 and folder.stat().st_uid == os.getuid()
     finally:
