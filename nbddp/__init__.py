@@ -28,9 +28,11 @@ shared      ``targets``          ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (k
 shared      ``cells``            functions from notebook cells: checked and pickled by value (kernel), loaded (rank)
 shared      ``conventions``      a worker's convention and arguments, read from its signature and source
 shared      ``gpus``             GPUs from NVML or nvidia-smi, never through CUDA
+shared      ``leases``           advisory per-GPU leases between kernels (taken by launch, shown by gpus)
 shared      ``tasks``            every launch's plan (``LaunchPlan``): target, world, name, resume
 shared      ``checkpoint``       atomic save, weights-only load, export files
 kernel      ``launch``           ``spawn_train``: plan, run folder, store, environment, start
+kernel      ``rendezvous``       where the ranks meet: a private FileStore, or a TCP store for env://
 kernel      ``forkserver``       the warm server workers fork from; pre-warmed in a kernel
 kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
 kernel      ``shutdown``         the staged stop: ask, SIGTERM, SIGKILL, as a small state machine
@@ -60,8 +62,8 @@ entry       ``cli``              ``python -m nbddp``: a shell's launcher, or one
 #: Each module's side (the table above as data): ``kernel``, ``worker``, ``shared`` or ``entry``.
 SIDES = {
     "config": "shared", "errors": "shared", "rundir": "shared", "paths": "shared", "system": "shared",
-    "targets": "shared", "protocol": "shared", "cells": "shared", "fieldspec": "shared", "cluster": "shared", "gpus": "shared", "tasks": "shared", "checkpoint": "shared",
-    "launch": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel", "shutdown": "kernel", "output": "kernel",
+    "targets": "shared", "protocol": "shared", "cells": "shared", "fieldspec": "shared", "cluster": "shared", "gpus": "shared", "leases": "shared", "tasks": "shared", "checkpoint": "shared",
+    "launch": "kernel", "rendezvous": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel", "shutdown": "kernel", "output": "kernel",
     "export": "kernel", "inference": "kernel", "ui": "kernel", "ui.panel": "kernel",
     "ui.charts": "kernel", "ui.tensorboard": "kernel", "ui.devices": "kernel", "ui.form": "kernel",
     "ui.layout": "kernel", "ui.run_view": "kernel", "ui.worker_form": "kernel",

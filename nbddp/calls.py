@@ -12,7 +12,7 @@ script          ``python train.py *argv``            made by the script, ``init_
 A script (``"train.py"``, or ``"-m pkg.train"``) runs as ``__main__`` with ``sys.argv`` as torchrun
 gives it and the kernel's working directory. Every rank gets torchrun's environment
 (:func:`torchrun_environment`); under ``"torchrun"`` and scripts, ``init_process_group("env://")``
-meets the kernel's private store, as torchrun's ranks meet its agent's store.
+meets the kernel's TCP store on loopback, as torchrun's ranks meet its agent's store.
 
 Worker side.
 """

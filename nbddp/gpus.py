@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .errors import ConfigError
+from .leases import holders
 
 #: The word that asks for the GPUs idle at launch: ``gpus="idle"`` (TrainConfig, spawn_train, --gpus idle).
 IDLE = "idle"
@@ -62,6 +63,8 @@ class GPUInfo:
         processes: compute processes on it now other than this kernel (NVML's
             ``nvmlDeviceGetComputeRunningProcesses``, or ``nvidia-smi --query-compute-apps``),
             of any user; ``None`` where the driver does not say.
+        lease: who holds the GPU's advisory lease (:mod:`nbddp.leases`), e.g. ``"leased by alice
+            (pid 4242, run 20250101-120000-mnist)"``; ``None`` when no kernel holds it.
     """
 
     index: int
@@ -71,6 +74,7 @@ class GPUInfo:
     utilization_pct: Optional[int]
     uuid: Optional[str] = None
     processes: Optional[int] = None
+    lease: Optional[str] = None
 
     @property
     def memory_used_mib(self) -> Optional[int]:
@@ -104,7 +108,8 @@ class GPUInfo:
         util = "?" if self.utilization_pct is None else f"{self.utilization_pct}%"
         n = self.processes
         procs = "? processes" if n is None else f"{n} process{'' if n == 1 else 'es'}"
-        return [f"{_gib(self.memory_used_mib)}/{_gib(self.memory_total_mib)} GiB used", f"{util} busy", procs]
+        parts = [f"{_gib(self.memory_used_mib)}/{_gib(self.memory_total_mib)} GiB used", f"{util} busy", procs]
+        return parts + ([self.lease] if self.lease else [])
 
 
 def _gib(mib: Optional[int]) -> str:
@@ -312,7 +317,9 @@ def _visible() -> Tuple[List[Tuple[GPUInfo, str]], Optional[str]]:
         gpus, migs = nvml
     else:
         gpus, migs = _from_nvidia_smi() or [], []
-    return _resolve(raw, gpus, migs, nvml is not None)
+    visible, problem = _resolve(raw, gpus, migs, nvml is not None)
+    held = holders([g for g, _ in visible])  # another kernel's launch may not show in memory yet
+    return [(dataclasses.replace(g, lease=held[g.index]) if g.index in held else g, w) for g, w in visible], problem
 
 
 def list_gpus() -> List[GPUInfo]:
@@ -393,12 +400,12 @@ def cuda_visible_devices(ids: Sequence[int]) -> str:
 
 # ------------------------------------------------------------------------------ idle GPUs
 def idle_gpus(gpus: Optional[Sequence[GPUInfo]] = None) -> List[int]:
-    """The ids of the GPUs idle now (:data:`IDLE_RULE`), in listing order.
+    """The ids of the GPUs idle now (:data:`IDLE_RULE`) that no kernel leases, in listing order.
 
     Args:
         gpus: GPUs already listed (default: :func:`list_gpus` now).
     """
-    return [g.index for g in (list_gpus() if gpus is None else gpus) if g.idle]
+    return [g.index for g in (list_gpus() if gpus is None else gpus) if g.idle and not g.lease]
 
 
 def preselected_gpus(gpus: Optional[Sequence[GPUInfo]] = None) -> Tuple[List[int], str]:
@@ -412,7 +419,7 @@ def preselected_gpus(gpus: Optional[Sequence[GPUInfo]] = None) -> Tuple[List[int
     """
     gpus = list_gpus() if gpus is None else list(gpus)
     ids = idle_gpus(gpus)
-    busy = ", ".join(f"{g.index} ({g.state()})" for g in gpus if not g.idle)
+    busy = ", ".join(f"{g.index} ({g.state()})" for g in gpus if g.index not in ids)
     if not busy:
         return ids, ""
     if not ids:
@@ -473,6 +480,9 @@ def _warn_busy(ids: Sequence[Any], available: Sequence[GPUInfo]) -> None:
         if g is not None and not g.idle:
             _warn_at_caller(f"GPU {i} is not idle ({g.state()}): this run shares it with what runs there; "
                             f"gpus={IDLE!r} picks idle GPUs only", BusyGPUWarning)
+        elif g is not None and g.lease:
+            _warn_at_caller(f"GPU {i} is {g.lease}: that launch may not show in its memory yet, and this run "
+                            f"shares the GPU with it; gpus={IDLE!r} picks GPUs no kernel leases", BusyGPUWarning)
 
 
 def _warn_at_caller(message: str, category: type) -> None:

@@ -158,9 +158,13 @@ class RunHandle:
     """
 
     def __init__(self, procs, spec: LaunchSpec, store, echo: bool, grace_s: float,
-                 stall_timeout_s: Optional[float] = None, stop_timeout_s: float = STOP_TIMEOUT_S):
-        # torch's ProcessContext of the workers (not a worker's ctx: that lives in the workers)
+                 stall_timeout_s: Optional[float] = None, stop_timeout_s: float = STOP_TIMEOUT_S,
+                 leases=None):
+        # torch's ProcessContext of the workers (not a worker's ctx: that lives in the workers).
+        # store: the launch's meeting point (nbddp.rendezvous.Rendezvous, or a bare TCPStore);
+        # leases: its GPU leases (nbddp.leases.Leases). Both are held until the run ends.
         self._procs, self.spec, self._store, self.echo, self.grace_s = procs, spec, store, echo, grace_s
+        self._leases = leases
         self.stop_timeout_s = stop_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self._stall_checked = 0.0
@@ -253,10 +257,21 @@ class RunHandle:
                 f"all {self.world_size} workers were stopped and reaped. Check that the run folder "
                 "still exists and is writable, then launch again.", run_dir=self.run_dir)
             self._outcome.__cause__ = exc
-            self._store = None
+            self._release()
             self._remove_torch_error_files()
             self._done.set()
         self._emit("end", self._outcome)
+
+    def _release(self) -> None:
+        """Give back what the launch held for its lifetime: its meeting point and its GPU leases."""
+        store, self._store = self._store, None
+        if store is not None and hasattr(store, "close"):
+            with contextlib.suppress(Exception):
+                store.close()
+        if self._leases is not None:
+            with contextlib.suppress(Exception):
+                self._leases.release()
+            self._leases = None
 
     def _wait_done(self, timeout: Optional[float]) -> None:
         # Jupyter's Interrupt (SIGINT) only sets a flag here, checked between polls: raised as
@@ -454,7 +469,7 @@ class RunHandle:
         for p in self._procs.processes:
             with contextlib.suppress(Exception):
                 p.close()
-        self._store = None  # closes the kernel-owned store and frees its port
+        self._release()  # the store closed (its port or private folder freed), the GPUs' leases given back
         clear_stop_request(self.run_dir)
         rundir.update_launch_record(self.run_dir, ended=time.time())
         self._done.set()

@@ -1,14 +1,13 @@
 """``spawn_train``: start one process per GPU (or N CPU processes) from a notebook, safely.
 
 Everything before the first process starts happens here: the target and its arguments are
-checked, the run folder made, a free port taken by a store the kernel owns, the environment
-set for the children (and restored). Watching the run is :class:`nbddp.handle.RunHandle`'s job.
+checked, the GPUs leased, the run folder made, the ranks' meeting point made private to the
+user (:mod:`nbddp.rendezvous`), the environment set for the children (and restored). Watching the run is :class:`nbddp.handle.RunHandle`'s job.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import socket
 import sys
@@ -16,7 +15,6 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import rundir, tasks
@@ -25,44 +23,16 @@ from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError, NbddpError, TrainingInterrupted
 from .forkserver import prepare as _prepare_forkserver, server_death, server_pid, start_server
 from .forkserver import start_method as _forkserver_start_method
-from .gpus import IDLE, cuda_visible_devices, resolve_gpus
+from .gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
 from .handle import RunHandle, TrainResult, interrupts_held
+from .leases import Leases, holders, try_lease
 from .procs import MARKER_ENV, live_workers
 from .protocol import LaunchSpec
+from .rendezvous import Rendezvous, rendezvous_for
 from .runtime import entry
 from .shutdown import STOP_TIMEOUT_S
-from .calls import MP_SPAWN
 from .system import cpu_cores, kill_group_or_process, start_time
 from .tasks import LaunchPlan
-
-def _free_store(timeout_s: float) -> dist.TCPStore:
-    """A TCPStore owned by the kernel, listening on a free port of 127.0.0.1 only.
-
-    ``TCPStore("127.0.0.1", 0, is_master=True)`` listens on every interface whatever the host
-    says, so anyone on the server's network could write into a run's rendezvous. nbddp binds
-    the socket itself and hands it over (``master_listen_fd``); the store then owns it.
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
-        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], None, True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store closes the listening socket when it goes
-    return store
-
-
-def _free_port() -> int:
-    """A port free now on loopback, for code that hosts its own rendezvous there (an mp.spawn
-    function's rank 0); the kernel's own store is on another port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @contextlib.contextmanager
 def _patched_env(values: Dict[str, Optional[str]]):
@@ -211,7 +181,24 @@ def spawn_train(
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
     start_method = _forkserver_start_method(start_method)  # spawn where the forkserver is unsafe
-    target, gpus = _resolve_gpus(target, gpus)  # "idle" (here or in a config): the GPUs idle now; busy ones warn
+    # "idle" (here or in a config): the GPUs idle now that no other kernel leases; busy ones warn.
+    # The GPUs are leased from here to the run's end, so that no other kernel's "idle" takes them.
+    target, gpus, leases = _resolve_gpus(target, gpus)
+    try:
+        return _launch(target, gpus, leases, nprocs=nprocs, kwargs=kwargs, args=args, block=block, name=name,
+                       runs_dir=runs_dir, timeout_s=timeout_s, threads_per_proc=threads_per_proc, grace_s=grace_s,
+                       stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s, echo=echo,
+                       on_event=on_event, start_method=start_method, env=env, resume=resume,
+                       all_values=all_values, call=call, argv=argv)
+    except BaseException:
+        leases.release()  # the handle releases them at the run's end; twice is harmless
+        raise
+
+
+def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, kwargs, args, block, name,
+            runs_dir, timeout_s, threads_per_proc, grace_s, stall_timeout_s, stop_timeout_s, echo, on_event,
+            start_method, env, resume, all_values, call, argv) -> Union[TrainResult, RunHandle]:
+    """:func:`spawn_train` once its GPUs are resolved and leased."""
     plan = tasks.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
     world, backend = _world(plan)
@@ -221,40 +208,74 @@ def spawn_train(
     timeout = plan.process_group_timeout()
     threads = threads_per_proc or max(1, cpu_cores() // world)
     run_dir = _prepare_run_dir(plan, world)
+    leases.note(str(run_dir))
 
-    store = _free_store(timeout)
-    warm = start_method == "forkserver"
-    child_env = _child_env(run_dir, store.port, threads, visible_devices, warm, env)
-    # The kernel's whole environment as of this launch, with nbddp's variables on top: a
-    # forkserver's children would otherwise see the server's environment from its start, and
-    # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
-    snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
-    spec = LaunchSpec(target=plan.target, args=tuple(plan.args), kwargs=plan.kwargs, world_size=world, backend=backend,
-                      gpus=tuple(plan.gpus), store_host="127.0.0.1", store_port=store.port, run_dir=str(run_dir),
-                      parent_pid=None if warm else os.getpid(), threads=threads, timeout_s=timeout,
-                      env=snapshot, kernel=(os.getpid(), start_time(os.getpid())), all_values=all_values,
-                      call=plan.call, argv=plan.argv, payload=plan.payload, cwd=os.getcwd(),
-                      master_port=_free_port() if plan.call == MP_SPAWN else None)
-    if warm:
-        _prepare_forkserver()
-    if stall_timeout_s is None:
-        # NCCL's watchdog aborts the ranks that wait longer than timeout_s, which would leave
-        # only their SIGABRTs to read; nbddp names the hung rank well before that.
-        stall_timeout_s = 0.75 * timeout if backend == "nccl" else timeout
-    watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s)
-    return _start(spec, store, child_env, start_method, watch, on_event, block)
+    # nbddp's own group meets in a FileStore only this user can open; env:// needs a TCP store.
+    meet = rendezvous_for(plan.call, plan.target, timeout)
+    try:
+        warm = start_method == "forkserver"
+        child_env = _child_env(run_dir, meet.master_port, threads, visible_devices, warm, env)
+        # The kernel's whole environment as of this launch, with nbddp's variables on top: a
+        # forkserver's children would otherwise see the server's environment from its start, and
+        # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
+        snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
+        spec = LaunchSpec(target=plan.target, args=tuple(plan.args), kwargs=plan.kwargs, world_size=world,
+                          backend=backend, gpus=tuple(plan.gpus), store_host="127.0.0.1", store_port=meet.store_port,
+                          store_path=meet.store_path, run_dir=str(run_dir),
+                          parent_pid=None if warm else os.getpid(), threads=threads, timeout_s=timeout,
+                          env=snapshot, kernel=(os.getpid(), start_time(os.getpid())), all_values=all_values,
+                          call=plan.call, argv=plan.argv, payload=plan.payload, cwd=os.getcwd(),
+                          master_port=meet.master_port)
+        if warm:
+            _prepare_forkserver()
+        if stall_timeout_s is None:
+            # NCCL's watchdog aborts the ranks that wait longer than timeout_s, which would leave
+            # only their SIGABRTs to read; nbddp names the hung rank well before that.
+            stall_timeout_s = 0.75 * timeout if backend == "nccl" else timeout
+        watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s)
+        return _start(spec, meet, leases, child_env, start_method, watch, on_event, block)
+    except BaseException:
+        meet.close()  # the handle closes it at the run's end; twice is harmless
+        raise
 
 
-def _resolve_gpus(target: Any, gpus: Union[str, Sequence[int], None]) -> Tuple[Any, Optional[List[int]]]:
-    """``(target, gpus)`` with ``"idle"`` resolved to the GPUs idle now (:func:`nbddp.gpus.resolve_gpus`).
+def _resolve_gpus(target: Any, gpus: Union[str, Sequence[int], None]) -> Tuple[Any, Optional[List[int]], Leases]:
+    """``(target, gpus, leases)`` with ``"idle"`` resolved to the GPUs idle now (:func:`nbddp.gpus.resolve_gpus`).
 
     A config comes back with its ``gpus`` resolved, so that its checks, its ``config.json`` and
-    its workers see the GPUs it runs on. Chosen GPUs that are busy warn.
+    its workers see the GPUs it runs on. Chosen GPUs that are busy warn. The GPUs are leased.
     """
     if tasks.is_task_config(target):
-        ids = resolve_gpus(target.gpus)
-        return (target.replace(gpus=tuple(ids)) if target.gpus == IDLE else target), gpus
-    return target, (None if gpus is None else resolve_gpus(gpus))
+        ids, leases = _leased(target.gpus)
+        return (target.replace(gpus=tuple(ids)) if target.gpus == IDLE else target), gpus, leases
+    if gpus is None:
+        return target, None, Leases()
+    ids, leases = _leased(gpus)
+    return target, ids, leases
+
+
+def _leased(value: Union[str, Sequence[int], None]) -> Tuple[List[int], Leases]:
+    """The GPU ids of ``value`` and their leases (:mod:`nbddp.leases`), taken without waiting.
+
+    With ``"idle"``, a GPU another kernel leased between the listing and now is dropped (that
+    kernel won it); none left is refused. A GPU chosen by hand is leased when free and warned
+    about when leased (:func:`resolve_gpus`); a folder where no lease can be taken leases nothing.
+    """
+    ids = resolve_gpus(value)
+    if not ids:
+        return ids, Leases()
+    listed = {g.index: g for g in list_gpus()}
+    taken = [lease for lease in (try_lease(i, listed[i].uuid) for i in ids if i in listed) if lease is not None]
+    if not isinstance(value, str):
+        return ids, Leases(taken)
+    won = {lease.index for lease in taken}
+    lost = holders([listed[i] for i in ids if i in listed and i not in won])
+    ids = [i for i in ids if i not in lost]
+    if not ids:
+        raise ConfigError(f"gpus={IDLE!r}: the idle GPUs were just leased by other launches: "
+                          + "; ".join(f"GPU {i} {who}" for i, who in sorted(lost.items()))
+                          + ". Launch again when one is free, or choose GPUs explicitly to share one.")
+    return ids, Leases(taken)
 
 
 def _world(plan: LaunchPlan) -> Tuple[int, str]:
@@ -308,7 +329,7 @@ def _child_env(run_dir: Path, port: int, threads: int, visible_devices: Optional
     return child_env
 
 
-def _start(spec: LaunchSpec, store, child_env: Dict[str, Optional[str]], start_method: str, watch: dict,
+def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[str, Optional[str]], start_method: str, watch: dict,
            on_event: Optional[Callable[[str, Any], None]], block: bool) -> Union[TrainResult, RunHandle]:
     """Start the workers and hand them to a RunHandle; wait for the end when ``block``."""
     # From the first worker on, an Interrupt must not leave a process nobody knows of (a cold
@@ -323,13 +344,14 @@ def _start(spec: LaunchSpec, store, child_env: Dict[str, Optional[str]], start_m
         except (EOFError, OSError) as exc:  # the server's connection broke: it died
             raise _start_failed(spec, start_method, bool(interrupted)) from exc
         try:
-            handle = RunHandle(procs, spec, store, **watch)
+            handle = RunHandle(procs, spec, meet, leases=leases, **watch)
             if on_event is not None:
                 handle.subscribe(on_event)
             rundir.update_launch_record(
                 spec.run_dir, target=spec.target, world_size=spec.world_size, backend=spec.backend,
                 gpus=list(spec.gpus), pids=handle.pids, start_times=[start_time(p) for p in handle.pids],
-                parent_pid=os.getpid(), port=spec.store_port, host=socket.gethostname(), started=handle.started_at)
+                parent_pid=os.getpid(), store=meet.kind, port=spec.store_port, host=socket.gethostname(),
+                started=handle.started_at)
         except BaseException:
             _kill_started(procs)
             raise

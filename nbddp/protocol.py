@@ -48,7 +48,7 @@ class LaunchSpec:
     backend: str
     gpus: tuple
     store_host: str
-    store_port: int
+    store_port: Optional[int]  # the kernel's TCPStore on loopback (env:// launches), else None
     run_dir: str
     parent_pid: Optional[int]  # None: started by a forkserver (the parent is the server)
     threads: int
@@ -61,7 +61,8 @@ class LaunchSpec:
     argv: tuple = ()  # a script's command-line arguments (sys.argv[1:])
     payload: Optional[bytes] = None  # a function from a notebook cell, pickled by value
     cwd: Optional[str] = None  # the kernel's working directory at the launch
-    master_port: Optional[int] = None  # MASTER_PORT for code that hosts its own rendezvous (mp.spawn)
+    master_port: Optional[int] = None  # MASTER_PORT the ranks see (the TCP store's, or a free port)
+    store_path: Optional[str] = None  # the private FileStore nbddp's own group meets in (nbddp.rendezvous)
 
 
 def _from_json(cls, obj: Any, **defaults: Any):

@@ -8,13 +8,13 @@ module spells a file name of it. What is in a run folder, and who writes it::
     metrics.jsonl            one JSON line per ctx.log           rank 0 (runtime.Context.log)
     class_indices.json       {"0": class name, ...}              rank 0 of the built-in worker
     val_predictions.json     the final validation predictions    rank 0 of the built-in worker
-    logs/rank<r>.log         stdout and stderr of rank r         rank r (runtime.redirect_output)
+    logs/rank<r>.log         stdout and stderr of rank r         rank r (runtime.redirect_output); 0600, logs/ 0700
     checkpoints/<name>.pt    last.pt, best.pt (weights-only)     rank 0 (built-in worker, ctx.save_checkpoint)
     export/                  model.pth, model.safetensors,       export_weights (built-in worker, export_run)
                              class_indices.json, meta.json
     tensorboard/             TensorBoard event files             rank 0
     .nbddp/                  the launch's working state:
-        launch.json          pids, start times, port, started/ended     the kernel (launch, handle)
+        launch.json          pids, start times, store, started/ended    the kernel (launch, handle); 0600
         rank<r>.json         heartbeat: state, epoch, step, progress    rank r, every second and per step
         error.rank<r>.json   rank r's error: type, message, traceback   rank r (or the kernel, from torch's error file)
         progress.json        live progress for the notebook             rank 0, at most 5 times a second
@@ -197,7 +197,7 @@ def stop_path(run_dir: PathLike) -> Path:
 TMP_MARK = ".tmp-"
 
 
-def _open_temp(path: Path) -> tuple[int, Path]:
+def _open_temp(path: Path, mode: int = 0o666) -> tuple[int, Path]:
     """Create ``.<name>.tmp-<pid>-<token>`` next to ``path``; returns (fd, temp path)."""
     for _ in range(100):
         # The pid lets cleanup_temp_files tell a crashed writer's leftover from a live write;
@@ -206,7 +206,7 @@ def _open_temp(path: Path) -> tuple[int, Path]:
         try:
             # O_EXCL: never write through a file (or symlink) someone else created; mode 0o666
             # minus the umask gives the same permissions as a plain open(), unlike mkstemp's 0o600.
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), tmp
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, "could not create a unique temporary file", str(path))
@@ -223,17 +223,19 @@ def fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
-def atomic_write(path: PathLike, data: Union[bytes, Callable[[BinaryIO], None]], durable: bool = True) -> Path:
+def atomic_write(path: PathLike, data: Union[bytes, Callable[[BinaryIO], None]], durable: bool = True,
+                 mode: int = 0o666) -> Path:
     """Write ``data`` (bytes, or a function that writes to a binary file) to ``path`` atomically.
 
     The data goes to ``.<name>.tmp-<pid>-<token>`` in the same folder, then is renamed over
     ``path`` with ``os.replace``; with ``durable`` the file and the folder are fsynced too. On
     any exception (KeyboardInterrupt included) the temp file is removed, the exception
     propagates and the previous file at ``path`` is untouched. Missing parent folders are created.
+    ``mode`` is the new file's, less the umask (``0o600``: the user's alone whatever the umask).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _open_temp(path)
+    fd, tmp = _open_temp(path, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -258,9 +260,9 @@ def atomic_write_text(path: PathLike, text: str) -> Path:
     return atomic_write(path, text.encode("utf-8"))
 
 
-def write_json_atomic(path: PathLike, obj: Any, durable: bool = False) -> Path:
+def write_json_atomic(path: PathLike, obj: Any, durable: bool = False, mode: int = 0o666) -> Path:
     """``obj`` as JSON, replaced atomically (not fsynced unless ``durable``: state records)."""
-    return atomic_write(path, json.dumps(obj).encode(), durable=durable)
+    return atomic_write(path, json.dumps(obj).encode(), durable=durable, mode=mode)
 
 
 def read_json(path: PathLike) -> Optional[Any]:
@@ -357,12 +359,19 @@ def update_launch_record(run_dir: PathLike, **fields: Any) -> None:
     record = read_launch_record(run_dir)
     record.update(fields)
     with contextlib.suppress(OSError):
-        write_json_atomic(launch_record_path(run_dir), record)
+        # 0600: it names the processes and the TCP store of a run (env:// launches), the user's alone.
+        write_json_atomic(launch_record_path(run_dir), record, mode=0o600)
 
 
 def prepare_launch(run_dir: PathLike, world_size: int) -> None:
-    """Create the folders a launch writes into and remove the last launch's end state."""
-    logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    """Create the folders a launch writes into and remove the last launch's end state.
+
+    The logs folder is the user's alone (``0700``, whatever the umask): ranks print paths,
+    hosts and whatever their libraries log there.
+    """
+    logs_dir(run_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+    with contextlib.suppress(OSError):
+        os.chmod(logs_dir(run_dir), 0o700)  # mkdir's mode loses to an existing folder (resume)
     state_dir(run_dir).mkdir(exist_ok=True)
     stale = [stop_path(run_dir), progress_path(run_dir),
              *[p for r in range(world_size) for p in (error_record_path(run_dir, r), result_path(run_dir, r))]]

@@ -8,7 +8,7 @@ Order matters and each step has a reason:
    then the user's per-rank start-up hook, if ``NBDDP_RANK_HOOK`` names one (:func:`run_rank_hook`);
 3. stdout/stderr redirected at file-descriptor level, so C++ (gloo/NCCL) messages land in the
    rank's log too;
-4. process group from a store the launcher owns (no fixed port, no port race);
+4. process group from a store the launcher made private to its user (no fixed port, no port race);
 5. any exception is written as an error record (type, traceback, epoch, step) before exiting,
    so the notebook can name the root-cause rank.
 
@@ -17,6 +17,7 @@ This module never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import json
@@ -372,7 +373,10 @@ def fork_children() -> None:
 def redirect_output(log_path: Path) -> None:
     """Send fd 1 and 2 (Python and C++ output alike) to the rank's log file, line-buffered."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    # 0600: a rank's output (paths, tokens a library prints) is its user's, whatever the umask.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o600)  # a log from an earlier launch (resume) that was created wider
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -503,8 +507,12 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
 
         if device.type == "cuda":
             torch.cuda.set_device(device)  # CUDA_VISIBLE_DEVICES holds exactly the chosen GPUs
-        store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+        if spec.store_path:  # a file in a folder only this user can open (nbddp.rendezvous)
+            store = dist.FileStore(spec.store_path, spec.world_size)
+            store.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
+        else:
+            store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=spec.timeout_s))
         init_group(spec.backend, store, rank, spec.world_size, spec.timeout_s, device)
 
     code, _ = run_rank(ctx, (lambda: None) if own_group else init_process_group, spec.target, spec.args,
