@@ -12,6 +12,10 @@ owns where the files are, this module what they hold::
                                          (or the kernel, from torch's error file: adopt_torch_error_file)
     result          result[.rank<r>].pkl rank r: write_result              kernel: read_result
 
+``.nbddp/`` is the user's alone (0700, files 0600, see :func:`nbddp.rundir.make_state_dir`), and
+the one record that is unpickled, the result, is read only from there and only when it is
+provably the user's own file.
+
 The JSON records' readers never raise on a record that is missing, being rewritten or from an
 older nbddp: a missing record is ``None`` (or absent from the mapping) and a missing field takes
 its default. Not here: ``metrics.jsonl``, free-form lines the worker logs (``Context.log``) and
@@ -341,6 +345,13 @@ def has_result(run_dir: PathLike) -> bool:
 
 
 def read_result(run_dir: PathLike, rank: int = 0) -> Any:
-    """A rank's return value, as the launching kernel's own workers wrote it."""
-    with open(rundir.result_path(run_dir, rank), "rb") as f:
-        return pickle.load(f)
+    """A rank's return value, as the launching kernel's own workers wrote it.
+
+    Unpickling runs code, so the file is read only if it is provably the user's: a regular file
+    (no link followed) owned by the user in the run's private ``.nbddp`` folder (0700, the
+    user's); see :func:`nbddp.rundir.read_private`.
+
+    Raises:
+        nbddp.rundir.NotPrivate: the file or its folder is not provably the user's.
+    """
+    return pickle.loads(rundir.read_private(rundir.result_path(run_dir, rank)))

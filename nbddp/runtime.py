@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -468,6 +469,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     if spec.env:
         os.environ.clear()  # exactly the launching kernel's environment of this launch
         os.environ.update(spec.env)
+        tempfile.tempdir = None  # TMPDIR is the run's private folder: a forked rank forgets the server's
     if spec.cwd:
         os.chdir(spec.cwd)  # the kernel's working directory now, not the warm server's at its start
     rank = local_rank  # single-machine launch: global rank == local rank
