@@ -219,18 +219,20 @@ def make_state_dir(run_dir: PathLike) -> Path:
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=PRIVATE_DIR_MODE)  # the umask only takes bits away: 0700 stays 0700
     st = os.lstat(folder)
-    _check_own(st, folder, "folder")
+    _check_own(st, folder, "folder", shared_ok=True)
     if stat.S_IMODE(st.st_mode) != PRIVATE_DIR_MODE:
         os.chmod(folder, PRIVATE_DIR_MODE)  # made by an older nbddp, under the umask
     return folder
 
 
-def _check_own(st: os.stat_result, path: Path, kind: str) -> None:
-    """Refuse ``path`` unless it is a ``kind`` (``file``/``folder``) of this user that no one else may write."""
+def _check_own(st: os.stat_result, path: Path, kind: str, shared_ok: bool = False) -> None:
+    """Refuse ``path`` unless it is a ``kind`` (``file``/``folder``) of this user that no one else may
+    write (``shared_ok``: a folder of the user's that is about to be made private)."""
     is_kind = stat.S_ISDIR(st.st_mode) if kind == "folder" else stat.S_ISREG(st.st_mode)
+    shared = kind == "folder" and st.st_mode & 0o022 and not shared_ok
     why = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else f"is not a regular {kind}" if not is_kind
            else f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})" if st.st_uid != os.getuid()
-           else "may be written by other users" if st.st_mode & 0o022 and kind == "folder" else None)
+           else "may be written by other users" if shared else None)
     if why:
         raise NotPrivate(f"{path} {why}: nbddp reads its launch state only from a private .nbddp folder of "
                          f"your own. Remove {path.parent if kind == 'file' else path} and launch again.")
