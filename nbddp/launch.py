@@ -388,7 +388,8 @@ def _start(spec: LaunchSpec, store, child_env: Dict[str, Optional[str]], start_m
             rundir.update_launch_record(
                 spec.run_dir, target=spec.target, world_size=spec.world_size, backend=spec.backend,
                 gpus=list(spec.gpus), pids=handle.pids, start_times=[start_time(p) for p in handle.pids],
-                parent_pid=os.getpid(), port=spec.store_port, host=socket.gethostname(), started=handle.started_at)
+                parent_pid=os.getpid(), port=spec.store_port, host=socket.gethostname(), started=handle.started_at,
+                tmp_dir=watch["tmp_dir"])  # for cleanup, should the kernel die before the run ends
         except BaseException:
             _kill_started(procs)
             remove_private_tmp(watch["tmp_dir"])

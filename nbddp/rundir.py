@@ -14,7 +14,7 @@ module spells a file name of it. What is in a run folder, and who writes it::
                              class_indices.json, meta.json
     tensorboard/             TensorBoard event files             rank 0
     .nbddp/                  the launch's working state (0700, its files 0600):
-        launch.json          pids, start times, port, started/ended     the kernel (launch, handle)
+        launch.json          pids, start times, port, temp folder, ... the kernel (launch, handle)
         rank<r>.json         heartbeat: state, epoch, step, progress    rank r, every second and per step
         error.rank<r>.json   rank r's error: type, message, traceback   rank r (or the kernel, from torch's error file)
         progress.json        live progress for the notebook             rank 0, at most 5 times a second
