@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import getpass
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -356,15 +358,13 @@ def _child_env(run_dir: Path, port: int, threads: int, visible_devices: Optional
 
 
 def _inductor_cache_dir() -> str:
-    """Where torch.compile caches by default (``<temp>/torchinductor_<user>``), as torch names it."""
+    """Where torch.compile caches by default, ``<temp>/torchinductor_<user>``, named as torch names it
+    (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``; importing it costs the kernel 2 s)."""
     try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        return default_cache_dir()
-    except Exception:  # noqa: BLE001 - a private helper of torch: its documented default instead
-        import getpass
-
-        return os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser().replace("\\", "_"))
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def _start(spec: LaunchSpec, store, child_env: Dict[str, Optional[str]], start_method: str, watch: dict,

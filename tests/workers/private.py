@@ -14,7 +14,8 @@ def tmp_info(ctx):
     st = os.stat(folder)
     with tempfile.NamedTemporaryFile() as f:  # the rank's own temporary files land there too
         inside = os.path.dirname(f.name)
-    return {"tmp": folder, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "inside": inside}
+    return {"tmp": folder, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "inside": inside,
+            "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
 
 
 class _Planted:
