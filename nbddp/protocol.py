@@ -285,14 +285,15 @@ class _StringsOnly(pickle.Unpickler):
 def read_torch_traceback(path: str) -> Optional[str]:
     """The traceback string torch's spawn wrapper pickled, if the file is ours and holds one.
 
-    The file sits in the shared temp folder: only a regular file owned by this user is read,
-    and nothing but a string is unpickled.
+    The file sits in the launch's private temp folder (``nbddp.launch.private_tmp``); even so,
+    only a regular file owned by this user is read (opened without following a link, checked on
+    its descriptor), and nothing but a string is unpickled.
     """
     try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return None
-        with open(path, "rb") as f:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                return None
             text = _StringsOnly(f).load()
     except (OSError, EOFError, pickle.UnpicklingError, ValueError):
         return None

@@ -125,3 +125,14 @@ def test_a_resumed_launch_echoes_only_its_own_output(tmp_path, capsys):
     assert "first" not in out, out
     log = rundir.rank_log(first.run_dir, 0).read_text()
     assert "launch first" in log and "launch second" in log  # the log keeps both launches
+
+
+def test_a_linked_torch_error_file_is_not_read(tmp_path):
+    from nbddp.protocol import read_torch_traceback
+
+    real = tmp_path / "real.pickle"
+    real.write_bytes(pickle.dumps("Traceback:\nValueError: x\n"))
+    assert read_torch_traceback(str(real)) == "Traceback:\nValueError: x\n"
+    link = tmp_path / "pytorch-errorfile-x.pickle"
+    link.symlink_to(real)
+    assert read_torch_traceback(str(link)) is None
