@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Union
 from . import rundir
 from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError
-from .fieldspec import GROUPS, Check, Widget, spec, specs, utf8_problem
+from .fieldspec import GROUPS, RESUME_FREE, RESUME_MORE, Check, Widget, spec, specs, utf8_problem
 from .gpus import IDLE, IDLE_RULE
 
 DATA_PIPELINES = ("pil", "tensor")
@@ -29,6 +29,20 @@ COMMON_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_
 FREEZE_REASON = "frozen BatchNorm layers keep their statistics, so there is nothing to synchronise"
 _BOOL = Check("bool")
 _PATH = Check("path")  # written to logs, JSON and TensorBoard: must be UTF-8
+
+# Why resume refuses a change of a field (FieldSpec.resume_why): continuing with it would mix two runs.
+_DATA = "the images and their augmentation, which the checkpoint's weights and scores were made on"
+_SPLIT = ("the split into training and validation images (and, for seed, the initial weights and the "
+          "augmentation): a new split would validate on images the run trained on")
+_MODEL = "the model the checkpoint's weights belong to"
+_START = "the weights the run started from"
+_OPTIM = "the optimizer and its hyper-parameters, whose state the checkpoint continues"
+_SCHEDULE = "the learning-rate schedule the checkpoint's scheduler continues"
+_STEPS = "the steps of an epoch, which the checkpoint's optimizer state and position count"
+_LOSS = "the loss the run minimises"
+_NUMERICS = "the arithmetic of the training steps and the grad scaler's state in the checkpoint"
+_FEWER_EPOCHS = ("fewer epochs than the run planned: its schedule has already decayed towards the longer end; "
+                 "stop it instead (the export keeps the best epoch), or resume with at least as many")
 
 #: Smallest process-group timeout accepted: every rank must start (spawn, import torch) and reach
 #: the rendezvous within it, which takes seconds on a cold start.
@@ -121,99 +135,112 @@ class TrainConfig:
     data_path: str = spec("data/digits", help="class-folder tree root/<class>/<image>", check=_PATH, metavar="DIR",
                           widget=Widget("text", "Data folder", "paths", placeholder="root/<class>/<image>",
                                         required="type the folder that holds one sub-folder per class",
-                                        attr="data_input"))
+                                        attr="data_input"), resume_why=_DATA)
     model: str = spec("resnet34", group="choices", help="torchvision classification model name (resnet34, ...)",
                       widget=Widget("combo", "Model", options=COMMON_MODELS,
-                                    placeholder="torchvision name, e.g. resnet34"))
+                                    placeholder="torchvision name, e.g. resnet34"), resume_why=_MODEL)
     num_classes: Optional[int] = spec(None, help="number of outputs (default: the number of class folders)",
-                                      check=Check("int", low=2, none="count the class folders"))
+                                      check=Check("int", low=2, none="count the class folders"), resume_why=_MODEL)
     image_size: int = spec(224, help="side of the square training crop, in pixels", check=Check("int", low=8),
-                           widget=Widget("int", "Image size", low=8, high=4096, step=32))
+                           widget=Widget("int", "Image size", low=8, high=4096, step=32), resume_why=_DATA)
     epochs: int = spec(10, help="passes over the training split", check=Check("int", low=1),
-                       widget=Widget("int", "Epochs", low=1, high=100_000))
+                       widget=Widget("int", "Epochs", low=1, high=100_000),
+                       resume=RESUME_MORE, resume_why=_FEWER_EPOCHS)
     batch_size: int = spec(16, help="images per process per step", check=Check("int", low=1),
-                           widget=Widget("int", "Batch / process", low=1, high=65_536))
+                           widget=Widget("int", "Batch / process", low=1, high=65_536), resume_why=_STEPS)
     lr: float = spec(0.001, group="numbers", help="base learning rate", check=Check("number", 0.0, low_open=True),
-                     widget=Widget("float", "Learning rate", step=0.0001))
+                     widget=Widget("float", "Learning rate", step=0.0001), resume_why=_OPTIM)
     lrf: float = spec(0.1, group="numbers", help="final learning rate, as a fraction of lr",
-                      check=Check("number", 0.0, 1.0))
-    momentum: float = spec(0.9, group="numbers", help="SGD momentum", check=Check("number", 0.0, 1.0))
-    weight_decay: float = spec(5e-3, group="numbers", help="weight decay", check=Check("number", 0.0))
-    scale_lr: bool = spec(True, help="multiply lr by the number of processes", check=_BOOL)
+                      check=Check("number", 0.0, 1.0), resume_why=_SCHEDULE)
+    momentum: float = spec(0.9, group="numbers", help="SGD momentum", check=Check("number", 0.0, 1.0),
+                           resume_why=_OPTIM)
+    weight_decay: float = spec(5e-3, group="numbers", help="weight decay", check=Check("number", 0.0),
+                               resume_why=_OPTIM)
+    scale_lr: bool = spec(True, help="multiply lr by the number of processes", check=_BOOL, resume_why=_OPTIM)
     optimizer: str = spec("sgd", group="recipe", help="sgd (momentum, the reference) or adamw",
                           check=Check("choice", values=OPTIMIZERS,
                                       why="'sgd' (with momentum, the reference) or 'adamw'"),
-                          widget=Widget("choice", "Optimizer", "advanced"))
+                          widget=Widget("choice", "Optimizer", "advanced"), resume_why=_OPTIM)
     grad_accum_steps: int = spec(1, group="recipe", help="batches per optimizer step (gradient accumulation; "
                                  "default 1)",
                                  check=Check("int", low=1, why="1: an optimizer step every batch; k: every k batches, "
                                              "an effective batch of batch_size x processes x k"),
                                  widget=Widget("int", "Accumulate", "advanced", low=1, high=4096,
-                                               attr="grad_accum_input"))
+                                               attr="grad_accum_input"), resume_why=_STEPS)
     warmup_epochs: int = spec(0, group="recipe", help="epochs of linear learning-rate warm-up before the cosine "
                               "schedule (default 0)",
                               check=Check("int", low=0, why="0: no warm-up; w: w epochs of linear warm-up before "
                                           "the cosine schedule"),
                               widget=Widget("int", "Warm-up epochs", "advanced", low=0, high=100_000,
-                                            attr="warmup_input"))
+                                            attr="warmup_input"), resume_why=_SCHEDULE)
     label_smoothing: float = spec(0.0, group="recipe", help="label smoothing of the training loss, in [0, 1) "
                                   "(default 0)",
                                   check=Check("number", 0.0, 1.0, high_open=True, why="must be a number in [0, 1): "
                                               "0 turns it off, 0.1 is a common value"),
-                                  widget=Widget("float", "Label smoothing", "advanced", low=0.0, high=0.99, step=0.05))
+                                  widget=Widget("float", "Label smoothing", "advanced", low=0.0, high=0.99, step=0.05),
+                                  resume_why=_LOSS)
     compile: bool = spec(False, help="torch.compile the training model; the first epoch reports compile_s",
                          check=_BOOL, widget=Widget("check", "torch.compile (the first epoch reports the compile "
-                                                    "time)", "advanced"))
+                                                    "time)", "advanced"), resume=RESUME_FREE)
     early_stop_patience: int = spec(0, group="recipe", help="stop once validation accuracy has not improved for N "
                                     "epochs (default 0: off)",
                                     check=Check("int", low=0, why="0: off; n: stop once validation accuracy has not "
                                                 "improved for n epochs"),
                                     widget=Widget("int", "Early stop after", "advanced", low=0, high=100_000,
-                                                  attr="early_stop_input"))
+                                                  attr="early_stop_input"), resume=RESUME_FREE)
     sync_bn: bool = spec(False, help="synchronise BatchNorm statistics across processes", check=_BOOL,
-                         widget=Widget("check", "SyncBN (BatchNorm statistics over all processes)", "options"))
+                         widget=Widget("check", "SyncBN (BatchNorm statistics over all processes)", "options"),
+                         resume_why=_MODEL)
     freeze_layers: bool = spec(False, help="train only the classifier head", check=_BOOL,
                                widget=Widget("check", "Freeze layers (train only the head)", "options",
-                                             attr="freeze_toggle"))
+                                             attr="freeze_toggle"), resume_why=_MODEL)
     weights: Optional[str] = spec(None, help="weights file (.pth / .safetensors / a run's export) to start from",
                                   check=_PATH, metavar="FILE",
                                   widget=Widget("text", "Weights file", "paths",
-                                                placeholder="optional: .pth / .safetensors / run folder"))
+                                                placeholder="optional: .pth / .safetensors / run folder"),
+                                  resume_why=_START)
     val_fraction: float = spec(0.2, group="numbers", help="fraction of each class held out for validation",
-                               check=Check("number", 0.0, 1.0, low_open=True))
-    seed: int = spec(0, help="seed of the split, the initial weights and the augmentation", check=Check("int", low=0))
+                               check=Check("number", 0.0, 1.0, low_open=True), resume_why=_SPLIT)
+    seed: int = spec(0, help="seed of the split, the initial weights and the augmentation", check=Check("int", low=0),
+                     resume_why=_SPLIT)
     num_workers: Optional[int] = spec(None, help="DataLoader processes per rank (default: from the cores)",
-                                      check=Check("int", low=0, none="derive it from the cores"))
+                                      check=Check("int", low=0, none="derive it from the cores"), resume=RESUME_FREE)
     amp: bool = spec(False, help="mixed precision on GPU", check=_BOOL,
-                     widget=Widget("check", "AMP (mixed precision)", "options", gpu_only=True))
-    channels_last: bool = spec(False, help="NHWC memory format on GPU", check=_BOOL)
+                     widget=Widget("check", "AMP (mixed precision)", "options", gpu_only=True), resume_why=_NUMERICS)
+    channels_last: bool = spec(False, help="NHWC memory format on GPU", check=_BOOL, resume=RESUME_FREE)
     crop_scale: float = spec(0.08, group="numbers", help="smallest area fraction kept by the random resized crop",
-                             check=Check("number", 0.0, 1.0))
-    hflip: bool = spec(True, help="random horizontal flips", check=_BOOL)
-    nprocs: int = spec(1, help="CPU processes when no GPU is given", check=Check("int", low=1), launch=True)
+                             check=Check("number", 0.0, 1.0), resume_why=_DATA)
+    hflip: bool = spec(True, help="random horizontal flips", check=_BOOL, resume_why=_DATA)
+    nprocs: int = spec(1, help="CPU processes when no GPU is given", check=Check("int", low=1), launch=True,
+                       resume=RESUME_FREE)
     gpus: Union[tuple, str] = spec((), group="choices", launch=True, metavar="IDS",
                                    help="GPU ids, e.g. 0,1 ('all' = every GPU; 'idle' = the GPUs idle at launch: at "
-                                   "least 90% memory free, at most 10% busy; default: all, else CPU)")
-    runs_dir: str = spec(rundir.RUNS_DIR, help="folder that holds one sub-folder per run", check=_PATH, metavar="DIR")
-    name: str = spec("train", group="choices", help="short name appended to the run folder")
+                                   "least 90% memory free, at most 10% busy; default: all, else CPU)",
+                                   resume=RESUME_FREE)
+    runs_dir: str = spec(rundir.RUNS_DIR, help="folder that holds one sub-folder per run", check=_PATH, metavar="DIR",
+                         resume=RESUME_FREE)
+    name: str = spec("train", group="choices", help="short name appended to the run folder", resume=RESUME_FREE)
     resume: Union[bool, str] = spec(False, check=_PATH, launch=True, metavar="RUN",
-                                    help="'true' (newest run of --name) or a run folder")
+                                    help="'true' (newest run of --name) or a run folder", resume=RESUME_FREE)
     checkpoint_every_s: float = spec(600.0, group="numbers", help="seconds between checkpoints in the middle of an "
                                      "epoch (0: at the end of epochs only)",
                                      check=Check("number", 0.0, why="must be a finite number of seconds >= 0: how "
                                                  "often, at most, a checkpoint is written in the middle of an epoch "
-                                                 "(0 writes them at the end of epochs only)"))
-    check_images: bool = spec(True, help="open every image in the kernel before launching", check=_BOOL)
-    cache_images: bool = spec(False, help="decode each image once and keep it in memory (pil pipeline)", check=_BOOL)
+                                                 "(0 writes them at the end of epochs only)"), resume=RESUME_FREE)
+    check_images: bool = spec(True, help="open every image in the kernel before launching", check=_BOOL,
+                              resume=RESUME_FREE)
+    cache_images: bool = spec(False, help="decode each image once and keep it in memory (pil pipeline)", check=_BOOL,
+                              resume=RESUME_FREE)
     data_pipeline: str = spec("pil", group="choices", help="pil: per-image transforms (reference); tensor: decode "
                               "once, augment batches on the device",
                               check=Check("choice", values=DATA_PIPELINES, why="'pil' (per-image transforms, the "
                                           "reference) or 'tensor' (decoded once, batches augmented on the device)"),
                               widget=Widget("check", "Fast data (decode once, augment batches on the device)",
-                                            "options", on="tensor", off="pil", attr="tensor_toggle"))
-    persistent_workers: bool = spec(True, help="keep DataLoader workers alive between epochs", check=_BOOL)
+                                            "options", on="tensor", off="pil", attr="tensor_toggle"), resume_why=_DATA)
+    persistent_workers: bool = spec(True, help="keep DataLoader workers alive between epochs", check=_BOOL,
+                                    resume=RESUME_FREE)
     timeout_s: float = spec(300.0, group="numbers", help="process-group timeout in seconds",
-                            check=Check("number", 0.0, low_open=True))
+                            check=Check("number", 0.0, low_open=True), resume=RESUME_FREE)
 
     def __post_init__(self):
         # Normalise containers and paths so the config stays hashable, JSON-able and picklable.

@@ -7,7 +7,9 @@ Each field of :class:`nbddp.config.TrainConfig` carries a :class:`FieldSpec` in 
 * ``python -m nbddp train`` builds the field's flag (help, choices, ``--x``/``--no-x``, metavar);
 * :func:`nbddp.cluster.cli_flags` writes the field into generated commands (or leaves it to the
   launcher);
-* the training panel builds the field's :class:`Widget` (kind, label, range, section).
+* the training panel builds the field's :class:`Widget` (kind, label, range, section);
+* ``resume`` refuses or takes a changed value (:attr:`FieldSpec.resume`,
+  :func:`nbddp.tasks.classification.find_resume_dir`).
 
 Shared, and standard library only: the config, the CLI, the cluster commands and the panel all
 import it, and it imports none of them.
@@ -25,6 +27,10 @@ from typing import Any, Optional, Tuple
 GROUPS = ("types", "numbers", "recipe", "choices")
 #: The panel's sections, in the order it shows them.
 SECTIONS = ("paths", "numbers", "options", "advanced")
+#: What ``resume`` does when a field differs from the run it continues (:attr:`FieldSpec.resume`):
+#: ``same`` refuses the change (it would mix two runs), ``more`` takes a larger value only
+#: (``epochs``: the schedule is rebuilt to the new length), ``free`` takes any value.
+RESUME_SAME, RESUME_MORE, RESUME_FREE = "same", "more", "free"
 
 
 def utf8_problem(path: str) -> Optional[str]:
@@ -144,6 +150,9 @@ class FieldSpec:
         launch: decided by the launcher (``gpus``, ``nprocs``, ``resume``), so generated
             torchrun/sbatch commands leave it out.
         widget: how the panel shows it; ``None``: not in the panel.
+        resume: whether a resumed run may change it (:data:`RESUME_SAME`, :data:`RESUME_MORE`,
+            :data:`RESUME_FREE`); unless declared otherwise a change is refused.
+        resume_why: why a change is refused (``same``) or what a change does, in the error.
     """
 
     help: str
@@ -152,6 +161,8 @@ class FieldSpec:
     metavar: Optional[str] = None
     launch: bool = False
     widget: Optional[Widget] = None
+    resume: str = RESUME_SAME
+    resume_why: str = "it changes what the run trains"
 
 
 def spec(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
@@ -174,4 +185,5 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-__all__ = ["Check", "FieldSpec", "Widget", "spec", "spec_of", "specs", "flag_name", "GROUPS", "SECTIONS"]
+__all__ = ["Check", "FieldSpec", "Widget", "spec", "spec_of", "specs", "flag_name", "GROUPS", "SECTIONS",
+           "RESUME_SAME", "RESUME_MORE", "RESUME_FREE"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -123,6 +124,12 @@ class _LineTail:
         return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines]
 
 
+def remove_private_tmp(path: Optional[str]) -> None:
+    """Remove the ranks' private temp folder (see :func:`nbddp.launch.private_tmp`); best effort."""
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _newest_checkpoint(run_dir: Path) -> Optional[str]:
     """``checkpoints/<name>.pt`` most recently written in the run folder, or None."""
     paths = [rundir.checkpoints_dir(run_dir) / n for n in rundir.checkpoint_names(run_dir)]
@@ -159,10 +166,12 @@ class RunHandle:
 
     def __init__(self, procs, spec: LaunchSpec, store, echo: bool, grace_s: float,
                  stall_timeout_s: Optional[float] = None, stop_timeout_s: float = STOP_TIMEOUT_S,
-                 leases=None):
+                 leases=None, log_start: int = 0, tmp_dir: Optional[str] = None):
         # torch's ProcessContext of the workers (not a worker's ctx: that lives in the workers).
         # store: the launch's meeting point (nbddp.rendezvous.Rendezvous, or a bare TCPStore);
         # leases: its GPU leases (nbddp.leases.Leases). Both are held until the run ends.
+        # log_start: rank 0's log size before this launch (a resumed run appends to its log);
+        # tmp_dir: the ranks' private TMPDIR, removed once the run has ended.
         self._procs, self.spec, self._store, self.echo, self.grace_s = procs, spec, store, echo, grace_s
         self._leases = leases
         self.stop_timeout_s = stop_timeout_s
@@ -175,7 +184,8 @@ class RunHandle:
         self.metrics: List[dict] = []
         self.progress: dict = {}
         self._ends: Dict[int, RankEnd] = {}
-        self._log_tail = OutputTail(rundir.rank_log(self.run_dir, 0))
+        self._log_tail = OutputTail(rundir.rank_log(self.run_dir, 0), start=log_start)
+        self._tmp_dir = tmp_dir
         self._echo = CellEcho("[rank0] ")
         self._metrics_tail = _LineTail(rundir.metrics_path(self.run_dir))
         self._listeners: List[Callable[[str, Any], None]] = []
@@ -259,6 +269,7 @@ class RunHandle:
             self._outcome.__cause__ = exc
             self._release()
             self._remove_torch_error_files()
+            remove_private_tmp(self._tmp_dir)
             self._done.set()
         self._emit("end", self._outcome)
 
@@ -452,11 +463,14 @@ class RunHandle:
             outcome: Union[TrainResult, BaseException] = build_worker_error(
                 self.run_dir, self._ends, self.world_size, server_died=server_death(self._server))
         elif all_ok and has_result(self.run_dir) and reason != "interrupt":
-            value = read_result(self.run_dir)
-            values = ([value] + [read_result(self.run_dir, r) for r in range(1, self.world_size)]
-                      if self.spec.all_values else None)
-            outcome = TrainResult(value, self.run_dir, self.metrics, seconds, self.world_size,
-                                  self.spec.backend, stopped=reason is not None, all_values=values)
+            try:
+                value = read_result(self.run_dir)
+                values = ([value] + [read_result(self.run_dir, r) for r in range(1, self.world_size)]
+                          if self.spec.all_values else None)
+                outcome = TrainResult(value, self.run_dir, self.metrics, seconds, self.world_size,
+                                      self.spec.backend, stopped=reason is not None, all_values=values)
+            except rundir.NotPrivate as exc:  # never unpickled: the exception says which file and why
+                outcome = exc
         else:
             # An interrupted cell always ends in an exception, even when the workers obeyed the
             # stop request and returned: the user asked the cell to stop.
@@ -470,6 +484,7 @@ class RunHandle:
             with contextlib.suppress(Exception):
                 p.close()
         self._release()  # the store closed (its port or private folder freed), the GPUs' leases given back
+        remove_private_tmp(self._tmp_dir)
         clear_stop_request(self.run_dir)
         rundir.update_launch_record(self.run_dir, ended=time.time())
         self._done.set()

@@ -8,9 +8,13 @@ user (:mod:`nbddp.rendezvous`), the environment set for the children (and restor
 from __future__ import annotations
 
 import contextlib
+import functools
+import getpass
 import os
+import re
 import socket
 import sys
+import tempfile
 import types
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -24,7 +28,7 @@ from .errors import ConfigError, NbddpError, TrainingInterrupted
 from .forkserver import prepare as _prepare_forkserver, server_death, server_pid, start_server
 from .forkserver import start_method as _forkserver_start_method
 from .gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
-from .handle import RunHandle, TrainResult, interrupts_held
+from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
 from .leases import Leases, holders, try_lease
 from .procs import MARKER_ENV, live_workers
 from .protocol import LaunchSpec
@@ -212,9 +216,10 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
 
     # nbddp's own group meets in a FileStore only this user can open; env:// needs a TCP store.
     meet = rendezvous_for(plan.call, plan.target, timeout)
+    tmp_dir = private_tmp()
     try:
         warm = start_method == "forkserver"
-        child_env = _child_env(run_dir, meet.master_port, threads, visible_devices, warm, env)
+        child_env = _child_env(run_dir, meet.master_port, threads, visible_devices, warm, env, tmp_dir)
         # The kernel's whole environment as of this launch, with nbddp's variables on top: a
         # forkserver's children would otherwise see the server's environment from its start, and
         # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
@@ -232,11 +237,51 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
             # NCCL's watchdog aborts the ranks that wait longer than timeout_s, which would leave
             # only their SIGABRTs to read; nbddp names the hung rank well before that.
             stall_timeout_s = 0.75 * timeout if backend == "nccl" else timeout
-        watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s)
+        # Echo only what this launch writes: a resumed run appends to its rank logs.
+        watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s,
+                     log_start=_size(rundir.rank_log(run_dir, 0)), tmp_dir=tmp_dir)
         return _start(spec, meet, leases, child_env, start_method, watch, on_event, block)
     except BaseException:
         meet.close()  # the handle closes it at the run's end; twice is harmless
         raise
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def private_tmp() -> str:
+    """A new folder for the ranks' temporary files (``TMPDIR``), mode 0700, in the system temp folder.
+
+    torch's ``start_processes`` names each rank's error file in the temp folder and deletes the
+    file before the rank writes it, so in a shared ``/tmp`` another user could plant a link
+    there; the ranks' own temporary files are theirs too. ``mkdtemp`` creates the folder
+    atomically, 0700; it stays short (Unix socket paths are limited) and off network file
+    systems. The handle removes it when the run ends.
+    """
+    return tempfile.mkdtemp(prefix="nbddp-")
+
+
+@contextlib.contextmanager
+def _error_files_in(folder: str):
+    """torch's per-rank error files (``pytorch-errorfile-*``) go to ``folder``, not the shared temp folder.
+
+    Only torch's launcher module sees the change (its ``tempfile``), so no other thread of the
+    kernel puts its temporary files there meanwhile.
+    """
+    spawn = sys.modules.get("torch.multiprocessing.spawn")
+    if getattr(spawn, "tempfile", None) is not tempfile:  # another torch: the rank entry catches everything anyway
+        yield
+        return
+    shim = types.SimpleNamespace(NamedTemporaryFile=functools.partial(tempfile.NamedTemporaryFile, dir=folder))
+    spawn.tempfile = shim
+    try:
+        yield
+    finally:
+        spawn.tempfile = tempfile
 
 
 def _resolve_gpus(target: Any, gpus: Union[str, Sequence[int], None]) -> Tuple[Any, Optional[List[int]], Leases]:
@@ -306,12 +351,18 @@ def _prepare_run_dir(plan: LaunchPlan, world: int) -> Path:
 
 
 def _child_env(run_dir: Path, port: int, threads: int, visible_devices: Optional[str], warm: bool,
-               env: Optional[Dict[str, str]]) -> Dict[str, Optional[str]]:
+               env: Optional[Dict[str, str]], tmp_dir: Optional[str] = None) -> Dict[str, Optional[str]]:
     """The variables nbddp sets for the workers (``None`` removes one), the user's ``env`` on top."""
     child_env: Dict[str, Optional[str]] = {
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
     }
+    if tmp_dir is not None:
+        child_env["TMPDIR"] = tmp_dir  # private to the run (see private_tmp)
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            # torch.compile's cache lives under the temp folder: keep it where it was, shared
+            # between runs, or every launch would compile from scratch.
+            child_env["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir()
     if visible_devices is not None:
         child_env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=visible_devices)
     # Every rank is on this machine: gloo pairs and NCCL's bootstrap listen on loopback, never
@@ -329,6 +380,16 @@ def _child_env(run_dir: Path, port: int, threads: int, visible_devices: Optional
     return child_env
 
 
+def _inductor_cache_dir() -> str:
+    """Where torch.compile caches by default, ``<temp>/torchinductor_<user>``, named as torch names it
+    (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``; importing it costs the kernel 2 s)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
 def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[str, Optional[str]], start_method: str, watch: dict,
            on_event: Optional[Callable[[str, Any], None]], block: bool) -> Union[TrainResult, RunHandle]:
     """Start the workers and hand them to a RunHandle; wait for the end when ``block``."""
@@ -338,11 +399,14 @@ def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[s
     with interrupts_held() as interrupted:
         _start_helpers(start_method)
         try:
-            with _patched_env(child_env), _bare_main():
+            with _patched_env(child_env), _bare_main(), _error_files_in(watch["tmp_dir"]):
                 procs = mp.start_processes(entry, args=(spec,), nprocs=spec.world_size, join=False,
                                            start_method=start_method)
-        except (EOFError, OSError) as exc:  # the server's connection broke: it died
-            raise _start_failed(spec, start_method, bool(interrupted)) from exc
+        except BaseException as exc:
+            remove_private_tmp(watch["tmp_dir"])
+            if isinstance(exc, (EOFError, OSError)):  # the server's connection broke: it died
+                raise _start_failed(spec, start_method, bool(interrupted)) from exc
+            raise
         try:
             handle = RunHandle(procs, spec, meet, leases=leases, **watch)
             if on_event is not None:
@@ -351,9 +415,10 @@ def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[s
                 spec.run_dir, target=spec.target, world_size=spec.world_size, backend=spec.backend,
                 gpus=list(spec.gpus), pids=handle.pids, start_times=[start_time(p) for p in handle.pids],
                 parent_pid=os.getpid(), store=meet.kind, port=spec.store_port, host=socket.gethostname(),
-                started=handle.started_at)
+                started=handle.started_at, tmp_dir=watch["tmp_dir"])  # for cleanup, should the kernel die first
         except BaseException:
             _kill_started(procs)
+            remove_private_tmp(watch["tmp_dir"])
             raise
         if not block and not interrupted:
             handle.start_background()

@@ -29,12 +29,13 @@ class OutputTail:
     """What a file gained since the last read, as ``(LINE | UPDATE, text)`` pieces.
 
     ``LINE``: a line that ended with ``\\n``. ``UPDATE``: the current line was rewritten (it
-    ended with ``\\r``); the next piece replaces it.
+    ended with ``\\r``); the next piece replaces it. ``start`` is where the reading begins: a
+    resumed launch appends to its run's log, and only what this launch writes is its output.
     """
 
-    def __init__(self, path: Path, max_line: int = MAX_LINE, max_read: int = MAX_READ):
+    def __init__(self, path: Path, max_line: int = MAX_LINE, max_read: int = MAX_READ, start: int = 0):
         self.path, self.max_line, self.max_read = Path(path), max_line, max_read
-        self.offset, self.partial, self.cut = 0, "", 0
+        self.offset, self.partial, self.cut = start, "", 0
 
     def read(self) -> List[Tuple[str, str]]:
         try:

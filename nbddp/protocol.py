@@ -12,6 +12,10 @@ owns where the files are, this module what they hold::
                                          (or the kernel, from torch's error file: adopt_torch_error_file)
     result          result[.rank<r>].pkl rank r: write_result              kernel: read_result
 
+``.nbddp/`` is the user's alone (0700, files 0600, see :func:`nbddp.rundir.make_state_dir`), and
+the one record that is unpickled, the result, is read only from there and only when it is
+provably the user's own file.
+
 The JSON records' readers never raise on a record that is missing, being rewritten or from an
 older nbddp: a missing record is ``None`` (or absent from the mapping) and a missing field takes
 its default. Not here: ``metrics.jsonl``, free-form lines the worker logs (``Context.log``) and
@@ -282,14 +286,15 @@ class _StringsOnly(pickle.Unpickler):
 def read_torch_traceback(path: str) -> Optional[str]:
     """The traceback string torch's spawn wrapper pickled, if the file is ours and holds one.
 
-    The file sits in the shared temp folder: only a regular file owned by this user is read,
-    and nothing but a string is unpickled.
+    The file sits in the launch's private temp folder (``nbddp.launch.private_tmp``); even so,
+    only a regular file owned by this user is read (opened without following a link, checked on
+    its descriptor), and nothing but a string is unpickled.
     """
     try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return None
-        with open(path, "rb") as f:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                return None
             text = _StringsOnly(f).load()
     except (OSError, EOFError, pickle.UnpicklingError, ValueError):
         return None
@@ -342,6 +347,13 @@ def has_result(run_dir: PathLike) -> bool:
 
 
 def read_result(run_dir: PathLike, rank: int = 0) -> Any:
-    """A rank's return value, as the launching kernel's own workers wrote it."""
-    with open(rundir.result_path(run_dir, rank), "rb") as f:
-        return pickle.load(f)
+    """A rank's return value, as the launching kernel's own workers wrote it.
+
+    Unpickling runs code, so the file is read only if it is provably the user's: a regular file
+    (no link followed) owned by the user in the run's private ``.nbddp`` folder (0700, the
+    user's); see :func:`nbddp.rundir.read_private`.
+
+    Raises:
+        nbddp.rundir.NotPrivate: the file or its folder is not provably the user's.
+    """
+    return pickle.loads(rundir.read_private(rundir.result_path(run_dir, rank)))

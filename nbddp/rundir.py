@@ -13,8 +13,8 @@ module spells a file name of it. What is in a run folder, and who writes it::
     export/                  model.pth, model.safetensors,       export_weights (built-in worker, export_run)
                              class_indices.json, meta.json
     tensorboard/             TensorBoard event files             rank 0
-    .nbddp/                  the launch's working state:
-        launch.json          pids, start times, store, started/ended    the kernel (launch, handle); 0600
+    .nbddp/                  the launch's working state (0700, its files 0600):
+        launch.json          pids, start times, store, temp folder ...  the kernel (launch, handle)
         rank<r>.json         heartbeat: state, epoch, step, progress    rank r, every second and per step
         error.rank<r>.json   rank r's error: type, message, traceback   rank r (or the kernel, from torch's error file)
         progress.json        live progress for the notebook             rank 0, at most 5 times a second
@@ -42,6 +42,7 @@ import json
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Union
 
@@ -193,6 +194,83 @@ def stop_path(run_dir: PathLike) -> Path:
     return state_path(run_dir, STOP)
 
 
+# ---------------------------------------------------------------------------- the private state folder
+#: ``.nbddp/`` and its files are the user's alone, whatever the umask: results are unpickled
+#: from there, and a run folder may sit in a group-writable project folder.
+PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
+
+
+class NotPrivate(PermissionError):
+    """A file nbddp would unpickle is not provably the user's own (another owner, a link, a shared folder)."""
+
+
+def is_state_dir(folder: PathLike) -> bool:
+    return Path(folder).name == STATE_DIR
+
+
+def make_state_dir(run_dir: PathLike) -> Path:
+    """Create ``.nbddp/`` mode 0700 (or make an existing one so), refusing one that is not the user's.
+
+    Raises:
+        NotPrivate: ``.nbddp`` is a symbolic link, not a folder, or owned by another user.
+    """
+    folder = state_dir(run_dir)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=PRIVATE_DIR_MODE)  # the umask only takes bits away: 0700 stays 0700
+    st = os.lstat(folder)
+    _check_own(st, folder, "folder", shared_ok=True)
+    if stat.S_IMODE(st.st_mode) != PRIVATE_DIR_MODE:
+        os.chmod(folder, PRIVATE_DIR_MODE)  # made by an older nbddp, under the umask
+    return folder
+
+
+def _check_own(st: os.stat_result, path: Path, kind: str, shared_ok: bool = False) -> None:
+    """Refuse ``path`` unless it is a ``kind`` (``file``/``folder``) of this user that no one else may
+    write (``shared_ok``: a folder of the user's that is about to be made private)."""
+    is_kind = stat.S_ISDIR(st.st_mode) if kind == "folder" else stat.S_ISREG(st.st_mode)
+    shared = kind == "folder" and st.st_mode & 0o022 and not shared_ok
+    why = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else f"is not a regular {kind}" if not is_kind
+           else f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})" if st.st_uid != os.getuid()
+           else "may be written by other users" if shared else None)
+    if why:
+        raise NotPrivate(f"{path} {why}: nbddp reads its launch state only from a private .nbddp folder of "
+                         f"your own. Remove {path.parent if kind == 'file' else path} and launch again.")
+
+
+def read_private(path: PathLike) -> bytes:
+    """The bytes of a file in ``.nbddp/``, read only if the file and its folder are provably the user's.
+
+    The folder is opened without following a link and checked (owned by this user, writable by
+    no one else); the file is opened inside it with ``O_NOFOLLOW`` and checked on its open
+    descriptor (a regular file of this user), so nothing can be swapped in between check and read.
+
+    Raises:
+        NotPrivate: the folder or file is a link, another user's, or the folder is writable by others.
+        FileNotFoundError: there is no such file.
+    """
+    path = Path(path)
+    try:
+        folder_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            _check_own(os.lstat(path.parent), path.parent, "folder")
+        raise
+    try:
+        _check_own(os.fstat(folder_fd), path.parent, "folder")
+        try:
+            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                _check_own(os.lstat(path), path, "file")
+            raise
+    finally:
+        os.close(folder_fd)
+    with os.fdopen(fd, "rb") as f:
+        _check_own(os.fstat(f.fileno()), path, "file")
+        return f.read()
+
+
 # ---------------------------------------------------------------------------- atomic writes
 TMP_MARK = ".tmp-"
 
@@ -205,7 +283,9 @@ def _open_temp(path: Path, mode: int = 0o666) -> tuple[int, Path]:
         tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
         try:
             # O_EXCL: never write through a file (or symlink) someone else created; mode 0o666
-            # minus the umask gives the same permissions as a plain open(), unlike mkstemp's 0o600.
+            # minus the umask gives the same permissions as a plain open(), unlike mkstemp's 0o600,
+            # except in the launch's private state folder, whose files are the user's alone.
+            mode = PRIVATE_FILE_MODE if is_state_dir(path.parent) else mode
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), tmp
         except FileExistsError:
             continue
@@ -234,7 +314,10 @@ def atomic_write(path: PathLike, data: Union[bytes, Callable[[BinaryIO], None]],
     ``mode`` is the new file's, less the umask (``0o600``: the user's alone whatever the umask).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if is_state_dir(path.parent):
+        make_state_dir(path.parent.parent)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _open_temp(path, mode)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -368,11 +451,14 @@ def prepare_launch(run_dir: PathLike, world_size: int) -> None:
 
     The logs folder is the user's alone (``0700``, whatever the umask): ranks print paths,
     hosts and whatever their libraries log there.
+
+    Raises:
+        NotPrivate: the run's ``.nbddp`` folder is not the user's (see :func:`make_state_dir`).
     """
     logs_dir(run_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
     with contextlib.suppress(OSError):
         os.chmod(logs_dir(run_dir), 0o700)  # mkdir's mode loses to an existing folder (resume)
-    state_dir(run_dir).mkdir(exist_ok=True)
+    make_state_dir(run_dir)
     stale = [stop_path(run_dir), progress_path(run_dir),
              *[p for r in range(world_size) for p in (error_record_path(run_dir, r), result_path(run_dir, r))]]
     for path in stale:
@@ -457,16 +543,25 @@ def run_started(run_dir: Path) -> tuple:
     return (0.0, counter, run_dir.name)
 
 
+def _own_folder(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
 def newest_run(runs_dir: PathLike, name: str, checkpoint: Optional[str] = LAST) -> Optional[Path]:
     """The most recently launched run named ``name`` in ``runs_dir`` that holds ``checkpoints/<checkpoint>.pt``
-    (any checkpoint when ``checkpoint`` is None)."""
+    (any checkpoint when ``checkpoint`` is None); only folders the user owns are considered."""
     runs_dir = Path(runs_dir)
 
     def holds(p: Path) -> bool:
         return checkpoint_path(p, checkpoint).is_file() if checkpoint else bool(checkpoint_names(p))
 
-    # Listing, not glob: a name is matched as text, never as a pattern.
-    folders = [p for p in runs_dir.iterdir() if p.is_dir()] if runs_dir.is_dir() else []
+    # Listing, not glob: a name is matched as text, never as a pattern. Only the user's own
+    # folders (not links): a run another user planted in a shared runs folder is never resumed.
+    folders = [p for p in runs_dir.iterdir() if _own_folder(p)] if runs_dir.is_dir() else []
     candidates = [p for p in folders if holds(p) and is_run_of(p, name)]
     return max(candidates, key=run_started) if candidates else None
 
@@ -474,5 +569,6 @@ def newest_run(runs_dir: PathLike, name: str, checkpoint: Optional[str] = LAST) 
 __all__ = [
     "CONFIG", "METRICS", "CLASS_INDICES", "VAL_PREDICTIONS", "LOGS", "CHECKPOINTS", "LAST", "BEST", "EXPORT",
     "TENSORBOARD", "STATE_DIR", "RUNS_DIR", "EXPORT_FILES", "RecordFile", "atomic_write", "atomic_write_text",
-    "write_json_atomic", "read_json", "cleanup_temp_files", "new_run_dir", "newest_run",
+    "write_json_atomic", "read_json", "cleanup_temp_files", "new_run_dir", "newest_run", "NotPrivate",
+    "make_state_dir", "read_private",
 ]

@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -479,6 +480,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     if spec.env:
         os.environ.clear()  # exactly the launching kernel's environment of this launch
         os.environ.update(spec.env)
+        tempfile.tempdir = None  # TMPDIR is the run's private folder: a forked rank forgets the server's
     if spec.cwd:
         os.chdir(spec.cwd)  # the kernel's working directory now, not the warm server's at its start
     # The run's marker (``procs.MARKER_ENV``), absolute, before any user code: every process the

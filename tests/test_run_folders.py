@@ -73,10 +73,10 @@ def test_torchrun_restarting_after_the_refusal_does_not_take_over_the_run(tree, 
 
 
 # ------------------------------------------------------------------ resume=True picks the run
-def fake_run(runs_dir, folder, name, started=None, classes=("a", "b", "c"), model="resnet18"):
-    """A run folder as spawn_train leaves it: config, launch record, last checkpoint."""
+def fake_run(runs_dir, folder, name, started=None, classes=("a", "b", "c"), model="resnet18", **config):
+    """A run folder as spawn_train leaves it: config (``config``'s fields), launch record, last checkpoint."""
     run_dir = runs_dir / folder
-    cfg = TrainConfig(data_path="data", model=model, name=name, runs_dir=str(runs_dir))
+    cfg = TrainConfig(model=model, name=name, runs_dir=str(runs_dir), **config)
     cfg.save(run_dir / "config.json")
     atomic_save({"model": {}, "epoch": 0, "config": cfg.to_dict(), "classes": list(classes)},
                 run_dir / "checkpoints" / "last.pt")
@@ -129,6 +129,6 @@ def test_resume_refused_when_the_data_or_model_differ(tree, tmp_path):
     fake_run(runs, "20250101-120002-d", "d", started=3.0, model="resnet34")
     with pytest.raises(ConfigError, match=r"cannot resume .*trained 'resnet34'.*the config says 'resnet18'"):
         preflight(cfg)
-    same = fake_run(runs, "20250101-120003-d", "d", started=4.0)
+    same = fake_run(runs, "20250101-120003-d", "d", started=4.0, data_path=str(tree), image_size=32, batch_size=4)
     assert preflight(cfg) == same.resolve()
     assert load_checkpoint(same / "checkpoints" / "last.pt")["classes"] == ["a", "b", "c"]

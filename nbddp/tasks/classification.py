@@ -25,12 +25,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .. import data as D
 from .. import rundir
 from ..checkpoint import atomic_save, export_weights, load_checkpoint
-from ..config import TrainConfig
+from ..config import TrainConfig, read_config_file
 from ..dist import (agree_on_error, any_rank, barrier, check_same, cpu_group, data_parallel, is_dist,
                     sync_buffers_from_main)
 from ..engine import (EpochStats, autocast_dtype, evaluate, grad_scaler, reset_gpu_memory_peaks, train_one_epoch,
                       warmup_cosine_lambda)
 from ..errors import ConfigError, DataError
+from ..fieldspec import RESUME_FREE, RESUME_MORE, specs
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
 from ..sync_bn import convert_sync_batchnorm
 from . import LaunchPlan, run_to_resume
@@ -190,7 +191,8 @@ def _check_writable(folder: Path) -> None:
 
 
 def _check_same_run(run_dir: Path, ckpt: dict, cfg: TrainConfig, classes: Optional[list]) -> None:
-    """Refuse to continue a checkpoint with another model, optimizer or other classes: it would mix two runs."""
+    """Refuse to continue a checkpoint with another model, optimizer, other classes, or any setting whose
+    change would mix two runs (the fields' ``resume`` rule, against the run's ``config.json``)."""
     trained = ckpt.get("config", {}).get("model")
     if trained not in (None, cfg.model):
         raise ConfigError(f"cannot resume {run_dir}: it trained {trained!r}, the config says {cfg.model!r}. "
@@ -200,6 +202,61 @@ def _check_same_run(run_dir: Path, ckpt: dict, cfg: TrainConfig, classes: Option
         raise ConfigError(f"cannot resume {run_dir}: it trained with optimizer={optimizer!r}, the config says "
                           f"{cfg.optimizer!r}, whose state the checkpoint does not hold. Set optimizer={optimizer!r} "
                           "to continue it, or start a new run (resume=False)")
+    _check_classes(run_dir, ckpt, cfg, classes)
+    _check_config_changes(run_dir, ckpt, cfg)
+
+
+def _recorded_config(run_dir: Path, ckpt: dict) -> dict:
+    """The settings the run was last launched with: its ``config.json``, else its checkpoint's copy."""
+    try:
+        return read_config_file(run_dir)
+    except ConfigError:
+        recorded = ckpt.get("config")
+        return recorded if isinstance(recorded, dict) else {}
+
+
+def _same_value(name: str, was: Any, now: Any) -> bool:
+    if was == now or (isinstance(was, list) and tuple(was) == now):
+        return True
+    # A path written another way (relative, through a link) names the same data.
+    return (name in ("data_path", "weights") and isinstance(was, str) and isinstance(now, str)
+            and os.path.realpath(was) == os.path.realpath(now))
+
+
+def resume_changes(recorded: dict, cfg: TrainConfig) -> tuple:
+    """``(refused, taken)``: the fields of ``cfg`` that differ from the ``recorded`` run's, as messages.
+
+    Each field's :attr:`~nbddp.fieldspec.FieldSpec.resume` says whether a change is refused
+    (``same``), taken only as a larger value (``more``: ``epochs``) or taken (``free``). A field
+    the recorded config lacks (an older nbddp) counts as its default.
+    """
+    refused, taken = [], []
+    for f, s in specs(TrainConfig):
+        if s.resume == RESUME_FREE:
+            continue
+        was = recorded.get(f.name, f.default)
+        now = getattr(cfg, f.name)
+        if _same_value(f.name, was, now):
+            continue
+        change = f"{f.name} {was!r} -> {now!r}"
+        grows = s.resume == RESUME_MORE and isinstance(was, (int, float)) and now > was
+        (taken if grows else refused).append(change if grows else f"{change}: {s.resume_why}")
+    return refused, taken
+
+
+def _check_config_changes(run_dir: Path, ckpt: dict, cfg: TrainConfig) -> None:
+    """Refuse settings that would continue the run as another one (see :func:`resume_changes`)."""
+    refused, _ = resume_changes(_recorded_config(run_dir, ckpt), cfg)
+    if refused:
+        listing = "\n".join(f"  {line}" for line in refused)
+        raise ConfigError(
+            f"cannot resume {run_dir}: {len(refused)} setting{'s differ' if len(refused) > 1 else ' differs'} from "
+            f"the run it continues, which would mix two runs:\n{listing}\nSet them back to continue it (its config.json "
+            "holds them: TrainConfig.load(run_dir)), or start a new run (resume=False). More epochs, "
+            "checkpoint_every_s, num_workers, the GPUs and the timeouts may change.")
+
+
+def _check_classes(run_dir: Path, ckpt: dict, cfg: TrainConfig, classes: Optional[list]) -> None:
     old = ckpt.get("classes")
     if classes is None or not isinstance(old, (list, tuple)) or list(old) == list(classes):
         return
@@ -446,6 +503,7 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
     t.model.load_state_dict(ck["model"])
     t.optimizer.load_state_dict(ck["optimizer"])
     t.scheduler.load_state_dict(ck["scheduler"])
+    _rebuild_schedule(cfg, ctx, t, ck.get("config", {}).get("epochs"))
     if t.scaler is not None and ck.get("scaler"):
         t.scaler.load_state_dict(ck["scaler"])
     progress = _Progress(ck["epoch"] + 1, ck["best_accuracy"], ck["best_epoch"], list(ck.get("history", [])))
@@ -464,6 +522,25 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
         # The number of epochs done: the 0-based index of the next one.
         print(f"resumed from {last} at epoch {progress.start_epoch}", flush=True)
     return progress
+
+
+def _rebuild_schedule(cfg: TrainConfig, ctx, t: _Trainer, planned: Any) -> None:
+    """A run resumed with more epochs follows the schedule of its new length from here on.
+
+    The scheduler keeps the new config's schedule (its function is not in the checkpoint), but
+    the optimizer's current rate comes from the old one: it is recomputed for the epoch the run
+    continues at, and rank 0 says so in its log.
+    """
+    if not isinstance(planned, int) or planned == cfg.epochs:
+        return
+    epoch = t.scheduler.last_epoch
+    for group, base, factor in zip(t.optimizer.param_groups, t.scheduler.base_lrs, t.scheduler.lr_lambdas):
+        group["lr"] = base * factor(epoch)
+    t.scheduler._last_lr = [g["lr"] for g in t.optimizer.param_groups]  # what get_last_lr() reports
+    if ctx.is_main:
+        print(f"epochs {planned} -> {cfg.epochs}: the learning-rate schedule was rebuilt for {cfg.epochs} epochs "
+              f"(lr {t.optimizer.param_groups[0]['lr']:.6g} at epoch {epoch + 1}, ending at "
+              f"{cfg.lrf:g} x the base rate)", flush=True)
 
 
 def _writer(cfg: TrainConfig, ctx):

@@ -1,0 +1,71 @@
+"""resume with a changed config: a change that would mix two runs is refused, naming the field and
+why; more epochs (and settings that change nothing the run computes) are taken."""
+
+import json
+
+import pytest
+
+from nbddp import ConfigError, TrainConfig, spawn_train
+from nbddp.engine import warmup_cosine_lambda
+from nbddp.fieldspec import RESUME_FREE, RESUME_MORE, spec_of, specs
+from nbddp.tasks.classification import resume_changes
+
+
+def small_cfg(tree, runs_dir, **kw):
+    base = dict(data_path=str(tree), model="resnet18", image_size=32, epochs=1, batch_size=4, lr=0.01,
+                nprocs=2, runs_dir=str(runs_dir), name="r", check_images=False, num_workers=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture
+def first_run(tree, runs_dir):
+    cfg = small_cfg(tree, runs_dir)
+    return cfg, spawn_train(cfg, echo=False)
+
+
+def test_a_new_lr_or_seed_is_refused_naming_the_field_and_why(first_run):
+    cfg, first = first_run
+    with pytest.raises(ConfigError, match=r"(?s)cannot resume .*1 setting differs.*lr 0\.01 -> 0\.02: the optimizer"):
+        spawn_train(cfg.replace(lr=0.02, resume=True), echo=False)
+    with pytest.raises(ConfigError, match=r"(?s)seed 0 -> 1: the split into training and validation"):
+        spawn_train(cfg.replace(seed=1, resume=True), echo=False)
+    with pytest.raises(ConfigError) as info:  # every changed field at once, one per line
+        spawn_train(cfg.replace(val_fraction=0.3, batch_size=2, epochs=3, resume=str(first.run_dir)), echo=False)
+    text = str(info.value)
+    assert "2 settings differ" in text and "val_fraction 0.2 -> 0.3" in text and "batch_size 4 -> 2" in text
+    assert "epochs" not in text.split("\n", 1)[1].split("Set them back")[0]  # more epochs are taken
+    # The refused launches left the run as it was.
+    assert json.loads((first.run_dir / "config.json").read_text())["lr"] == 0.01
+
+
+def test_fewer_epochs_are_refused_and_free_settings_pass(tree, runs_dir):
+    cfg = small_cfg(tree, runs_dir)
+    refused, taken = resume_changes({**cfg.to_dict(), "epochs": 3, "num_workers": 4, "name": "x"}, cfg)
+    assert refused == [f"epochs 3 -> 1: {spec_of(TrainConfig.__dataclass_fields__['epochs']).resume_why}"]
+    assert "fewer epochs than the run planned" in refused[0] and taken == []
+    refused, taken = resume_changes({**cfg.to_dict(), "epochs": 0, "lr": 0.5, "optimizer": "sgd"}, cfg)
+    assert taken == ["epochs 0 -> 1"] and [r.split(":")[0] for r in refused] == ["lr 0.5 -> 0.01"]
+
+
+def test_more_epochs_rebuild_the_schedule_and_say_so(first_run):
+    cfg, first = first_run
+    more = cfg.replace(epochs=2, checkpoint_every_s=0.0, resume=True)  # and a setting that may change
+    resumed = spawn_train(more, echo=False)
+    assert resumed.run_dir == first.run_dir
+    log = (resumed.run_dir / "logs" / "rank0.log").read_text()
+    assert "epochs 1 -> 2: the learning-rate schedule was rebuilt for 2 epochs" in log
+    epoch1 = [m for m in resumed.metrics if m.get("epoch") == 1][-1]
+    base = cfg.lr * 2  # scale_lr with two processes
+    assert epoch1["lr"] == pytest.approx(base * warmup_cosine_lambda(2, cfg.lrf)(1))
+    assert json.loads((resumed.run_dir / "config.json").read_text())["epochs"] == 2
+
+
+def test_every_field_declares_what_resume_does_with_a_change():
+    rules = {f.name: s.resume for f, s in specs(TrainConfig)}
+    assert rules["epochs"] == RESUME_MORE
+    assert {n for n, r in rules.items() if r == RESUME_FREE} >= {"checkpoint_every_s", "num_workers", "name",
+                                                                "runs_dir", "resume", "timeout_s"}
+    assert {n for n, r in rules.items() if r not in (RESUME_FREE, RESUME_MORE)} >= {
+        "data_path", "val_fraction", "seed", "model", "optimizer", "lr", "momentum", "weight_decay", "lrf",
+        "warmup_epochs", "batch_size"}

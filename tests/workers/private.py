@@ -1,0 +1,48 @@
+"""Workers for tests/test_private_state.py: the ranks' temp folder, a planted result, a launch's output."""
+
+import os
+import pickle
+import stat
+import tempfile
+import time
+from pathlib import Path
+
+
+def tmp_info(ctx):
+    """What this rank's temp folder is, and who may use it."""
+    folder = os.environ["TMPDIR"]
+    st = os.stat(folder)
+    with tempfile.NamedTemporaryFile() as f:  # the rank's own temporary files land there too
+        inside = os.path.dirname(f.name)
+    return {"tmp": folder, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "inside": inside,
+            "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+
+
+class _Planted:
+    """What another user's pickle would do in the kernel: here, leave a file behind."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def plant_result(ctx, marker: str, uid: int):
+    """Rank 1 plays another user: once rank 0 stored its value, it puts its own pickle in its place."""
+    if ctx.rank == 1:
+        result = Path(ctx.run_dir) / ".nbddp" / "result.pkl"
+        deadline = time.time() + 30
+        while not result.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        planted = result.with_name("planted")
+        planted.write_bytes(pickle.dumps(_Planted(marker)))
+        os.chown(planted, uid, -1)
+        os.replace(planted, result)
+        return None
+    return {"rank": 0}
+
+
+def say(ctx, tag: str):
+    print(f"launch {tag} says hello", flush=True)
+    return tag
