@@ -64,22 +64,24 @@ def soak(method: str, cycles: int, tmp: Path) -> dict:
         times.append(time.time() - t0)
         rec = json.loads((h.run_dir / ".nbddp" / "launch.json").read_text())
         leaked += sum(alive(p) for p in rec["pids"])
-        ports += 0 if port_free(rec["port"]) else 1
+        # A TCP store's port must be free again; nbddp's private FileStore's folder must be gone.
+        store_left = not port_free(rec["port"]) if rec.get("port") else Path(rec["store_path"]).parent.exists()
+        ports += int(store_left)
     temps = [p for p in (tmp / "runs").rglob("*") if ".tmp" in p.name]
     return {"cycles": cycles, "median_s": statistics.median(times), "max_s": max(times), "hangs": hangs,
-            "leaked_processes": leaked, "leaked_ports": ports, "temp_files": len(temps)}
+            "leaked_processes": leaked, "leaked_stores": ports, "temp_files": len(temps)}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cycles", type=int, default=100)
     a = ap.parse_args()
-    print("| start method | cycles | median s | max s | hangs | leaked processes | leaked ports | temp files |")
+    print("| start method | cycles | median s | max s | hangs | leaked processes | leaked stores | temp files |")
     print("|---|---|---|---|---|---|---|---|")
     for method in ("spawn", "forkserver"):
         r = soak(method, a.cycles, Path(tempfile.mkdtemp()))
         print(f"| {method} | {r['cycles']} | {r['median_s']:.2f} | {r['max_s']:.2f} | {r['hangs']} | "
-              f"{r['leaked_processes']} | {r['leaked_ports']} | {r['temp_files']} |", flush=True)
+              f"{r['leaked_processes']} | {r['leaked_stores']} | {r['temp_files']} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ _SCHEDULE = "the learning-rate schedule the checkpoint's scheduler continues"
 _STEPS = "the steps of an epoch, which the checkpoint's optimizer state and position count"
 _LOSS = "the loss the run minimises"
 _NUMERICS = "the arithmetic of the training steps and the grad scaler's state in the checkpoint"
-_FEWER_EPOCHS = ("fewer epochs than the run planned: its schedule has already decayed towards the longer end; "
-                 "stop it instead (the export keeps the best epoch), or resume with at least as many")
+_FEWER_EPOCHS = ("no epoch would be left to train: the run has already trained that many; give more epochs, or "
+                 "use the run's export as it is")
 
 #: Smallest process-group timeout accepted: every rank must start (spawn, import torch) and reach
 #: the rendezvous within it, which takes seconds on a cold start.

@@ -414,7 +414,8 @@ def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[s
             rundir.update_launch_record(
                 spec.run_dir, target=spec.target, world_size=spec.world_size, backend=spec.backend,
                 gpus=list(spec.gpus), pids=handle.pids, start_times=[start_time(p) for p in handle.pids],
-                parent_pid=os.getpid(), store=meet.kind, port=spec.store_port, host=socket.gethostname(),
+                parent_pid=os.getpid(), store=meet.kind, port=spec.store_port, store_path=spec.store_path,
+                host=socket.gethostname(),
                 started=handle.started_at, tmp_dir=watch["tmp_dir"])  # for cleanup, should the kernel die first
         except BaseException:
             _kill_started(procs)

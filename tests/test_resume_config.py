@@ -39,11 +39,13 @@ def test_a_new_lr_or_seed_is_refused_naming_the_field_and_why(first_run):
     assert json.loads((first.run_dir / "config.json").read_text())["lr"] == 0.01
 
 
-def test_fewer_epochs_are_refused_and_free_settings_pass(tree, runs_dir):
+def test_fewer_epochs_are_taken_while_some_are_left_and_free_settings_pass(tree, runs_dir):
     cfg = small_cfg(tree, runs_dir)
-    refused, taken = resume_changes({**cfg.to_dict(), "epochs": 3, "num_workers": 4, "name": "x"}, cfg)
+    refused, taken = resume_changes({**cfg.to_dict(), "epochs": 3, "num_workers": 4, "name": "x"}, cfg, done=1)
     assert refused == [f"epochs 3 -> 1: {spec_of(TrainConfig.__dataclass_fields__['epochs']).resume_why}"]
-    assert "fewer epochs than the run planned" in refused[0] and taken == []
+    assert "no epoch would be left to train" in refused[0] and taken == []
+    refused, taken = resume_changes({**cfg.to_dict(), "epochs": 3}, cfg.replace(epochs=2), done=1)
+    assert refused == [] and taken == ["epochs 3 -> 2"]
     refused, taken = resume_changes({**cfg.to_dict(), "epochs": 0, "lr": 0.5, "optimizer": "sgd"}, cfg)
     assert taken == ["epochs 0 -> 1"] and [r.split(":")[0] for r in refused] == ["lr 0.5 -> 0.01"]
 

@@ -9,7 +9,6 @@ the launch.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,16 +23,6 @@ from conftest import EXAMPLES, ROOT, WORKERS, children_of, kernel_pid, survivors
 
 FAULTY = str(WORKERS / "faulty.py")
 WARM = dict(start_method="forkserver", echo=False)  # the default, spelled out
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def test_warm_regression_and_fast_relaunch(runs_dir):
@@ -87,7 +76,8 @@ def test_soak_short(tmp_path, start_method, cycles):
         assert time.time() - t0 < 60, f"cycle {i} took too long"
         launch = json.loads((r.run_dir / ".nbddp" / "launch.json").read_text())
         assert survivors(launch["pids"]) == {}
-        assert port_is_free(launch["port"])
+        # nbddp's own group met in a private FileStore: its folder is gone (a TCP store: its port free)
+        assert launch["store"] == "file" and not Path(launch["store_path"]).parent.exists()
     assert not worker_children()
     assert not [p for p in runs.rglob("*") if ".tmp" in p.name]
 

@@ -223,12 +223,13 @@ def _same_value(name: str, was: Any, now: Any) -> bool:
             and os.path.realpath(was) == os.path.realpath(now))
 
 
-def resume_changes(recorded: dict, cfg: TrainConfig) -> tuple:
+def resume_changes(recorded: dict, cfg: TrainConfig, done: Optional[int] = None) -> tuple:
     """``(refused, taken)``: the fields of ``cfg`` that differ from the ``recorded`` run's, as messages.
 
     Each field's :attr:`~nbddp.fieldspec.FieldSpec.resume` says whether a change is refused
-    (``same``), taken only as a larger value (``more``: ``epochs``) or taken (``free``). A field
-    the recorded config lacks (an older nbddp) counts as its default.
+    (``same``), taken as a length with some of it left to run (``more``: ``epochs``, larger than
+    the recorded one or than ``done``, the epochs the checkpoint has trained) or taken (``free``).
+    A field the recorded config lacks (an older nbddp) counts as its default.
     """
     refused, taken = [], []
     for f, s in specs(TrainConfig):
@@ -239,20 +240,24 @@ def resume_changes(recorded: dict, cfg: TrainConfig) -> tuple:
         if _same_value(f.name, was, now):
             continue
         change = f"{f.name} {was!r} -> {now!r}"
-        grows = s.resume == RESUME_MORE and isinstance(was, (int, float)) and now > was
+        grows = s.resume == RESUME_MORE and isinstance(was, (int, float)) and (now > was or done is not None
+                                                                              and now > done)
         (taken if grows else refused).append(change if grows else f"{change}: {s.resume_why}")
     return refused, taken
 
 
 def _check_config_changes(run_dir: Path, ckpt: dict, cfg: TrainConfig) -> None:
     """Refuse settings that would continue the run as another one (see :func:`resume_changes`)."""
-    refused, _ = resume_changes(_recorded_config(run_dir, ckpt), cfg)
+    # Epochs the checkpoint has trained: a mid-epoch checkpoint continues its own epoch.
+    epoch = ckpt.get("epoch")
+    done = None if not isinstance(epoch, int) else (epoch if ckpt.get("step") else epoch + 1)
+    refused, _ = resume_changes(_recorded_config(run_dir, ckpt), cfg, done)
     if refused:
         listing = "\n".join(f"  {line}" for line in refused)
         raise ConfigError(
             f"cannot resume {run_dir}: {len(refused)} setting{'s differ' if len(refused) > 1 else ' differs'} from "
             f"the run it continues, which would mix two runs:\n{listing}\nSet them back to continue it (its config.json "
-            "holds them: TrainConfig.load(run_dir)), or start a new run (resume=False). More epochs, "
+            "holds them: TrainConfig.load(run_dir)), or start a new run (resume=False). Epochs (while some are left), "
             "checkpoint_every_s, num_workers, the GPUs and the timeouts may change.")
 
 
@@ -525,7 +530,7 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
 
 
 def _rebuild_schedule(cfg: TrainConfig, ctx, t: _Trainer, planned: Any) -> None:
-    """A run resumed with more epochs follows the schedule of its new length from here on.
+    """A run resumed with another number of epochs follows the schedule of its new length from here on.
 
     The scheduler keeps the new config's schedule (its function is not in the checkpoint), but
     the optimizer's current rate comes from the old one: it is recomputed for the epoch the run
