@@ -38,7 +38,9 @@ case "${1:-}" in
     bash scripts/install_browser.sh
     # Notebooks shorten their training in CI but still run every code path.
     export NBDDP_SMOKE=${NBDDP_SMOKE:-1}
-    exec "$VENV/bin/python" -m pytest tests notebooks --nbmake "$@"
+    # Two test processes side by side (NBDDP_TEST_PROCS=1: one); a file's tests stay together,
+    # so module-scoped launches and kernels are shared as written.
+    exec "$VENV/bin/python" -m pytest -n "${NBDDP_TEST_PROCS:-2}" --dist loadfile tests notebooks --nbmake "$@"
     ;;
   setup)
     setup
