@@ -33,7 +33,8 @@ import pickle
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
 
 from . import rundir
 from .paths import PathLike
@@ -138,12 +139,17 @@ class HeartbeatWriter:
 
 def read_heartbeats(run_dir: PathLike, world_size: int) -> Dict[int, Heartbeat]:
     """Every rank's last heartbeat, by rank (ranks without a readable one are left out)."""
-    beats = {}
+    return _per_rank(Heartbeat, rundir.heartbeat_path, run_dir, world_size)
+
+
+def _per_rank(cls, path_of: Callable[[PathLike, int], Path], run_dir: PathLike, world_size: int) -> Dict[int, Any]:
+    """Each rank's record of type ``cls`` from ``path_of(run_dir, rank)``; unreadable ones left out."""
+    found = {}
     for r in range(world_size):
-        beat = _from_json(Heartbeat, rundir.read_json(rundir.heartbeat_path(run_dir, r)), rank=r)
-        if beat is not None:
-            beats[r] = beat
-    return beats
+        record = _from_json(cls, rundir.read_json(path_of(run_dir, r)), rank=r)
+        if record is not None:
+            found[r] = record
+    return found
 
 
 # ---------------------------------------------------------------------------- progress
@@ -270,12 +276,7 @@ class ErrorRecord:
 
 def read_error_records(run_dir: PathLike, world_size: int) -> Dict[int, ErrorRecord]:
     """Every rank's error record, by rank (ranks that wrote none are left out)."""
-    records = {}
-    for r in range(world_size):
-        rec = _from_json(ErrorRecord, rundir.read_json(rundir.error_record_path(run_dir, r)), rank=r)
-        if rec is not None:
-            records[r] = rec
-    return records
+    return _per_rank(ErrorRecord, rundir.error_record_path, run_dir, world_size)
 
 
 class _StringsOnly(pickle.Unpickler):
