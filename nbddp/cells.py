@@ -91,7 +91,7 @@ def ship(fn: Callable[..., Any], max_bytes: int = MAX_CAPTURED_BYTES) -> Shipped
             f"spawn_train({name}): the function captures {len(payload) / 2**20:.1f} MiB of data, over the "
             f"{max_bytes / 2**20:.0f} MiB limit (largest: {biggest or 'unknown'}). It would be copied to every "
             "rank at every launch: load the data or model inside the function (from a file), or pass a path.")
-    return ShippedFunction(name=name, payload=payload, source=source_of(fn))
+    return ShippedFunction(name=name, payload=payload, source=source_of(fn, captured))
 
 
 def load(payload: bytes) -> Callable[..., Any]:
@@ -235,18 +235,19 @@ def _size(value: Any) -> int:
 
 
 # ------------------------------------------------------------------------------ its source
-def source_of(fn: Callable[..., Any]) -> str:
+def source_of(fn: Callable[..., Any], captured: Optional[List[Tuple[str, Any]]] = None) -> str:
     """A file that defines ``fn`` as the notebook did: imports, constants, helpers, the function.
 
     What cannot be written as source (a captured object other than a module, a plain constant,
     an importable function or class, a notebook function or class) is listed in a comment.
+    ``captured``: :func:`captured_values` of ``fn`` when the caller has them already.
     """
     imports: Dict[str, str] = {}
     constants: Dict[str, str] = {}
     definitions: Dict[str, str] = {}
     opaque: List[str] = []
     order: List[Callable[..., Any]] = []
-    for label, value in captured_values(fn):
+    for label, value in (captured if captured is not None else captured_values(fn)):
         var = label.split("`")[1] if "`" in label else None
         if var is None or "." in var:
             continue
