@@ -110,11 +110,38 @@ def __getattr__(name):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(_import_holding_interrupts(f"{__name__}.{module}"), name)
     globals()[name] = value  # the next use is a plain attribute
     return value
+
+
+def _import_holding_interrupts(module: str):
+    """Import ``module``; an Interrupt that comes meanwhile is handled once the import is done.
+
+    The first ``nbddp.spawn_train`` of a kernel imports torch. torch swallows a
+    KeyboardInterrupt raised while it imports numpy (it turns numpy support off and warns), so
+    an Interrupt in that second would be lost and the run would start. Held here, it reaches the
+    handler the kernel had (a ``KeyboardInterrupt``) right after the import, before any run exists.
+    """
+    import importlib
+    import signal
+    import sys
+    import threading
+
+    if module in sys.modules or threading.current_thread() is not threading.main_thread():
+        return importlib.import_module(module)
+    came: list = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        loaded = importlib.import_module(module)
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if came:
+        if callable(previous):
+            previous(signal.SIGINT, sys._getframe())
+        elif previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
+    return loaded
 
 
 def __dir__():

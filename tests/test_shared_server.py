@@ -77,7 +77,11 @@ def test_a_background_run_whose_folder_vanishes_still_ends(tmp_path, runs_dir):
     h = spawn_train(f"{FAULTY}:barrier_then_wait_for_file", str(go), nprocs=2, runs_dir=runs_dir, block=False,
                     echo=False, grace_s=1)
     assert wait_for(lambda: (h.run_dir / ".nbddp" / "launch.json").exists(), 30)
-    shutil.rmtree(h.run_dir)
+    # Gone from its path at once (as `rm -rf` of a moved folder); the ranks, still writing by
+    # path, cannot refill it while it is deleted.
+    gone = tmp_path / "gone"
+    os.rename(h.run_dir, gone)
+    shutil.rmtree(gone)
     h.stop(wait=False)
     assert wait_for(lambda: not h.running, 60), "the run never reached an end state"
     assert survivors(h.pids) == {}
@@ -134,12 +138,7 @@ def test_an_interrupt_at_any_moment_of_a_cold_launch_leaves_no_worker(tmp_path, 
         assert proc.stdout.readline().startswith("launching")
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("alive"):
-                break
-        out = "".join(lines)
+        out = read_until(proc, "alive", timeout=120)
         assert "alive" in out, out
         assert "KeyboardInterrupt" not in out or not (tmp_path / "runs").exists(), (
             f"a bare KeyboardInterrupt after the run folder was made: {out}")
@@ -148,6 +147,54 @@ def test_an_interrupt_at_any_moment_of_a_cold_launch_leaves_no_worker(tmp_path, 
     finally:
         proc.kill()
         proc.wait()
+
+
+def read_until(proc, start: str, timeout: float) -> str:
+    """What ``proc`` printed up to the first line starting with ``start``, or all of it by ``timeout`` s."""
+    import queue
+    import threading
+
+    lines: "queue.Queue[str]" = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in iter(proc.stdout.readline, "")], daemon=True).start()
+    seen = []
+    try:
+        while not seen or not seen[-1].startswith(start):
+            seen.append(lines.get(timeout=timeout))
+    except queue.Empty:
+        pass
+    return "".join(seen)
+
+
+def test_an_interrupt_that_the_import_of_torch_would_swallow_still_interrupts(tmp_path):
+    """torch drops a KeyboardInterrupt that lands while it imports numpy: nbddp's lazy import holds it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import ROOT
+
+    (tmp_path / "swallows.py").write_text(textwrap.dedent("""
+        import os, signal, time
+        try:  # what torch does around its numpy import
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        print("imported", flush=True)
+    """))
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT)!r}, {str(tmp_path)!r}]
+        import nbddp
+        try:
+            nbddp._import_holding_interrupts("swallows")
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt after the import", flush=True)
+        else:
+            print("the interrupt was lost", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert out.split() == "imported KeyboardInterrupt after the import".split(), out
 
 
 def launch_workers(marker: str, launcher: int):
