@@ -34,10 +34,11 @@ MODULE_PREFIX = "-m "
 
 
 def torchrun_environment(rank: int, world_size: int, master_addr: str, master_port: int, run_id: str,
-                         agent_store: bool) -> Dict[str, str]:
+                         agent_store: bool, restart: int = 0, max_restarts: int = 0) -> Dict[str, str]:
     """The variables torchrun gives each worker on one machine (``torch.distributed.elastic``).
 
     Args:
+        restart, max_restarts: which restart of the run this is, and how many it may make.
         agent_store: ``env://`` connects to a store that is already up (the kernel's), as
             torchrun's workers connect to its agent's; False lets rank 0 host one (mp.spawn).
     """
@@ -46,7 +47,7 @@ def torchrun_environment(rank: int, world_size: int, master_addr: str, master_po
         "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
         "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size), "ROLE_NAME": "default",
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": str(restart), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
     }
     if agent_store:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"

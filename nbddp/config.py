@@ -22,6 +22,7 @@ from .gpus import IDLE, IDLE_RULE
 
 DATA_PIPELINES = ("pil", "tensor")
 OPTIMIZERS = ("sgd", "adamw")
+OOM_POLICIES = ("fail", "halve")
 #: The models the panel suggests (any torchvision classification model name works).
 COMMON_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
                  "efficientnet_b0", "efficientnet_b1", "regnet_y_400mf", "convnext_tiny", "densenet121", "vgg16_bn")
@@ -130,6 +131,12 @@ class TrainConfig:
             so no epoch pays for starting them again. Resumed runs stay exact either way: each
             image's augmentation is seeded by (seed, epoch, image), not by the worker.
         timeout_s: process-group timeout in seconds (a hung collective fails after this).
+        max_restarts: restart a run that failed in a way a restart heals (a rank killed or
+            crashed, a hang, a collective timeout, a GPU/NCCL error) up to this many times, from
+            its last checkpoint in the same run folder (:mod:`nbddp.restarts` has the rule).
+        oom: ``"fail"`` (out of memory ends the run) or ``"halve"`` (restart with half the
+            per-rank batch and twice ``grad_accum_steps``: the same global batch and schedule;
+            the run's ``config.json`` keeps the new values).
     """
 
     data_path: str = spec("data/digits", help="class-folder tree root/<class>/<image>", check=_PATH, metavar="DIR",
@@ -241,6 +248,16 @@ class TrainConfig:
                                     resume=RESUME_FREE)
     timeout_s: float = spec(300.0, group="numbers", help="process-group timeout in seconds",
                             check=Check("number", 0.0, low_open=True), resume=RESUME_FREE)
+    max_restarts: int = spec(0, help="restarts from the last checkpoint after a failure a restart heals (a rank "
+                             "killed, a hang, a GPU error; default 0)",
+                             check=Check("int", low=0, why="0: a failure ends the run; n: up to n restarts from "
+                                         "the last checkpoint"),
+                             widget=Widget("int", "Restarts", "advanced", low=0, high=100), resume=RESUME_FREE)
+    oom: str = spec("fail", group="choices", help="out of memory: fail, or halve the per-rank batch and restart "
+                    "(same global batch)",
+                    check=Check("choice", values=OOM_POLICIES, why="'fail' (out of memory ends the run) or 'halve' "
+                                "(restart with half the batch per rank and twice the gradient accumulation)"),
+                    widget=Widget("choice", "Out of memory", "advanced"), resume=RESUME_FREE)
 
     def __post_init__(self):
         # Normalise containers and paths so the config stays hashable, JSON-able and picklable.

@@ -43,6 +43,21 @@ class NonFiniteLossError(_RankError, FloatingPointError):
     """
 
 
+class Retryable(Exception):
+    """Raise it (or a subclass) in a worker for a failure that a restart can heal.
+
+    A run launched with ``max_restarts=N`` restarts from its last checkpoint after a rank
+    raised one; any other exception of the worker's own is taken to fail again the same way
+    (see :mod:`nbddp.restarts` for the whole rule). An exception class of your own can say the
+    same with a class attribute ``retryable = True``.
+
+    Example:
+        >>> raise nbddp.Retryable("the data server went away")
+    """
+
+    retryable = True
+
+
 class WorkerError(NbddpError):
     """A worker process failed; the message names the root-cause rank and shows its traceback.
 
@@ -56,14 +71,23 @@ class WorkerError(NbddpError):
         traceback: the worker's traceback text, if it raised.
         log_path: the rank's log file.
         run_dir: the run's folder.
+        kind: what ended the root-cause rank: ``"exception"``, ``"exit"`` (SystemExit),
+            ``"signal"``, ``"exit-code"`` (no Python exception), ``"hang"`` (no progress),
+            ``"collective"`` (a collective failed or timed out), ``"watchdog"`` (NCCL's) or
+            ``"server"`` (the launch server died).
+        retryable: the rank's exception said a restart can heal it (:mod:`nbddp.restarts`).
+        restarts: the restarts the run made before this failure (``nbddp.restarts.Restart``).
     """
 
     def __init__(self, message: str, *, rank=None, exc_type=None, signal=None, exitcode=None,
-                 epoch=None, step=None, traceback=None, log_path=None, run_dir=None):
+                 epoch=None, step=None, traceback=None, log_path=None, run_dir=None, kind=None,
+                 retryable=False):
         super().__init__(message)
         self.rank, self.exc_type, self.signal, self.exitcode = rank, exc_type, signal, exitcode
         self.epoch, self.step, self.traceback = epoch, step, traceback
         self.log_path, self.run_dir = log_path, run_dir
+        self.kind, self.retryable = kind, retryable
+        self.restarts: list = []
 
 
 class TrainingInterrupted(NbddpError):

@@ -20,16 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from .errors import RunAbandoned, TrainingInterrupted
+from .errors import NbddpError, RunAbandoned, TrainingInterrupted, WorkerError
 from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
 from . import rundir
-from .protocol import (LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_error_records,
-                       read_heartbeats, read_progress, read_result, write_stop_request)
+from .protocol import (LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_checkpoint_note,
+                       read_error_records, read_heartbeats, read_progress, read_result, write_stop_request)
+from .restarts import Restart, RestartPolicy
 from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
 from .forkserver import server_death, server_pid
 from .procs import end_leftovers, orphaned_group
-from .system import kill_group_or_process
+from .system import kill_group_or_process, start_time
 
 
 @dataclass
@@ -46,6 +47,7 @@ class TrainResult:
         stopped: True when the run ended early because ``stop()`` was asked and the worker obeyed.
         values: every rank's return value, in rank order (tensors on the CPU), when the run was
             launched with ``spawn_train(..., all_values=True)``.
+        restarts: the restarts the run made on its way (``max_restarts``; :class:`nbddp.restarts.Restart`).
     """
 
     value: Any
@@ -56,6 +58,7 @@ class TrainResult:
     backend: str
     stopped: bool = False
     all_values: Optional[List[Any]] = field(default=None, repr=False)
+    restarts: List[Restart] = field(default_factory=list)
 
     @property
     def values(self) -> List[Any]:
@@ -84,7 +87,7 @@ class TrainResult:
     def __repr__(self) -> str:
         return (f"TrainResult(run_dir={str(self.run_dir)!r}, world_size={self.world_size}, "
                 f"backend={self.backend!r}, seconds={self.seconds:.1f}, metrics=[{len(self.metrics)} records], "
-                f"stopped={self.stopped})")
+                f"stopped={self.stopped}" + (f", restarts={len(self.restarts)}" if self.restarts else "") + ")")
 
 
 @contextlib.contextmanager
@@ -154,6 +157,20 @@ def _end_group(pid: int) -> None:
             pass
 
 
+def _note_restarts(error: WorkerError, restarts: List[Restart], not_restarted: str) -> None:
+    """Add the run's restarts, and why it was not restarted once more, to its final error."""
+    error.restarts = list(restarts)
+    lines = []
+    if restarts:
+        lines.append(f"The run was restarted {len(restarts)} time{'s' if len(restarts) > 1 else ''} before: "
+                     + "; ".join(f"{r.number}. {r.cause}" for r in restarts))
+    if not_restarted:
+        lines.append(not_restarted[0].upper() + not_restarted[1:] + ".")
+    if lines:  # under the headline and the rank's whereabouts, above the traceback
+        text = str(error).split("\n")
+        error.args = ("\n".join(text[:2] + ["  " + line for line in lines] + text[2:]),)
+
+
 class RunHandle:
     """A running (or finished) launch. ``spawn_train(..., block=False)`` returns one.
 
@@ -166,12 +183,14 @@ class RunHandle:
 
     def __init__(self, procs, spec: LaunchSpec, store, echo: bool, grace_s: float,
                  stall_timeout_s: Optional[float] = None, stop_timeout_s: float = STOP_TIMEOUT_S,
-                 leases=None, log_start: int = 0, tmp_dir: Optional[str] = None):
+                 leases=None, log_start: int = 0, tmp_dir: Optional[str] = None,
+                 restarts: Optional[RestartPolicy] = None):
         # torch's ProcessContext of the workers (not a worker's ctx: that lives in the workers).
         # store: the launch's meeting point (nbddp.rendezvous.Rendezvous, or a bare TCPStore);
         # leases: its GPU leases (nbddp.leases.Leases). Both are held until the run ends.
         # log_start: rank 0's log size before this launch (a resumed run appends to its log);
-        # tmp_dir: the ranks' private TMPDIR, removed once the run has ended.
+        # tmp_dir: the ranks' private TMPDIR, removed once the run has ended;
+        # restarts: max_restarts and the launcher that starts each restart (nbddp.restarts).
         self._procs, self.spec, self._store, self.echo, self.grace_s = procs, spec, store, echo, grace_s
         self._leases = leases
         self.stop_timeout_s = stop_timeout_s
@@ -180,6 +199,10 @@ class RunHandle:
         self.run_dir = Path(spec.run_dir)
         self.world_size = spec.world_size
         self.started_at = time.time()
+        self._policy = restarts
+        self.restarts: List[Restart] = []  # made so far (a restart is a new launch in the same folder)
+        self._restart_at: Optional[float] = None  # a restart waits for its back-off until then
+        self._launched_at = self.started_at  # this launch's start (the run's first, or its last restart)
         self.pids = [p.pid for p in procs.processes]
         self.metrics: List[dict] = []
         self.progress: dict = {}
@@ -274,15 +297,19 @@ class RunHandle:
         self._emit("end", self._outcome)
 
     def _release(self) -> None:
-        """Give back what the launch held for its lifetime: its meeting point and its GPU leases."""
-        store, self._store = self._store, None
-        if store is not None and hasattr(store, "close"):
-            with contextlib.suppress(Exception):
-                store.close()
+        """Give back what the run held for its lifetime: its meeting point and its GPU leases."""
+        self._close_store()
         if self._leases is not None:
             with contextlib.suppress(Exception):
                 self._leases.release()
             self._leases = None
+
+    def _close_store(self) -> None:
+        """Close the launch's meeting point (its port or private folder freed); each restart has its own."""
+        store, self._store = self._store, None
+        if store is not None and hasattr(store, "close"):
+            with contextlib.suppress(Exception):
+                store.close()
 
     def _wait_done(self, timeout: Optional[float]) -> None:
         # Jupyter's Interrupt (SIGINT) only sets a flag here, checked between polls: raised as
@@ -347,6 +374,12 @@ class RunHandle:
                 return
             self._read_streams()
             now = time.time()
+            if self._restart_at is not None:  # between two launches: no process runs
+                if self._shutdown is not None:  # a Stop or an Interrupt is never retried
+                    self._finish()
+                elif now >= self._restart_at:
+                    self._relaunch()
+                return
             for rank, p in enumerate(self._procs.processes):
                 if rank not in self._ends and p.exitcode is not None:  # exitcode reaps the child
                     self._ends[rank] = RankEnd(rank, p.pid, p.exitcode, now, self._shutdown is not None)
@@ -364,7 +397,7 @@ class RunHandle:
                 self._shutdown.advance(now)
             if len(self._ends) == self.world_size:
                 self._reap_all()
-                self._finish()
+                self._restart_or_finish()
 
     def _find_stalled_rank(self, now: float) -> Optional[int]:
         """A rank behind the others whose progress stopped ``stall_timeout_s`` ago (a hang).
@@ -374,7 +407,8 @@ class RunHandle:
         """
         if read_error_records(self.run_dir, self.world_size):
             return None
-        beats = read_heartbeats(self.run_dir, self.world_size)
+        beats = {r: b for r, b in read_heartbeats(self.run_dir, self.world_size).items()
+                 if (b.beat_time or 0.0) >= self._launched_at}  # this launch's, not an earlier one's
         if len(beats) < self.world_size or any(b.state != "running" for b in beats.values()):
             return None
 
@@ -417,7 +451,7 @@ class RunHandle:
         """True while the workers may still be finishing after the stop request (see :func:`ranks_finishing`)."""
         # A resumed run's folder may still hold the previous launch's records: not this run's.
         beats = {r: b for r, b in read_heartbeats(self.run_dir, self.world_size).items()
-                 if (b.beat_time or 0.0) >= self.started_at}
+                 if (b.beat_time or 0.0) >= self._launched_at}
         running = [r for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None]
         return ranks_finishing(now, since, self.grace_s, beats, running)
 
@@ -451,24 +485,93 @@ class RunHandle:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
 
-    def _finish(self) -> None:
+    # -- restarts ------------------------------------------------------------------------
+    def _restart_or_finish(self) -> None:
+        """Every rank has ended: restart the run if its failure is one a restart heals, else finish."""
+        reason = self._shutdown.reason if self._shutdown else None
+        if reason not in ("failure", None) or all(e.exitcode == 0 for e in self._ends.values()):
+            self._finish()
+            return
+        error = build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._server))
+        restart, why = (self._policy.next_restart(error, self.restarts, self._resumes_from())
+                        if self._policy is not None else (None, ""))
+        if restart is None:
+            self._finish(error, why)
+            return
+        self._end_launch()
+        self.restarts.append(restart)
+        rundir.update_launch_record(self.run_dir, restarts=[r.as_dict() for r in self.restarts])
+        if self.echo:
+            self._echo.close()
+            print(restart.line(self._policy.max_restarts), file=sys.stderr, flush=True)
+        self._emit("restart", restart)
+        self._shutdown = None  # that launch's; a Stop or an Interrupt during the back-off makes a new one
+        self._restart_at = time.time() + restart.backoff_s
+
+    def _resumes_from(self) -> Optional[str]:
+        """The checkpoint a restart would continue from, as the ranks noted it (else the newest file)."""
+        note = read_checkpoint_note(self.run_dir)
+        return note.where() if note is not None else _newest_checkpoint(self.run_dir)
+
+    def _relaunch(self) -> None:
+        """Start the restart that waited for its back-off; a restart that cannot start ends the run."""
+        restart = self.restarts[-1]
+        try:
+            procs, spec, store, tmp_dir = self._policy.launcher.relaunch(restart.number, restart.changes)
+        except Exception as exc:  # noqa: BLE001 - the run must reach an end state
+            self._restart_at = None
+            error = NbddpError(f"restart {restart.number} of the run in {self.run_dir} could not start "
+                               f"({type(exc).__name__}: {exc}); after: {restart.cause}")
+            error.__cause__ = exc
+            self._finish(error)
+            return
+        self._procs, self.spec, self._store, self._tmp_dir = procs, spec, store, tmp_dir
+        self.pids = [p.pid for p in procs.processes]
+        self._ends, self._shutdown, self._stall_checked = {}, None, 0.0
+        self._launched_at = time.time()
+        self._server = server_pid() if spec.parent_pid is None else None
+        self._restart_at = None
+        rundir.update_launch_record(
+            self.run_dir, pids=self.pids, start_times=[start_time(p) for p in self.pids], store_path=spec.store_path,
+            port=spec.store_port, tmp_dir=tmp_dir, restarts=[r.as_dict() for r in self.restarts])
+
+    def _end_launch(self) -> None:
+        """What one launch leaves once its ranks have ended: leftovers, torch's error files, its meeting
+        point and temp folder; the run's GPU leases stay (a restart uses them)."""
         self._remove_torch_error_files()
         # Nothing a rank started outlives the run: its group, and marked processes that left it.
         end_leftovers(self.run_dir, groups=self.pids, grace_s=_LEFTOVER_GRACE_S)
+        for p in self._procs.processes:
+            with contextlib.suppress(Exception):
+                p.close()
+        self._close_store()
+        remove_private_tmp(self._tmp_dir)
+        self._tmp_dir = None
+
+    def _finish(self, error: Optional[BaseException] = None, not_restarted: str = "") -> None:
+        """End the run: its outcome (``error`` when already built), every resource given back.
+
+        Args:
+            not_restarted: why a run with ``max_restarts`` was not restarted after ``error``.
+        """
+        self._end_launch()
         self._read_streams(final=True)
         seconds = time.time() - self.started_at
         reason = self._shutdown.reason if self._shutdown else None
         all_ok = all(e.exitcode == 0 for e in self._ends.values())
-        if reason == "failure" or (not all_ok and reason is None):
-            outcome: Union[TrainResult, BaseException] = build_worker_error(
+        if error is not None or reason == "failure" or (not all_ok and reason is None):
+            outcome: Union[TrainResult, BaseException] = error or build_worker_error(
                 self.run_dir, self._ends, self.world_size, server_died=server_death(self._server))
+            if isinstance(outcome, WorkerError):
+                _note_restarts(outcome, self.restarts, not_restarted)
         elif all_ok and has_result(self.run_dir) and reason != "interrupt":
             try:
                 value = read_result(self.run_dir)
                 values = ([value] + [read_result(self.run_dir, r) for r in range(1, self.world_size)]
                           if self.spec.all_values else None)
                 outcome = TrainResult(value, self.run_dir, self.metrics, seconds, self.world_size,
-                                      self.spec.backend, stopped=reason is not None, all_values=values)
+                                      self.spec.backend, stopped=reason is not None, all_values=values,
+                                      restarts=list(self.restarts))
             except rundir.NotPrivate as exc:  # never unpickled: the exception says which file and why
                 outcome = exc
         else:
@@ -480,11 +583,8 @@ class RunHandle:
                                                   how=how_ranks_stopped(self._ends, records),
                                                   checkpoint=_newest_checkpoint(self.run_dir))
         self._outcome = outcome
-        for p in self._procs.processes:
-            with contextlib.suppress(Exception):
-                p.close()
-        self._release()  # the store closed (its port or private folder freed), the GPUs' leases given back
-        remove_private_tmp(self._tmp_dir)
+        self._restart_at = None
+        self._release()  # the GPUs' leases given back
         clear_stop_request(self.run_dir)
         rundir.update_launch_record(self.run_dir, ended=time.time())
         self._done.set()

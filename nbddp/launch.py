@@ -29,6 +29,8 @@ from .forkserver import prepare as _prepare_forkserver, server_death, server_pid
 from .forkserver import start_method as _forkserver_start_method
 from .gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
 from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
+from .protocol import MAX_RESTARTS_ENV, RESTART_ENV
+from .restarts import RestartPolicy, check_policy as check_restart_policy
 from .leases import Leases, holders, try_lease
 from .procs import MARKER_ENV, live_workers
 from .protocol import LaunchSpec
@@ -109,6 +111,9 @@ def spawn_train(
     all_values: bool = False,
     call: str = "ctx",
     argv: Optional[Sequence[Any]] = None,
+    max_restarts: Optional[int] = None,
+    oom: Optional[str] = None,
+    restart_backoff_s: float = 1.0,
 ) -> Union[TrainResult, RunHandle]:
     """Run a DDP worker function in one process per GPU (nccl) or ``nprocs`` CPU processes (gloo).
 
@@ -167,6 +172,17 @@ def spawn_train(
             ``"torchrun"`` (``fn(*args, **kwargs)`` with torchrun's environment; the function
             makes its own group, ``env://``). A mismatch is refused before anything starts.
         argv: a script's command line, ``sys.argv[1:]`` (strings; numbers are written out).
+        max_restarts: restart a run that failed in a way a restart can heal (a rank killed or
+            crashed, a hang, a collective timeout, a GPU/NCCL error, ``nbddp.Retryable``) up to
+            this many times, in the same run folder, from its last checkpoint (the built-in
+            worker's ``last.pt``; ``ctx.load_checkpoint()`` in your own). Errors of the worker's
+            code that would fail again the same way, a Stop and an Interrupt are never retried:
+            the rule is :mod:`nbddp.restarts`. Default 0 (a config's own ``max_restarts``).
+        oom: ``"halve"``: an out-of-memory error restarts the built-in worker with half the
+            per-rank batch and twice the gradient accumulation (same global batch and schedule);
+            counts as a restart. ``"fail"``: it ends the run. Default: the config's own ``oom``,
+            else ``"fail"``.
+        restart_backoff_s: seconds before the first restart, doubled for each next one.
 
     Returns:
         A ``TrainResult`` (``block=True``) or a ``RunHandle`` (``block=False``).
@@ -181,6 +197,12 @@ def spawn_train(
         >>> result.value, result.run_dir
     """
     _check_launch_args(nprocs, timeout_s, name)
+    if tasks.is_task_config(target):
+        max_restarts = target.max_restarts if max_restarts is None else max_restarts
+        oom = target.oom if oom is None else oom
+    max_restarts = 0 if max_restarts is None else max_restarts
+    oom = "fail" if oom is None else oom
+    check_restart_policy(max_restarts, oom, restart_backoff_s)
     if start_method not in ("spawn", "forkserver"):
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
@@ -193,7 +215,8 @@ def spawn_train(
                        runs_dir=runs_dir, timeout_s=timeout_s, threads_per_proc=threads_per_proc, grace_s=grace_s,
                        stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s, echo=echo,
                        on_event=on_event, start_method=start_method, env=env, resume=resume,
-                       all_values=all_values, call=call, argv=argv)
+                       all_values=all_values, call=call, argv=argv,
+                       restarts=dict(max_restarts=max_restarts, oom=oom, backoff_s=restart_backoff_s))
     except BaseException:
         leases.release()  # the handle releases them at the run's end; twice is harmless
         raise
@@ -201,49 +224,103 @@ def spawn_train(
 
 def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, kwargs, args, block, name,
             runs_dir, timeout_s, threads_per_proc, grace_s, stall_timeout_s, stop_timeout_s, echo, on_event,
-            start_method, env, resume, all_values, call, argv) -> Union[TrainResult, RunHandle]:
+            start_method, env, resume, all_values, call, argv, restarts) -> Union[TrainResult, RunHandle]:
     """:func:`spawn_train` once its GPUs are resolved and leased."""
     plan = tasks.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
     world, backend = _world(plan)
-    # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
-    # that could escape an allocation. Refuses unknown or repeated ids, listing the GPUs.
-    visible_devices = cuda_visible_devices(plan.gpus) if plan.gpus else None
-    timeout = plan.process_group_timeout()
-    threads = threads_per_proc or max(1, cpu_cores() // world)
     run_dir = _prepare_run_dir(plan, world)
     leases.note(str(run_dir))
-
-    # nbddp's own group meets in a FileStore only this user can open; env:// needs a TCP store.
-    meet = rendezvous_for(plan.call, plan.target, timeout)
-    tmp_dir = private_tmp()
+    launcher = _Generations(plan, world, backend, run_dir, threads_per_proc, start_method, env, all_values,
+                            restarts["max_restarts"])
+    spec, meet, child_env, tmp_dir = launcher.prepare(restart=0)
     try:
-        warm = start_method == "forkserver"
-        child_env = _child_env(run_dir, meet.master_port, threads, visible_devices, warm, env, tmp_dir)
-        # The kernel's whole environment as of this launch, with nbddp's variables on top: a
-        # forkserver's children would otherwise see the server's environment from its start, and
-        # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
-        snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
-        spec = LaunchSpec(target=plan.target, args=tuple(plan.args), kwargs=plan.kwargs, world_size=world,
-                          backend=backend, gpus=tuple(plan.gpus), store_host="127.0.0.1", store_port=meet.store_port,
-                          store_path=meet.store_path, run_dir=str(run_dir),
-                          parent_pid=None if warm else os.getpid(), threads=threads, timeout_s=timeout,
-                          env=snapshot, kernel=(os.getpid(), start_time(os.getpid())), all_values=all_values,
-                          call=plan.call, argv=plan.argv, payload=plan.payload, cwd=os.getcwd(),
-                          master_port=meet.master_port)
-        if warm:
+        if start_method == "forkserver":
             _prepare_forkserver()
         if stall_timeout_s is None:
             # NCCL's watchdog aborts the ranks that wait longer than timeout_s, which would leave
             # only their SIGABRTs to read; nbddp names the hung rank well before that.
-            stall_timeout_s = 0.75 * timeout if backend == "nccl" else timeout
+            stall_timeout_s = 0.75 * spec.timeout_s if backend == "nccl" else spec.timeout_s
         # Echo only what this launch writes: a resumed run appends to its rank logs.
         watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s,
-                     log_start=_size(rundir.rank_log(run_dir, 0)), tmp_dir=tmp_dir)
+                     log_start=_size(rundir.rank_log(run_dir, 0)), tmp_dir=tmp_dir,
+                     restarts=RestartPolicy(launcher=launcher, **restarts))
         return _start(spec, meet, leases, child_env, start_method, watch, on_event, block)
     except BaseException:
         meet.close()  # the handle closes it at the run's end; twice is harmless
         raise
+
+
+class _Generations:
+    """What every launch of one run shares, and how to start one: the first, then each restart.
+
+    A restart (:mod:`nbddp.restarts`) is a new launch in the same run folder, with a new meeting
+    point and temp folder, its number in ``NBDDP_RESTART_COUNT``, and the built-in worker's config
+    set to resume the folder (with ``changes``, the halved batch of an out-of-memory restart).
+    """
+
+    def __init__(self, plan: LaunchPlan, world: int, backend: str, run_dir: Path, threads_per_proc: Optional[int],
+                 start_method: str, env: Optional[Dict[str, str]], all_values: bool, max_restarts: int):
+        self.plan, self.world, self.backend, self.run_dir = plan, world, backend, run_dir
+        self.start_method, self.env, self.all_values = start_method, env, all_values
+        self.max_restarts = max_restarts
+        # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
+        # that could escape an allocation. Refuses unknown or repeated ids, listing the GPUs.
+        self.visible_devices = cuda_visible_devices(plan.gpus) if plan.gpus else None
+        self.timeout = plan.process_group_timeout()
+        self.threads = threads_per_proc or max(1, cpu_cores() // world)
+        self.config = plan.config
+
+    def prepare(self, restart: int) -> Tuple[LaunchSpec, Rendezvous, Dict[str, Optional[str]], str]:
+        """The spec, meeting point, environment and private temp folder of launch number ``restart``."""
+        plan = self.plan
+        # nbddp's own group meets in a FileStore only this user can open; env:// needs a TCP store.
+        meet = rendezvous_for(plan.call, plan.target, self.timeout)
+        tmp_dir = private_tmp()
+        try:
+            warm = self.start_method == "forkserver"
+            child_env = _child_env(self.run_dir, meet.master_port, self.threads, self.visible_devices, warm, self.env,
+                                   tmp_dir)
+            child_env.update({RESTART_ENV: str(restart), MAX_RESTARTS_ENV: str(self.max_restarts)})
+            # The kernel's whole environment as of this launch, with nbddp's variables on top: a
+            # forkserver's children would otherwise see the server's environment from its start, and
+            # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
+            snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
+            args = (self.config,) if self.config is not None and restart else tuple(plan.args)
+            spec = LaunchSpec(target=plan.target, args=args, kwargs=plan.kwargs, world_size=self.world,
+                              backend=self.backend, gpus=tuple(plan.gpus), store_host="127.0.0.1",
+                              store_port=meet.store_port, store_path=meet.store_path, run_dir=str(self.run_dir),
+                              parent_pid=None if warm else os.getpid(), threads=self.threads, timeout_s=self.timeout,
+                              env=snapshot, kernel=(os.getpid(), start_time(os.getpid())),
+                              all_values=self.all_values, call=plan.call, argv=plan.argv, payload=plan.payload,
+                              cwd=os.getcwd(), master_port=meet.master_port)
+        except BaseException:
+            meet.close()
+            remove_private_tmp(tmp_dir)
+            raise
+        return spec, meet, child_env, tmp_dir
+
+    def relaunch(self, restart: int, changes: Dict[str, list]):
+        """Start restart number ``restart``: ``(processes, spec, meeting point, temp folder)``.
+
+        The built-in worker's config resumes the run folder, with ``changes`` applied and kept
+        in its ``config.json``; a worker of your own finds its checkpoint with ``ctx.load_checkpoint()``.
+        """
+        if self.config is not None:
+            self.config = self.config.replace(resume=str(self.run_dir), **{k: v[1] for k, v in changes.items()})
+            self.config.save(rundir.config_path(self.run_dir))
+        rundir.prepare_launch(self.run_dir, self.world)
+        spec, meet, child_env, tmp_dir = self.prepare(restart)
+        try:
+            _start_helpers(self.start_method)  # a launch server that died is started again
+            with _patched_env(child_env), _bare_main(), _error_files_in(tmp_dir):
+                procs = mp.start_processes(entry, args=(spec,), nprocs=spec.world_size, join=False,
+                                           start_method=self.start_method)
+        except BaseException:
+            meet.close()
+            remove_private_tmp(tmp_dir)
+            raise
+        return procs, spec, meet, tmp_dir
 
 
 def _size(path: Path) -> int:

@@ -152,6 +152,49 @@ def _per_rank(cls, path_of: Callable[[PathLike, int], Path], run_dir: PathLike, 
     return found
 
 
+# ---------------------------------------------------------------------------- restarts
+#: Which restart of its run a rank belongs to (``"0"``: the first launch), and how many the run may make.
+RESTART_ENV = "NBDDP_RESTART_COUNT"
+MAX_RESTARTS_ENV = "NBDDP_MAX_RESTARTS"
+
+
+# ---------------------------------------------------------------------------- checkpoints
+@dataclass
+class CheckpointNote:
+    """The newest checkpoint the ranks agreed was written: where a restart continues from.
+
+    Attributes:
+        name: its file in the run folder (``"checkpoints/last.pt"``).
+        epoch, step: where training was (``step`` ``None``: at the end of the epoch).
+        time: when it was written.
+    """
+
+    name: str
+    epoch: Optional[int] = None
+    step: Optional[int] = None
+    time: float = 0.0
+
+    def write(self, run_dir: PathLike) -> None:
+        """Rank 0 notes it; best effort (the checkpoint itself is what counts)."""
+        with contextlib.suppress(OSError):
+            rundir.write_json_atomic(rundir.checkpoint_note_path(run_dir), dataclasses.asdict(self))
+
+    def where(self) -> str:
+        """``"checkpoints/last.pt (epoch 1, step 2)"``."""
+        at = ", ".join(f"{k} {v}" for k, v in (("epoch", self.epoch), ("step", self.step)) if v is not None)
+        return f"{self.name} ({at})" if at else self.name
+
+
+def note_checkpoint(run_dir: PathLike, path: PathLike, epoch: Optional[int], step: Optional[int]) -> None:
+    """Note that checkpoint ``path`` of the run was written at ``epoch``/``step``."""
+    path = Path(path)
+    CheckpointNote(f"{path.parent.name}/{path.name}", epoch, step, time.time()).write(run_dir)
+
+
+def read_checkpoint_note(run_dir: PathLike) -> Optional[CheckpointNote]:
+    return _from_json(CheckpointNote, rundir.read_json(rundir.checkpoint_note_path(run_dir)))
+
+
 # ---------------------------------------------------------------------------- progress
 @dataclass
 class Progress:
@@ -242,6 +285,7 @@ class ErrorRecord:
         epoch, step: where training was.
         secondary: a consequence of another rank's failure (its peer vanished, a timeout).
         root_rank: the rank the exception itself names as the cause (a NaN seen on another rank).
+        retryable: a restart may heal it (``nbddp.rank_errors.is_retryable``).
     """
 
     rank: int
@@ -254,15 +298,18 @@ class ErrorRecord:
     step: Optional[int] = None
     secondary: bool = False
     root_rank: Optional[int] = None
+    retryable: bool = False
 
     @classmethod
     def from_exception(cls, exc: BaseException, rank: int, formatted: str, secondary: bool,
-                       epoch: Optional[int] = None, step: Optional[int] = None) -> "ErrorRecord":
+                       epoch: Optional[int] = None, step: Optional[int] = None,
+                       retryable: bool = False) -> "ErrorRecord":
         """The record of ``exc`` (``formatted``: its traceback as text)."""
         root = getattr(exc, "rank", None)
         return cls(rank=rank, pid=os.getpid(), time=time.time(), type=type(exc).__name__, message=str(exc),
                    traceback=formatted, epoch=epoch, step=step, secondary=bool(secondary),
-                   root_rank=root if isinstance(root, int) and not isinstance(root, bool) else None)
+                   root_rank=root if isinstance(root, int) and not isinstance(root, bool) else None,
+                   retryable=bool(retryable))
 
     @property
     def first_line(self) -> str:

@@ -45,6 +45,32 @@ _PRIMARY_MARKERS = (
 )
 
 
+# Failures of the machine, the driver or the network, not of the code: a restart may heal them.
+_RETRYABLE_MARKERS = (  # compared in lower case
+    "cuda error", "cuda failure", "nccl", "ecc error", "uncorrectable", "xid", "launch failure",
+    "driver shutting down", "connection reset", "connection refused", "broken pipe",
+)
+# ... except where the code is at fault: an index out of range on the GPU fails again the same way.
+_CODE_MARKERS = ("device-side assert",)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """True when a restart may heal ``exc`` (the rule is :mod:`nbddp.restarts`'s).
+
+    The worker said so (``nbddp.Retryable``, or ``retryable = True`` on its class); a
+    communication error of ``torch.distributed`` (a peer vanished, a collective timed out); an
+    error of the GPU, its driver or NCCL. ``torch.OutOfMemoryError`` is retried only with
+    ``oom="halve"``, which the kernel decides from the exception's type.
+    """
+    if getattr(exc, "retryable", False) is True:
+        return True
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return (isinstance(exc, RuntimeError) and type(exc).__name__ != "OutOfMemoryError"
+            and any(m in text for m in _RETRYABLE_MARKERS) and not any(m in text for m in _CODE_MARKERS))
+
+
 def is_secondary(exc: BaseException, during_init: bool = False) -> bool:
     """True for an error this rank got because another rank failed (a consequence, not a cause).
 

@@ -146,29 +146,37 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     if rec and not rec.secondary and rec.type == "SystemExit":
         # sys.exit(2) from argparse says why only on stderr: its last lines are the headline.
         said = "\n".join("    " + line for line in tail(log_path, 6).splitlines() if line.strip())
+        kind = "exit"
         headline = f"rank {root} exited with SystemExit({rec.message or 'None'})" + (
             f"; its last output:\n{said}" if said else "")
     elif rec and not rec.secondary:
+        kind = "exception"
         headline = f"rank {root} raised {rec.type}: {rec.message}"
         if rec.root_rank is not None and rec.rank != root:
             headline = f"rank {root}: {rec.type}: {rec.message}"
     elif server_died:
+        kind = "server"
         headline = (f"the launch server died ({server_died}) and its ranks ended with it; the next launch "
                     "starts a new one")
     elif root in watchdog:
+        kind = "watchdog"
         headline = (f"rank {root} timed out waiting in a collective and NCCL's watchdog aborted it; "
                     "no rank was found behind it")
     elif end and not end.by_launcher and sig:
         hint = " — possibly out of memory (check `dmesg`, lower batch_size)" if sig == "SIGKILL" else ""
+        kind = "signal"
         headline = f"rank {root} was killed by {sig}{hint}"
     elif end and not end.by_launcher and end.exitcode not in (0, None):
+        kind = "exit-code"
         headline = (f"rank {root} exited with code {end.exitcode} without a Python exception "
                     "(sys.exit/os._exit in the worker, or a crash in native code)")
     elif rec:
+        kind = "collective"
         headline = f"rank {root} failed in a collective: {rec.type}: {rec.message}"
     else:
         last = beat.progress_time if beat and beat.progress_time is not None else time.time()
         age = time.time() - last
+        kind = "hang"
         headline = f"rank {root} stopped making progress (last progress {age:.0f} s ago)"
 
     parts = [f"Training failed: {headline}",
@@ -194,5 +202,6 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     return WorkerError(
         "\n".join(parts), rank=root, exc_type=rec.type if rec else None, signal=sig,
         exitcode=end.exitcode if end else None, epoch=epoch, step=step,
-        traceback=rec.traceback if rec else None, log_path=log_path, run_dir=Path(run_dir),
+        traceback=rec.traceback if rec else None, log_path=log_path, run_dir=Path(run_dir), kind=kind,
+        retryable=bool(rec and rec.retryable),
     )

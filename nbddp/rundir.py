@@ -194,6 +194,10 @@ def stop_path(run_dir: PathLike) -> Path:
     return state_path(run_dir, STOP)
 
 
+def checkpoint_note_path(run_dir: PathLike) -> Path:
+    return state_path(run_dir, "checkpoint.json")
+
+
 # ---------------------------------------------------------------------------- the private state folder
 #: ``.nbddp/`` and its files are the user's alone, whatever the umask: results are unpickled
 #: from there, and a run folder may sit in a group-writable project folder.

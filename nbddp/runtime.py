@@ -38,8 +38,8 @@ import torch.distributed as dist
 from . import calls, cells, rundir, targets
 from .heartbeat import HeartbeatThread
 from .protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
-                       read_stop_request, write_result)
-from .rank_errors import is_secondary
+                       MAX_RESTARTS_ENV, RESTART_ENV, note_checkpoint, read_stop_request, write_result)
+from .rank_errors import is_retryable, is_secondary
 
 
 def one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -198,6 +198,10 @@ class Context:
                 error = exc
         agree_on_error(error, f"saving checkpoint {path.name}")
         barrier()
+        if self.is_main:  # where a restart continues from (nbddp.restarts)
+            epoch, step = (state.get(k) if isinstance(state, dict) else None for k in ("epoch", "step"))
+            note_checkpoint(self.run_dir, path, epoch if isinstance(epoch, int) else self.epoch,
+                            step if isinstance(step, int) else self.step)
         return path
 
     def load_checkpoint(self, name: str = rundir.LAST) -> Optional[dict]:
@@ -398,7 +402,7 @@ _SECOND_INIT_FIX = (
 def _error_record(exc: BaseException, ctx: Context, during_init: bool = False) -> ErrorRecord:
     """``exc`` (being handled) as ``ctx``'s rank's error record, classified cause or consequence."""
     record = ErrorRecord.from_exception(exc, ctx.rank, traceback.format_exc(), is_secondary(exc, during_init),
-                                        epoch=ctx.epoch, step=ctx.step)
+                                        epoch=ctx.epoch, step=ctx.step, retryable=is_retryable(exc))
     if isinstance(exc, ValueError) and _SECOND_INIT in str(exc):
         record.message = _SECOND_INIT_FIX
     return record
@@ -497,7 +501,8 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     own_group = calls.makes_own_group(spec.call, spec.target)
     os.environ.update(calls.torchrun_environment(
         rank, spec.world_size, spec.store_host, spec.master_port or spec.store_port, run_id=run_dir.name,
-        agent_store=own_group and spec.call != calls.MP_SPAWN))
+        agent_store=own_group and spec.call != calls.MP_SPAWN, restart=int(os.environ.get(RESTART_ENV) or 0),
+        max_restarts=int(os.environ.get(MAX_RESTARTS_ENV) or 0)))
     torch.set_num_threads(spec.threads)
     # No CUDA call here: device set-up runs inside run_rank's error handling, so "invalid
     # device ordinal" or "no NVIDIA driver" reach the notebook as this rank's error.

@@ -32,6 +32,7 @@ from ..engine import (EpochStats, autocast_dtype, evaluate, grad_scaler, reset_g
                       warmup_cosine_lambda)
 from ..errors import ConfigError, DataError
 from ..fieldspec import RESUME_FREE, RESUME_MORE, specs
+from ..protocol import note_checkpoint
 from ..models import build_model, check_weights_file, freeze_except_head, load_pretrained
 from ..sync_bn import convert_sync_batchnorm
 from . import LaunchPlan, run_to_resume
@@ -232,8 +233,11 @@ def resume_changes(recorded: dict, cfg: TrainConfig, done: Optional[int] = None)
     A field the recorded config lacks (an older nbddp) counts as its default.
     """
     refused, taken = [], []
+    split = _batch_split(recorded, cfg)
+    if split:  # the same images per optimizer step, in smaller batches (an out-of-memory restart)
+        taken.append(split)
     for f, s in specs(TrainConfig):
-        if s.resume == RESUME_FREE:
+        if s.resume == RESUME_FREE or (split and f.name in ("batch_size", "grad_accum_steps")):
             continue
         was = recorded.get(f.name, f.default)
         now = getattr(cfg, f.name)
@@ -244,6 +248,18 @@ def resume_changes(recorded: dict, cfg: TrainConfig, done: Optional[int] = None)
                                                                               and now > done)
         (taken if grows else refused).append(change if grows else f"{change}: {s.resume_why}")
     return refused, taken
+
+
+def _batch_split(recorded: dict, cfg: TrainConfig) -> Optional[str]:
+    """The change of ``batch_size`` and ``grad_accum_steps`` that keeps their product and divides the
+    batch (what ``oom="halve"`` does), as a message; ``None`` for any other change or none."""
+    was_b = recorded.get("batch_size", cfg.batch_size)
+    was_k = recorded.get("grad_accum_steps", 1)
+    if (not isinstance(was_b, int) or not isinstance(was_k, int) or was_b == cfg.batch_size
+            or was_b * was_k != cfg.batch_size * cfg.grad_accum_steps or was_b % cfg.batch_size):
+        return None
+    return (f"batch_size {was_b} -> {cfg.batch_size} and grad_accum_steps {was_k} -> {cfg.grad_accum_steps}: "
+            "the same images per optimizer step")
 
 
 def _check_config_changes(run_dir: Path, ckpt: dict, cfg: TrainConfig) -> None:
@@ -515,14 +531,18 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
     if ck.get("step"):  # written in the middle of epoch ck["epoch"], after ck["step"] of its steps
         done = ck.get("epoch_stats") or {}
         progress.start_epoch = ck["epoch"]
-        progress.start = EpochStats(done.get("loss", 0.0), ck["step"], done.get("images", 0), done.get("seconds", 0.0),
+        written_batch = ck.get("config", {}).get("batch_size", cfg.batch_size)
+        # Batches of the checkpoint's size done; a run that splits its batch (oom="halve") has done
+        # as many of its own smaller ones as make the same images: its accumulation groups line up.
+        steps = ck["step"] * (written_batch // cfg.batch_size if written_batch % cfg.batch_size == 0 else 1)
+        progress.start = EpochStats(done.get("loss", 0.0), steps, done.get("images", 0), done.get("seconds", 0.0),
                                     False, done.get("optimizer_steps", 0))
-        progress.start_items = ck["step"] * ck.get("config", {}).get("batch_size", cfg.batch_size)
+        progress.start_items = ck["step"] * written_batch
         progress.rng = ck.get("rank_rng")
         if ctx.is_main:
             # 1-based, as the epoch lines ("epoch 2/3") and the progress count them: the next
             # step to run, the first one the progress shows.
-            print(f"resumed from {last}: resuming from epoch {ck['epoch'] + 1} step {ck['step'] + 1}", flush=True)
+            print(f"resumed from {last}: resuming from epoch {ck['epoch'] + 1} step {steps + 1}", flush=True)
     elif ctx.is_main:
         # The number of epochs done: the 0-based index of the next one.
         print(f"resumed from {last} at epoch {progress.start_epoch}", flush=True)
@@ -740,6 +760,8 @@ def _save_mid_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _
         except OSError as exc:  # disk full, quota, permissions: the previous checkpoint is intact
             save_error = exc
     agree_on_error(save_error, f"saving the checkpoint of epoch {epoch} at step {done.steps}")
+    if ctx.is_main:
+        note_checkpoint(ctx.run_dir, rundir.checkpoint_path(ctx.run_dir, rundir.LAST), epoch, done.steps)
     ctx.heartbeat(epoch=epoch, step=done.steps)
 
 
@@ -806,6 +828,8 @@ def _save_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Prog
         except OSError as exc:  # disk full, quota, permissions: the previous checkpoint is intact
             save_error = exc
     agree_on_error(save_error, f"saving the checkpoint of epoch {epoch}")
+    if ctx.is_main:  # where a restart continues from (nbddp.restarts)
+        note_checkpoint(ctx.run_dir, rundir.checkpoint_path(ctx.run_dir, rundir.LAST), epoch, None)
 
 
 def _final_pass(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress) -> dict:

@@ -20,7 +20,8 @@ action: ``raise`` (RuntimeError), ``exit3`` (``os._exit(3)``), ``sigkill``, ``ha
 ``step``: the stop request a Stop or an Interrupt makes, seen by this rank at that very step, so
 every rank leaves the epoch after it), or ``on``.
 
-Under torchrun/srun the faults apply to the first attempt only, so that a restart can recover.
+Under torchrun/srun, and with ``max_restarts``, the faults apply to the first attempt only, so
+that a restart can recover.
 """
 
 import errno
@@ -78,8 +79,9 @@ def _training_at(epoch: int, step: int) -> bool:
 
 def install(rank: int) -> None:
     """The rank hook: arm this rank's faults from ``$NBDDP_FAULT``."""
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
-        return  # a launcher's restart: let it recover
+    if any(os.environ.get(v, "0") != "0" for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT",
+                                                      "NBDDP_RESTART_COUNT")):
+        return  # a launcher's restart (or nbddp's own, max_restarts): let it recover
     faults = _parse(os.environ.get(FAULT_ENV, ""), rank)
     if "entry" in faults:
         _act(faults.pop("entry"), rank)
