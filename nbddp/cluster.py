@@ -73,7 +73,7 @@ def _check_sbatch_value(name: str, value: Any) -> None:
 
 def torchrun_command(cfg: Any, nnodes: int = 1, nproc_per_node: Optional[int] = None,
                      rdzv_endpoint: str = "HEAD_NODE:29400", run_id: Optional[str] = None,
-                     max_restarts: int = 0, config_path: Optional[str] = None,
+                     max_restarts: Optional[int] = None, config_path: Optional[str] = None,
                      run_dir: Optional[str] = None) -> str:
     """The ``torchrun`` command to run on every node (c10d rendezvous).
 
@@ -84,7 +84,7 @@ def torchrun_command(cfg: Any, nnodes: int = 1, nproc_per_node: Optional[int] = 
         rdzv_endpoint: ``host:port`` of one node that all can reach.
         run_id: rendezvous id; also names the run folder so restarts find their checkpoint.
         max_restarts: torchrun restarts of the whole group after a failure; each restart
-            resumes from the last checkpoint.
+            resumes from the last checkpoint (default: the config's ``max_restarts``).
         config_path: use ``--config path`` instead of flags (save it with ``cfg.save(path)``).
         run_dir: run folder on a shared filesystem (default ``runs/<name>``, or
             ``runs/<name>-<run_id>`` with a ``run_id``).
@@ -94,6 +94,7 @@ def torchrun_command(cfg: Any, nnodes: int = 1, nproc_per_node: Optional[int] = 
     """
     _check_int("torchrun_command", "nnodes", nnodes, 1)
     _check_int("torchrun_command", "nproc_per_node", nproc_per_node, 1, none_ok=True)
+    max_restarts = getattr(cfg, "max_restarts", 0) if max_restarts is None else max_restarts
     _check_int("torchrun_command", "max_restarts", max_restarts, 0)
     if not isinstance(rdzv_endpoint, str) or not rdzv_endpoint or any(c.isspace() for c in rdzv_endpoint):
         raise ConfigError(f"torchrun_command(rdzv_endpoint={rdzv_endpoint!r}): give host:port of one node "

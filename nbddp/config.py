@@ -252,12 +252,13 @@ class TrainConfig:
                              "killed, a hang, a GPU error; default 0)",
                              check=Check("int", low=0, why="0: a failure ends the run; n: up to n restarts from "
                                          "the last checkpoint"),
-                             widget=Widget("int", "Restarts", "advanced", low=0, high=100), resume=RESUME_FREE)
+                             widget=Widget("int", "Restarts", "advanced", low=0, high=100), resume=RESUME_FREE,
+                             launch=True)
     oom: str = spec("fail", group="choices", help="out of memory: fail, or halve the per-rank batch and restart "
                     "(same global batch)",
                     check=Check("choice", values=OOM_POLICIES, why="'fail' (out of memory ends the run) or 'halve' "
                                 "(restart with half the batch per rank and twice the gradient accumulation)"),
-                    widget=Widget("choice", "Out of memory", "advanced"), resume=RESUME_FREE)
+                    widget=Widget("choice", "Out of memory", "advanced"), resume=RESUME_FREE, launch=True)
 
     def __post_init__(self):
         # Normalise containers and paths so the config stays hashable, JSON-able and picklable.

@@ -87,3 +87,15 @@ def test_stop_and_kill_in_the_middle_of_epochs_lose_no_step(tree, runs_dir, pipe
     for x, y in zip(a["history"], b["history"]):
         assert x["val_accuracy"] == y["val_accuracy"] and x["val_loss"] == pytest.approx(y["val_loss"], rel=1e-5)
         assert x["train_loss"] == pytest.approx(y["train_loss"], rel=1e-5), "the epoch's loss counts every step"
+
+    if (pipeline, workers) == ("pil", 2):
+        # The same kill, healed by a restart (max_restarts): the same weights, one restart on record.
+        healed = spawn_train(cfg.replace(name="healed", checkpoint_every_s=0.001, max_restarts=1), echo=False,
+                             env=fault_env("step1.2:1:sigkill"), restart_backoff_s=0)
+        (restart,) = healed.restarts
+        assert restart.rank == 1 and "SIGKILL" in restart.cause
+        assert restart.resumed_from == "checkpoints/last.pt (epoch 1, step 2)"
+        assert "resuming from epoch 2 step 3" in _log(healed.run_dir)
+        c = _weights(healed.run_dir)
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], c["model"][k]), k

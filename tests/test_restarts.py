@@ -91,3 +91,23 @@ def test_a_stop_during_the_back_off_ends_the_run_without_a_restart(tmp_path, run
     h.stop(wait=True, timeout=20)
     assert not h.running and len(h.restarts) == 1 and h.pids == pids, "a Stop is never retried"
     assert "stopped" in str(h.outcome)
+
+
+def test_out_of_memory_restarts_with_half_the_batch_and_twice_the_accumulation(tree, runs_dir):
+    from nbddp import TrainConfig
+    from conftest import fault_env, small_cfg
+
+    cfg = small_cfg(tree, runs_dir, name="oom", checkpoint_every_s=0.001, oom="halve", max_restarts=1)
+    assert cfg.batch_size == 4 and cfg.grad_accum_steps == 1
+    result = spawn_train(cfg, echo=False, env=fault_env("step0.2:1:oom"), restart_backoff_s=0)
+    (restart,) = result.restarts
+    assert "OutOfMemoryError" in restart.cause and restart.rank == 1
+    assert restart.changes == {"batch_size": [4, 2], "grad_accum_steps": [1, 2]}
+    kept = TrainConfig.load(rundir.config_path(result.run_dir))
+    assert (kept.batch_size, kept.grad_accum_steps, kept.resume) == (2, 2, str(result.run_dir))
+    # Two steps of 4 were done: the restart continues with its step 5 of 2 images.
+    assert "resuming from epoch 1 step 5" in rundir.rank_log(result.run_dir, 0).read_text()
+    assert result.weights_path is not None and len(result.metrics) == cfg.epochs
+    # Without oom="halve" the same error ends the run, saying why.
+    with pytest.raises(WorkerError, match="out of memory fails again with the same batch"):
+        spawn_train(cfg.replace(name="oom-fail", oom="fail"), echo=False, env=fault_env("step0.2:1:oom"))

@@ -16,7 +16,8 @@ where:
     ``nan<E>.<S>``    (action ``on``) the loss of step S of epoch E is NaN on this rank alone
     ``diskfull<E>``   (action ``on``) saving epoch E's ``last.pt`` fails with ENOSPC
 
-action: ``raise`` (RuntimeError), ``exit3`` (``os._exit(3)``), ``sigkill``, ``hang``, ``stop`` (at a
+action: ``raise`` (RuntimeError), ``oom`` (``torch.OutOfMemoryError``), ``exit3`` (``os._exit(3)``),
+``sigkill``, ``hang``, ``stop`` (at a
 ``step``: the stop request a Stop or an Interrupt makes, seen by this rank at that very step, so
 every rank leaves the epoch after it), or ``on``.
 
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 FAULT_ENV = "NBDDP_FAULT"
-_ACTIONS = ("raise", "exit3", "sigkill", "hang", "stop")
+_ACTIONS = ("raise", "exit3", "sigkill", "hang", "stop", "oom")
 _FLAGS = ("nan", "diskfull")
 
 #: The rank's Context, recorded when the rank creates it: where training is (epoch, step, phase).
@@ -43,6 +44,10 @@ _rank_ctx = None
 def _act(action: str, rank: int) -> None:
     if action == "raise":
         raise RuntimeError(f"injected fault on rank {rank}")
+    if action == "oom":  # what the CUDA caching allocator raises (a RuntimeError), on the CPU
+        import torch
+
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected on rank {rank})")
     if action == "exit3":
         os._exit(3)
     if action == "sigkill":
