@@ -187,6 +187,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1, or 'idle' (the GPUs idle at launch)")
     r.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments")
     r.add_argument("--run-dir", default=None, help="run folder (default: runs/<time>-<name>)")
+    r.add_argument("--max-restarts", type=int, default=0,
+                   help="restarts after a failure a restart heals (a rank killed, a hang; see nbddp.restarts)")
     sub.add_parser("gpus", help="list the GPUs (without initialising CUDA)")
     argv = list(sys.argv[1:] if argv is None else argv)
     script_argv = _split_script_command(argv)
@@ -213,7 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if ns.command == "run":
             gpus = _gpus_word(ns.gpus) if ns.gpus else None  # "idle" is resolved by spawn_train, in the kernel
             target, args, how = _run_target(ns)
-            result = spawn_train(target, *args, nprocs=ns.nprocs, gpus=gpus, **how)
+            result = spawn_train(target, *args, nprocs=ns.nprocs, gpus=gpus, max_restarts=ns.max_restarts, **how)
             print(f"result: {result.value!r}\nrun folder: {result.run_dir}")
             return 0
         cfg = build_config(ns)

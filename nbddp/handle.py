@@ -225,9 +225,15 @@ class RunHandle:
     def running(self) -> bool:
         return not self._done.is_set()
 
+    @property
+    def max_restarts(self) -> int:
+        """How many restarts the run may make (``spawn_train(max_restarts=)``); ``restarts`` lists those made."""
+        return self._policy.max_restarts if self._policy is not None else 0
+
     def subscribe(self, callback: Callable[[str, Any], None]) -> None:
         """Call ``callback(kind, payload)`` for ``"line"``, ``"update"`` (rank 0 rewrote its current line
-        with ``\r``: a progress bar), ``"metrics"``, ``"progress"`` and ``"end"``."""
+        with ``\r``: a progress bar), ``"metrics"``, ``"progress"``, ``"restart"`` (a
+        :class:`nbddp.restarts.Restart`, before its back-off) and ``"end"``."""
         self._listeners.append(callback)
 
     def stop(self, wait: bool = True, timeout: Optional[float] = None) -> None:
@@ -456,12 +462,16 @@ class RunHandle:
         return ranks_finishing(now, since, self.grace_s, beats, running)
 
     def _kill_all(self, sig: int) -> None:
+        if self._restart_at is not None:  # between two launches: every process was reaped
+            return
         for rank, p in enumerate(self._procs.processes):
             if rank in self._ends or p.exitcode is not None:
                 continue
             kill_group_or_process(p.pid, sig)  # each worker leads its own group, DataLoader workers included
 
     def _reap_all(self) -> None:
+        if self._restart_at is not None:
+            return
         now = time.time()
         for rank, p in enumerate(self._procs.processes):
             p.join(timeout=5)
@@ -503,7 +513,7 @@ class RunHandle:
         rundir.update_launch_record(self.run_dir, restarts=[r.as_dict() for r in self.restarts])
         if self.echo:
             self._echo.close()
-            print(restart.line(self._policy.max_restarts), file=sys.stderr, flush=True)
+            print(restart.line(self.max_restarts), file=sys.stderr, flush=True)
         self._emit("restart", restart)
         self._shutdown = None  # that launch's; a Stop or an Interrupt during the back-off makes a new one
         self._restart_at = time.time() + restart.backoff_s

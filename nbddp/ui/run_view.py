@@ -163,8 +163,16 @@ class RunView:
             self._on_progress(payload)
         elif kind == "metrics":
             self._on_metrics()
+        elif kind == "restart":
+            self._on_restart(payload)
         elif kind == "end":
             self._on_end(payload)
+
+    def _on_restart(self, restart: Any) -> None:
+        """A failure a restart heals (``max_restarts``): say so while the run waits and relaunches."""
+        self._on_line(restart.line(self.handle.max_restarts if self.handle is not None else restart.number))
+        self._status("warn", f"<b>Restarting</b> (restart {restart.number}) after: {html.escape(restart.cause)} · from "
+                     f"<code>{html.escape(restart.resumed_from or 'the start')}</code>")
 
     def _on_line(self, line: str) -> None:
         with self._lock:
@@ -310,6 +318,8 @@ class RunView:
             facts = [f"ran {on}", f"{n} record{'' if n == 1 else 's'} logged",
                      f"returned <code>{html.escape(_short(r.value))}</code>"]
         facts.append(f"run folder <code>{html.escape(str(r.run_dir))}</code>")
+        if r.restarts:
+            facts.append(f"{len(r.restarts)} restart{'s' if len(r.restarts) > 1 else ''} on the way")
         if r.weights_path:
             facts.append(f"weights <code>{html.escape(str(r.weights_path))}</code>")
         if r.stopped:
