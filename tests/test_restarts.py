@@ -111,3 +111,20 @@ def test_out_of_memory_restarts_with_half_the_batch_and_twice_the_accumulation(t
     # Without oom="halve" the same error ends the run, saying why.
     with pytest.raises(WorkerError, match="out of memory fails again with the same batch"):
         spawn_train(cfg.replace(name="oom-fail", oom="fail"), echo=False, env=fault_env("step0.2:1:oom"))
+
+
+def test_the_panel_and_the_cli_set_restarts(tree, runs_dir, no_gpu):
+    from nbddp import TrainingPanel, cli
+    from conftest import small_cfg
+
+    panel = TrainingPanel(small_cfg(tree, runs_dir, max_restarts=2, oom="halve"))
+    assert (panel.max_restarts_input.value, panel.oom_input.value) == (2, "halve")
+    panel.max_restarts_input.value = 3
+    assert panel.config.max_restarts == 3
+    parser = cli.argparse.ArgumentParser()
+    cli._add_config_flags(parser)
+    ns = parser.parse_args(["--max-restarts", "4", "--oom", "halve", "--gpus", ""])
+    ns.config = None
+    cfg = cli.build_config(ns)
+    assert (cfg.max_restarts, cfg.oom) == (4, "halve")
+    assert "--max-restarts=4" in cfg.torchrun_command(nnodes=2)
