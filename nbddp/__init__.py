@@ -37,6 +37,7 @@ kernel      ``forkserver``       the warm server workers fork from; pre-warmed i
 kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
 kernel      ``shutdown``         the staged stop: ask, SIGTERM, SIGKILL, as a small state machine
 kernel      ``restarts``         which failures a run heals by restarting (the rule), and each restart's record
+kernel      ``stacks``           where each rank is: every rank's Python stack, on demand and on a hang
 kernel      ``output``           rank 0's output in the cell as a terminal shows it (``\\r`` bars, long lines)
 kernel      ``report``           a failed run's root-cause rank and its one error
 kernel      ``procs``            ``cleanup`` of an earlier launch's workers, proven by marker
@@ -64,7 +65,7 @@ entry       ``cli``              ``python -m nbddp``: a shell's launcher, or one
 SIDES = {
     "config": "shared", "errors": "shared", "rundir": "shared", "paths": "shared", "system": "shared",
     "targets": "shared", "protocol": "shared", "cells": "shared", "fieldspec": "shared", "cluster": "shared", "gpus": "shared", "leases": "shared", "tasks": "shared", "checkpoint": "shared",
-    "launch": "kernel", "rendezvous": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel", "shutdown": "kernel", "restarts": "kernel", "output": "kernel",
+    "launch": "kernel", "rendezvous": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel", "shutdown": "kernel", "restarts": "kernel", "stacks": "kernel", "output": "kernel",
     "export": "kernel", "inference": "kernel", "ui": "kernel", "ui.panel": "kernel",
     "ui.charts": "kernel", "ui.tensorboard": "kernel", "ui.devices": "kernel", "ui.form": "kernel",
     "ui.layout": "kernel", "ui.run_view": "kernel", "ui.worker_form": "kernel",

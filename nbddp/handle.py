@@ -27,6 +27,7 @@ from . import rundir
 from .protocol import (LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_checkpoint_note,
                        read_error_records, read_heartbeats, read_progress, read_result, write_stop_request)
 from .restarts import Restart, RestartPolicy
+from .stacks import Stacks, collect as collect_stacks
 from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
 from .forkserver import server_death, server_pid
 from .procs import end_leftovers, orphaned_group
@@ -203,6 +204,7 @@ class RunHandle:
         self.restarts: List[Restart] = []  # made so far (a restart is a new launch in the same folder)
         self._restart_at: Optional[float] = None  # a restart waits for its back-off until then
         self._launched_at = self.started_at  # this launch's start (the run's first, or its last restart)
+        self._failure_stacks: Optional[Stacks] = None  # where the live ranks were when a failure stopped them
         self.pids = [p.pid for p in procs.processes]
         self.metrics: List[dict] = []
         self.progress: dict = {}
@@ -224,6 +226,26 @@ class RunHandle:
     @property
     def running(self) -> bool:
         return not self._done.is_set()
+
+    def stacks(self, timeout: float = 3.0) -> Stacks:
+        """Where every running rank is now: each one's Python stacks (all threads), read from the ranks.
+
+        Printed, it names per rank the innermost frame of the training code and the collective
+        it waits in: ``rank 1 is in `load_batch` (my_worker.py:42); rank 0 is in `train`
+        (my_worker.py:30), waiting in `all_reduce```. The full dumps stay in ``logs/rank<r>.stacks.log``.
+        Works on a background run while it trains; a rank that does not answer within
+        ``timeout`` seconds is left out.
+        """
+        with self._lock:
+            if self._restart_at is not None or self._done.is_set():
+                return Stacks()
+            pids = {r: p.pid for r, p in enumerate(self._procs.processes) if r not in self._ends}
+        return collect_stacks(self.run_dir, pids, timeout)
+
+    def _stacks_before_stopping(self) -> None:
+        """A failure or a hang is about to stop the run: keep where every live rank is, for the error."""
+        pids = {r: p.pid for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None}
+        self._failure_stacks = collect_stacks(self.run_dir, pids, timeout=2.0) if pids else Stacks()
 
     @property
     def max_restarts(self) -> int:
@@ -394,10 +416,12 @@ class RunHandle:
                         self._adopt_torch_error_file(rank)
             failed = [e for e in self._ends.values() if e.exitcode != 0 and not e.by_launcher]
             if failed and self._shutdown is None:
+                self._stacks_before_stopping()
                 self._begin_shutdown("failure")
             if self._shutdown is None and self.stall_timeout_s and now - self._stall_checked >= 1.0:
                 self._stall_checked = now
                 if self._find_stalled_rank(now) is not None:
+                    self._stacks_before_stopping()
                     self._begin_shutdown("failure")
             if self._shutdown is not None:
                 self._shutdown.advance(now)
@@ -502,7 +526,8 @@ class RunHandle:
         if reason not in ("failure", None) or all(e.exitcode == 0 for e in self._ends.values()):
             self._finish()
             return
-        error = build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._server))
+        error = build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._server),
+                                   stacks=self._failure_stacks)
         restart, why = (self._policy.next_restart(error, self.restarts, self._resumes_from())
                         if self._policy is not None else (None, ""))
         if restart is None:
@@ -537,7 +562,7 @@ class RunHandle:
             return
         self._procs, self.spec, self._store, self._tmp_dir = procs, spec, store, tmp_dir
         self.pids = [p.pid for p in procs.processes]
-        self._ends, self._shutdown, self._stall_checked = {}, None, 0.0
+        self._ends, self._shutdown, self._stall_checked, self._failure_stacks = {}, None, 0.0, None
         self._launched_at = time.time()
         self._server = server_pid() if spec.parent_pid is None else None
         self._restart_at = None
@@ -571,7 +596,8 @@ class RunHandle:
         all_ok = all(e.exitcode == 0 for e in self._ends.values())
         if error is not None or reason == "failure" or (not all_ok and reason is None):
             outcome: Union[TrainResult, BaseException] = error or build_worker_error(
-                self.run_dir, self._ends, self.world_size, server_died=server_death(self._server))
+                self.run_dir, self._ends, self.world_size, server_died=server_death(self._server),
+                stacks=self._failure_stacks)
             if isinstance(outcome, WorkerError):
                 _note_restarts(outcome, self.restarts, not_restarted)
         elif all_ok and has_result(self.run_dir) and reason != "interrupt":

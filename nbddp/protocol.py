@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import os
 import pickle
+import signal
 import stat
 import time
 from dataclasses import dataclass, field
@@ -156,6 +157,12 @@ def _per_rank(cls, path_of: Callable[[PathLike, int], Path], run_dir: PathLike, 
 #: Which restart of its run a rank belongs to (``"0"``: the first launch), and how many the run may make.
 RESTART_ENV = "NBDDP_RESTART_COUNT"
 MAX_RESTARTS_ENV = "NBDDP_MAX_RESTARTS"
+
+
+# ---------------------------------------------------------------------------- stacks
+#: The signal that makes a rank write every thread's Python stack to its ``rank<r>.stacks.log``
+#: (``faulthandler``, in C: it answers even while the rank waits in a collective or native code).
+STACK_SIGNAL = signal.SIGUSR2
 
 
 # ---------------------------------------------------------------------------- checkpoints

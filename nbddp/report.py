@@ -122,13 +122,59 @@ def how_ranks_stopped(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord])
     return "; ".join(parts)
 
 
+def _ended(rank: int, end: Optional[RankEnd], rec: Optional[ErrorRecord]) -> str:
+    """How a rank's process ended, in a few words, for the ranks' table."""
+    if rec is not None:
+        return rec.type + (" (after a peer)" if rec.secondary else "")
+    if end is None or end.exitcode is None:
+        return "running"
+    if end.by_launcher:
+        return "stopped by nbddp"
+    return signal_name(end.exitcode) or f"exit code {end.exitcode}"
+
+
+def _heartbeat_words(beat: Optional[Heartbeat], now: float) -> str:
+    """``"train, epoch 0, step 5, 3 s ago"`` (progress), or ``"none"``."""
+    if beat is None:
+        return "none"
+    at = [beat.phase or "train"] + [f"{k} {v}" for k, v in (("epoch", beat.epoch), ("step", beat.step)) if v is not None]
+    if beat.waiting:
+        at.append("in a collective")
+    when = beat.progress_time or beat.beat_time
+    return ", ".join(at) + (f", {max(0.0, now - when):.0f} s ago" if when else "")
+
+
+def ranks_table(run_dir: Path, ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord],
+                beats: Dict[int, Heartbeat], world_size: int, stacks=None, lines: int = 20,
+                skip_tail: frozenset = frozenset()) -> str:
+    """Every rank in one compact table (how it ended, its last heartbeat, where its stack was),
+    then the last ``lines`` lines of each rank's log (those in ``skip_tail`` are shown already)."""
+    now = time.time()
+    rows = [("rank", "ended", "last heartbeat", "where")]
+    for r in range(world_size):
+        where = stacks[r].where().partition(" is in ")[2] or stacks[r].where() if stacks and r in stacks else ""
+        rows.append((str(r), _ended(r, ends.get(r), records.get(r)), _heartbeat_words(beats.get(r), now), where))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    table = ["  " + "  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + ("  " + row[3] if row[3] else "")
+             for row in rows]
+    parts = ["--- every rank ---", *[t.rstrip() for t in table]]
+    for r in range(world_size):
+        if r in skip_tail:
+            continue
+        text = tail(rundir.rank_log(run_dir, r), lines)
+        if text.strip():
+            parts.append(f"--- rank {r}: last {lines} lines of rank{r}.log ---\n{text}")
+    return "\n".join(parts)
+
+
 def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
-                       server_died: Optional[str] = None) -> WorkerError:
+                       server_died: Optional[str] = None, stacks=None) -> WorkerError:
     """Compose the one exception the notebook shows for a failed run.
 
     Args:
         server_died: how the warm server the ranks forked from ended (``"signal 9"``), if it
             died during the run: every rank then ends with it, without a word of its own.
+        stacks: where the live ranks were when the failure was seen (:class:`nbddp.stacks.Stacks`).
     """
     records, beats = read_error_records(run_dir, world_size), read_heartbeats(run_dir, world_size)
     logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}
@@ -181,6 +227,8 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
 
     parts = [f"Training failed: {headline}",
              f"  {where} · pid {pid} · log: {log_path}"]
+    if stacks:
+        parts.append(f"Where the ranks were: {stacks.summary()}")
     others = []
     for r in sorted(set(range(world_size)) - {root}):
         o_rec, o_end = records.get(r), ends.get(r)
@@ -199,6 +247,7 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     log_tail = tail(log_path)
     if log_tail and not (rec and rec.traceback and rec.traceback.strip() in log_tail):
         parts.append(f"--- last lines of {log_path.name} ---\n{log_tail}")
+    parts.append(ranks_table(run_dir, ends, records, beats, world_size, stacks, skip_tail=frozenset({root})))
     return WorkerError(
         "\n".join(parts), rank=root, exc_type=rec.type if rec else None, signal=sig,
         exitcode=end.exitcode if end else None, epoch=epoch, step=step,

@@ -124,6 +124,11 @@ def rank_log(run_dir: PathLike, rank: int) -> Path:
     return logs_dir(run_dir) / f"rank{rank}.log"
 
 
+def stacks_log(run_dir: PathLike, rank: int) -> Path:
+    """Where rank ``rank`` writes its Python stacks when asked (``nbddp.stacks``)."""
+    return logs_dir(run_dir) / f"rank{rank}.stacks.log"
+
+
 def is_rank_log(path: PathLike, run_dir: PathLike) -> bool:
     """True if ``path`` is (textually) one of ``run_dir``'s rank logs."""
     path = Path(path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import faulthandler
 import json
 import os
 import signal
@@ -38,7 +39,8 @@ import torch.distributed as dist
 from . import calls, cells, rundir, targets
 from .heartbeat import HeartbeatThread
 from .protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
-                       MAX_RESTARTS_ENV, RESTART_ENV, note_checkpoint, read_stop_request, write_result)
+                       MAX_RESTARTS_ENV, RESTART_ENV, STACK_SIGNAL, note_checkpoint, read_stop_request,
+                       write_result)
 from .rank_errors import is_retryable, is_secondary
 
 
@@ -469,6 +471,24 @@ def run_rank_hook(rank: int) -> None:
 _MARKER_ENV = "NBDDP_RUN_DIR"
 
 
+_stack_file = None  # kept open for faulthandler, for the rank's life
+
+
+def _stacks_on_signal(run_dir: Path, rank: int) -> None:
+    """On :data:`~nbddp.protocol.STACK_SIGNAL`, write every thread's Python stack to ``rank<r>.stacks.log``.
+
+    ``faulthandler`` writes from its C signal handler, so a rank stuck in a collective, in
+    native code or holding the GIL in a loop still answers; the kernel reads what is appended
+    (:mod:`nbddp.stacks`). Its own file keeps rank 0's log, echoed into the cell, clean.
+    """
+    global _stack_file
+    try:
+        _stack_file = open(rundir.stacks_log(run_dir, rank), "a")
+        faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+    except (OSError, AttributeError, ValueError, RuntimeError):  # no such signal here: no stacks on demand
+        _stack_file = None
+
+
 def entry(local_rank: int, spec: LaunchSpec) -> None:
     """Run one rank: set up, call the target, report, tear down. Never returns normally."""
     set_parent_death_signal(spec.parent_pid)
@@ -495,6 +515,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     run_dir = Path(spec.run_dir)
     redirect_output(rundir.rank_log(run_dir, rank))
     warnings.formatwarning = one_line_warning  # rank 0's log is echoed into the cell line by line
+    _stacks_on_signal(run_dir, rank)
 
     # torchrun's environment, for every kind of target: code written for torchrun reads it,
     # and env:// in code that makes its own group meets the kernel's store (its "agent store").

@@ -190,12 +190,16 @@ def test_stop_after_the_first_metrics_returns_a_stopped_result(worker, tmp_path)
     assert panel.kwargs_inputs["steps"].disabled and panel.nprocs_input.disabled  # locked while it runs
     assert wait_for(lambda: handle.metrics, timeout=60), text_of(panel.status)
     assert wait_for(lambda: panel.chart_keys == ["loss", "lr", "warm"], timeout=10)  # drawn live
+    assert not panel.where_button.disabled
+    panel.where_button.click()  # "Where are they?": every rank's stack, in the panel
+    shown = text_of(panel.stacks)
+    assert "rank 0 is in `train` (toy_worker.py:" in shown and "rank 1 is in `train` (toy_worker.py:" in shown, shown
     panel.stop_button.click()
     assert panel.stop_button.disabled and "Stopping" in panel.stop_button.description
     result = panel.wait(timeout=60)
     assert result.stopped and result.value["stopped"] and result.value["steps"] < 100_000
     assert "Stopped" in text_of(panel.status) and panel.progress_bar.bar_style == "warning"
-    assert not panel.train_button.disabled and panel.stop_button.disabled
+    assert not panel.train_button.disabled and panel.stop_button.disabled and panel.where_button.disabled
     assert wait_for(lambda: not survivors(handle.pids), timeout=15), survivors(handle.pids)
 
 

@@ -92,13 +92,18 @@ class RunView:
                                      layout=W.Layout(width="120px"))
         self.stop_button = W.Button(description="Stop", icon="stop", button_style="danger", disabled=True,
                                     layout=W.Layout(width="120px"))
+        self.where_button = W.Button(description="Where are they?", icon="search", disabled=True,
+                                     tooltip="every rank's Python stack now: the function and line each one is in",
+                                     layout=W.Layout(width="160px"))
+        self.where_button.on_click(lambda _: self.show_stacks())
+        self.stacks = W.HTML("", layout=W.Layout(**FULL))
         self.status = W.HTML("", layout=W.Layout(**FULL))
         self.progress_bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, layout=W.Layout(width="35%", min_width="160px"))
         self.progress_label = W.HTML("not started", layout=W.Layout(flex="1 1 auto", margin="0 0 0 10px"))
         self.chart = W.Image(value=self._chart_png([]), format="png",
                              layout=W.Layout(max_width="960px", height="auto", **FULL))
         self.log = W.HTML(self._log_html(), layout=W.Layout(**FULL))
-        self.parts = [W.HBox([self.train_button, self.stop_button]), self.status,
+        self.parts = [W.HBox([self.train_button, self.stop_button, self.where_button]), self.status, self.stacks,
                       W.HBox([self.progress_bar, self.progress_label], layout=W.Layout(align_items="center")),
                       self.chart, W.HTML("<b>rank 0 log</b>"), self.log]
 
@@ -107,8 +112,23 @@ class RunView:
         """True from Train until the run's end has been shown."""
         return not self._ended.is_set()
 
+    def show_stacks(self) -> None:
+        """The "Where are they?" button: every running rank's stack, summarised, under the status line."""
+        handle = self.handle
+        if handle is None or not handle.running:
+            self.stacks.value = ""
+            return
+        self.stacks.value = "<i>asking every rank for its stack…</i>"
+        stacks = handle.stacks()
+        body = html.escape(str(stacks)) if stacks else "no rank answered (between two launches, or ending)"
+        self.stacks.value = (f"<pre style='font-size:12px;line-height:1.3;white-space:pre-wrap;margin:0'>{body}\n"
+                             f"full dumps: logs/rank&lt;r&gt;.stacks.log</pre>")
+
     def set_busy(self, busy: bool) -> None:
         self.train_button.disabled = busy
+        self.where_button.disabled = not busy
+        if not busy:
+            self.stacks.value = ""
         self.stop_button.disabled = not busy
         self.stop_button.description = "Stop"
 

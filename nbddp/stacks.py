@@ -1,0 +1,190 @@
+"""Where is each rank? Every rank's Python stack, on demand and when a run hangs or fails.
+
+Each rank registers ``faulthandler`` on :data:`~nbddp.protocol.STACK_SIGNAL`, writing every
+thread's stack to ``logs/rank<r>.stacks.log`` (``runtime._stacks_on_signal``). The kernel sends
+the signal, reads what each file gained and names, per rank, the innermost frame of the code
+that trains (the worker's own, or nbddp's engine for the built-in worker) and the collective it
+waits in, if any: "rank 1 is in `load_batch` (my_worker.py:42); rank 0 is in `train`
+(my_worker.py:30), waiting in `all_reduce`".
+
+``faulthandler`` rather than py-spy: it is in the standard library (nothing to install on a GPU
+server), needs no ptrace permission (often denied in containers and by Yama), answers from a C
+signal handler even while the rank waits in a collective or native code, and costs nothing until
+asked. py-spy would add native frames; the Python frames are what a user's fix needs.
+
+Kernel side.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from . import rundir
+from .paths import PathLike
+from .protocol import STACK_SIGNAL
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
+_FRAME = re.compile(r'^\s+File "(?P<file>.+)", line (?P<line>\d+) in (?P<function>.+)$')
+
+# nbddp's own plumbing between the launcher and the worker: never "where the rank is".
+_PLUMBING = {"runtime.py", "calls.py", "heartbeat.py", "dist.py", "elastic.py", "cells.py"}
+_NBDDP_DIR = str(Path(__file__).resolve().parent)
+_LIBRARY_DIRS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths().get("stdlib"),
+                                                   sysconfig.get_paths().get("platstdlib"),
+                                                   sysconfig.get_paths().get("purelib"),
+                                                   sysconfig.get_paths().get("platlib")) if p})
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One line of a stack: ``file``, ``line`` and ``function``."""
+
+    file: str
+    line: int
+    function: str
+
+    def short(self) -> str:
+        """```load_batch` (my_worker.py:42)``."""
+        return f"`{self.function}` ({Path(self.file).name}:{self.line})"
+
+    @property
+    def in_library(self) -> bool:
+        """Python's, torch's or another installed package's, or nbddp's plumbing: not the training code."""
+        path = os.path.realpath(self.file) if not self.file.startswith("<") else self.file
+        if path.startswith(_NBDDP_DIR + os.sep):
+            return Path(path).name in _PLUMBING
+        return ("site-packages" in path or "dist-packages" in path or path.startswith("<frozen")
+                or any(path.startswith(d + os.sep) for d in _LIBRARY_DIRS))
+
+
+@dataclass
+class RankStack:
+    """One rank's stacks as ``faulthandler`` wrote them.
+
+    Attributes:
+        rank: the rank.
+        threads: every thread's frames, innermost first (the rank's main thread is ``main``).
+        text: what the rank wrote.
+    """
+
+    rank: int
+    threads: List[List[Frame]] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def main(self) -> List[Frame]:
+        """The thread that runs the worker: the one that entered nbddp's rank entry (else the oldest)."""
+        for frames in self.threads:
+            if any(f.function in ("entry", "run_rank") and Path(f.file).name == "runtime.py" for f in frames):
+                return frames
+        return self.threads[-1] if self.threads else []
+
+    @property
+    def code_frame(self) -> Optional[Frame]:
+        """The innermost frame of the training code (the worker's, or nbddp's engine)."""
+        return next((f for f in self.main if not f.in_library), None)
+
+    @property
+    def waiting_in(self) -> Optional[str]:
+        """The ``torch.distributed`` operation the rank waits in (``"all_reduce"``), if any."""
+        for f in self.main:
+            if "torch/distributed" in f.file.replace(os.sep, "/") and f.function not in ("wrapper", "<lambda>"):
+                return f.function
+            if not f.in_library:
+                return None
+        return None
+
+    def where(self) -> str:
+        """``"rank 1 is in `load_batch` (my_worker.py:42), waiting in `all_reduce`"``."""
+        if not self.threads:
+            return f"rank {self.rank} did not answer"
+        frame = self.code_frame or (self.main[0] if self.main else None)
+        at = f"is in {frame.short()}" if frame else "has no Python frame"
+        waiting = self.waiting_in
+        return f"rank {self.rank} {at}" + (f", waiting in `{waiting}`" if waiting else "")
+
+
+class Stacks(Dict[int, RankStack]):
+    """Every answering rank's :class:`RankStack`, by rank; printed, it says where each rank is."""
+
+    def summary(self) -> str:
+        """One line: where each rank is."""
+        return "; ".join(self[r].where() for r in sorted(self))
+
+    def __str__(self) -> str:
+        parts = [self.summary()]
+        for r in sorted(self):
+            frames = self[r].main[:8]
+            parts.append(f"rank {r}:" + "".join(f"\n    {f.short()}" for f in frames))
+        return "\n".join(parts)
+
+    def __repr__(self) -> str:
+        return f"Stacks({self.summary()})"
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython: the readable form
+        p.text(str(self))
+
+
+def parse(text: str) -> List[List[Frame]]:
+    """``faulthandler``'s dump as a list of threads, each a list of frames, innermost first."""
+    threads: List[List[Frame]] = []
+    for line in text.splitlines():
+        if _THREAD.match(line):
+            threads.append([])
+            continue
+        m = _FRAME.match(line)
+        if m and threads:
+            threads[-1].append(Frame(m["file"], int(m["line"]), m["function"].strip()))
+    return threads
+
+
+def collect(run_dir: PathLike, pids: Dict[int, int], timeout: float = 3.0) -> Stacks:
+    """Ask the ranks ``{rank: pid}`` for their stacks and read them (those that answer within ``timeout`` s)."""
+    paths = {r: rundir.stacks_log(run_dir, r) for r in pids}
+    start = {r: _size(p) for r, p in paths.items()}
+    asked = {}
+    for r, pid in pids.items():
+        try:
+            os.kill(pid, STACK_SIGNAL)
+            asked[r] = pid
+        except (ProcessLookupError, PermissionError):
+            continue
+    deadline, seen, settled_at = time.time() + timeout, dict(start), {}
+    while asked and time.time() < deadline:
+        time.sleep(0.05)
+        for r in asked:
+            size = _size(paths[r])
+            if size != seen[r]:
+                seen[r], settled_at[r] = size, time.time() + 0.15  # still writing: look again
+        if all(r in settled_at and time.time() >= settled_at[r] for r in asked):
+            break
+    stacks = Stacks()
+    for r in asked:
+        text = _read_from(paths[r], start[r])
+        stacks[r] = RankStack(r, parse(text), text)
+    return stacks
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(256 * 1024).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+__all__ = ["Frame", "RankStack", "Stacks", "parse", "collect"]

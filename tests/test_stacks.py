@@ -1,0 +1,68 @@
+"""Where is each rank: every rank's Python stack on a hang, a collective timeout, and on demand."""
+
+import re
+
+import pytest
+
+from nbddp import WorkerError, spawn_train
+from nbddp.stacks import parse
+from conftest import WORKERS, survivors, wait_for
+
+STUCK = WORKERS / "stuck.py"
+
+
+def test_a_hang_names_the_function_and_line_of_every_rank(runs_dir):
+    with pytest.raises(WorkerError) as info:
+        spawn_train(f"{STUCK}:one_rank_stuck", nprocs=2, runs_dir=runs_dir, stall_timeout_s=2, echo=False)
+    err = info.value
+    text = str(err)
+    assert err.rank == 1 and err.kind == "hang", text
+    line = next(ln for ln in text.splitlines() if ln.startswith("Where the ranks were: "))
+    assert "rank 0 is in `one_rank_stuck` (stuck.py:24), waiting in `all_reduce`" in line, line
+    assert re.search(r"rank 1 is in `load_batch` \(stuck.py:1[23]\)", line), line  # its loop: check or sleep
+    # Every rank in one table: how it ended, its last heartbeat, where it was.
+    table = text[text.index("--- every rank ---"):]
+    assert "train, epoch 0, step 0, in a collective" in table and re.search(r"`load_batch` \(stuck.py:1[23]\)", table), table
+    assert "--- rank 0: last 20 lines of rank0.log ---\nrank 0 at step 0" in text, text
+
+
+def test_a_collective_that_times_out_shows_where_every_rank_was(runs_dir):
+    with pytest.raises(WorkerError) as info:
+        spawn_train(f"{STUCK}:one_rank_stuck", nprocs=2, runs_dir=runs_dir, timeout_s=5, stall_timeout_s=0,
+                    echo=False)
+    text = str(info.value)
+    assert "without a Python exception" not in text, text
+    assert re.search(r"rank 1 is in `load_batch` \(stuck.py:1[23]\)", text), text
+
+
+def test_stacks_on_demand_from_a_background_run(tmp_path, runs_dir):
+    go = tmp_path / "go"
+    h = spawn_train(f"{STUCK}:one_rank_stuck", str(go), nprocs=2, runs_dir=runs_dir, block=False, echo=False)
+    try:
+        assert wait_for(lambda: h.progress is not None and all(
+            (h.run_dir / ".nbddp" / f"rank{r}.json").exists() for r in (0, 1)), 60)
+        stacks = {}
+        assert wait_for(lambda: len(stacks.setdefault("s", h.stacks())) == 2 and all(
+            s.code_frame for s in stacks["s"].values()) or stacks.pop("s") is None, 30)
+        s = stacks["s"]
+        assert s[1].code_frame.function == "load_batch" and s[0].waiting_in == "all_reduce", str(s)
+        assert "rank 1 is in `load_batch`" in repr(s) and "rank 0:" in str(s)
+        assert (h.run_dir / "logs" / "rank1.stacks.log").read_text().count("load_batch") >= 1
+    finally:
+        go.write_text("go")
+        assert h.wait(timeout=60).value == 2.0
+    assert survivors(h.pids) == {}
+
+
+def test_parse_reads_faulthandler_dumps():
+    import threading
+
+    text = ('Thread 0x00007f0000000001 (most recent call first):\n'
+            f'  File "{threading.__file__}", line 331 in wait\n'
+            '\n'
+            'Current thread 0x00007f0000000002 (most recent call first):\n'
+            '  File "/home/u/w.py", line 42 in load_batch\n'
+            '  File "/home/u/w.py", line 50 in train\n')
+    threads = parse(text)
+    assert [[f.function for f in t] for t in threads] == [["wait"], ["load_batch", "train"]]
+    assert threads[1][0].line == 42 and not threads[1][0].in_library and threads[0][0].in_library
