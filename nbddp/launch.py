@@ -37,6 +37,7 @@ from .protocol import LaunchSpec
 from .rendezvous import Rendezvous, rendezvous_for
 from .runtime import entry
 from .shutdown import STOP_TIMEOUT_S
+from .stacks import flight_recorder_env
 from .system import cpu_cores, kill_group_or_process, start_time
 from .tasks import LaunchPlan
 
@@ -442,6 +443,11 @@ def _child_env(run_dir: Path, port: int, threads: int, visible_devices: Optional
             child_env["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir()
     if visible_devices is not None:
         child_env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=visible_devices)
+        # NCCL's flight recorder: the last collectives of each rank, dumped into the run's private
+        # folder when the watchdog times one out; the error then names each rank's last one.
+        for var, value in flight_recorder_env(run_dir).items():
+            if var not in os.environ:
+                child_env[var] = value
     # Every rank is on this machine: gloo pairs and NCCL's bootstrap listen on loopback, never
     # on an address the server's network can reach (unless the user chose an interface).
     if os.path.exists("/sys/class/net/lo"):

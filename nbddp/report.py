@@ -22,6 +22,7 @@ from typing import Dict, Optional
 from .errors import WorkerError
 from . import rundir
 from .protocol import ErrorRecord, Heartbeat, read_error_records, read_heartbeats
+from .stacks import last_collectives
 
 
 @dataclass
@@ -229,6 +230,10 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
              f"  {where} · pid {pid} · log: {log_path}"]
     if stacks:
         parts.append(f"Where the ranks were: {stacks.summary()}")
+    nccl = last_collectives(run_dir, world_size)
+    if nccl:
+        parts.append("NCCL's flight recorder, each rank's last collective: "
+                     + "; ".join(f"rank {r}: {what}" for r, what in sorted(nccl.items())))
     others = []
     for r in sorted(set(range(world_size)) - {root}):
         o_rec, o_end = records.get(r), ends.get(r)

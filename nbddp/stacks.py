@@ -17,7 +17,9 @@ Kernel side.
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import re
 import sysconfig
 import time
@@ -171,6 +173,48 @@ def collect(run_dir: PathLike, pids: Dict[int, int], timeout: float = 3.0) -> St
     return stacks
 
 
+# ---------------------------------------------------------------------------- NCCL's flight recorder
+#: Where each rank's dump goes: this prefix and the rank (``torch.distributed``'s naming).
+FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"
+
+
+def flight_recorder_env(run_dir: PathLike) -> Dict[str, str]:
+    """The variables that keep each NCCL rank's last collectives and dump them on a watchdog timeout,
+    into the run's private folder (both names torch has used for the dump's path)."""
+    prefix = str(rundir.state_dir(run_dir).absolute() / FLIGHT_RECORDER_PREFIX)
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+
+
+class _PlainOnly(pickle.Unpickler):
+    def find_class(self, module, name):  # the dump is dicts, lists and strings: no object is ever built
+        raise pickle.UnpicklingError(f"refusing {module}.{name} in a flight recorder dump")
+
+
+def last_collectives(run_dir: PathLike, world_size: int) -> Dict[int, str]:
+    """Each rank's last collective as NCCL's flight recorder dumped it: ``"all_reduce #12 (started)"``.
+
+    Only a dump in the run's private folder that is provably the user's is read
+    (:func:`nbddp.rundir.read_private`), and nothing but plain containers is unpickled.
+    """
+    found = {}
+    for r in range(world_size):
+        try:
+            dump = _PlainOnly(io.BytesIO(rundir.read_private(rundir.state_dir(run_dir) / f"{FLIGHT_RECORDER_PREFIX}{r}"))
+                              ).load()
+        except (OSError, rundir.NotPrivate, pickle.UnpicklingError, EOFError, ValueError):
+            continue
+        entries = dump.get("entries") if isinstance(dump, dict) else None
+        if not entries or not isinstance(entries[-1], dict):
+            continue
+        last = entries[-1]
+        name = str(last.get("profiling_name") or last.get("frames") or "a collective").removeprefix("nccl:")
+        seq = last.get("collective_seq_id")
+        state = last.get("state")
+        found[r] = f"{name}" + (f" #{seq}" if seq is not None else "") + (f" ({state})" if state else "")
+    return found
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -187,4 +231,5 @@ def _read_from(path: Path, offset: int) -> str:
         return ""
 
 
-__all__ = ["Frame", "RankStack", "Stacks", "parse", "collect"]
+__all__ = ["Frame", "RankStack", "Stacks", "parse", "collect", "flight_recorder_env", "last_collectives",
+           "FLIGHT_RECORDER_PREFIX"]

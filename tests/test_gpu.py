@@ -227,3 +227,16 @@ def test_your_code_as_it_is_runs_on_the_chosen_gpu(tmp_path, runs_dir, monkeypat
     else:
         assert spawn_train("env_fn.py:train", 3, gpus=gpu, call="torchrun", runs_dir=runs_dir,
                            echo=False).value == "run:3:1:0"
+
+
+@needs_2_gpus
+def test_a_collective_timeout_on_gpus_shows_stacks_and_the_flight_recorder(runs_dir):
+    """Rank 1 stuck in Python, rank 0 in an NCCL all_reduce; no stall detector: NCCL's watchdog
+    times the collective out and dumps its flight recorder into the run's private folder."""
+    stuck = WORKERS / "stuck.py"
+    with pytest.raises(WorkerError) as info:
+        spawn_train(f"{stuck}:one_rank_stuck", gpus=GPUS[:2], runs_dir=runs_dir, echo=False, timeout_s=20,
+                    stall_timeout_s=0, grace_s=2)
+    text = str(info.value)
+    assert "rank 1 is in `load_batch` (stuck.py:" in text, text
+    assert "NCCL's flight recorder, each rank's last collective: rank 0: all_reduce" in text, text

@@ -66,3 +66,32 @@ def test_parse_reads_faulthandler_dumps():
     threads = parse(text)
     assert [[f.function for f in t] for t in threads] == [["wait"], ["load_batch", "train"]]
     assert threads[1][0].line == 42 and not threads[1][0].in_library and threads[0][0].in_library
+
+
+def test_the_flight_recorder_dump_is_summarised_and_never_builds_objects(tmp_path):
+    import os
+    import pickle
+
+    from nbddp import rundir
+    from nbddp.report import build_worker_error
+    from nbddp.stacks import FLIGHT_RECORDER_PREFIX, flight_recorder_env, last_collectives
+
+    run = tmp_path / "run"
+    rundir.prepare_launch(run, 2)
+    env = flight_recorder_env(run)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_FR_DUMP_TEMP_FILE"].startswith(
+        str(rundir.state_dir(run).absolute()))
+    dump = {"version": "2.4", "entries": [
+        {"profiling_name": "nccl:broadcast", "collective_seq_id": 11, "state": "completed"},
+        {"profiling_name": "nccl:all_reduce", "collective_seq_id": 12, "state": "started"}]}
+    (rundir.state_dir(run) / f"{FLIGHT_RECORDER_PREFIX}0").write_bytes(pickle.dumps(dump))
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    (rundir.state_dir(run) / f"{FLIGHT_RECORDER_PREFIX}1").write_bytes(pickle.dumps({"entries": [Payload()]}))
+    assert last_collectives(run, 2) == {0: "all_reduce #12 (started)"}
+    assert not (tmp_path / "ran").exists()
+    text = str(build_worker_error(run, {}, 2))
+    assert "NCCL's flight recorder, each rank's last collective: rank 0: all_reduce #12 (started)" in text, text

@@ -20,6 +20,6 @@ def one_rank_stuck(ctx, go: str = "/nonexistent"):
     if ctx.rank == 1:
         load_batch(go)
     ctx.heartbeat(epoch=0, step=0, waiting=True)
-    t = torch.ones(1)
+    t = torch.ones(1, device=ctx.device)
     dist.all_reduce(t)
     return float(t)
