@@ -1,6 +1,10 @@
 """Stop loses no step: what the mid-epoch checkpoint costs, and how long Stop takes.
 
-    python bench/stop.py [--part all|save|stop|interrupt] [--repeats 5]
+    python bench/stop.py [--part all|save|around|stop|interrupt] [--repeats 5]
+
+``around``: the step after a checkpoint when the checkpoint is written on the step's path
+(``atomic_save``, as before) or in the background (``checkpoint.BackgroundSaver``, what the
+built-in worker does), side by side in one process.
 
 ``save``: the checkpoint the built-in worker writes in the middle of an epoch, for ResNet34 with
 10 classes (model, SGD momentum, schedule, history, every rank's random state): its size, and
@@ -69,6 +73,57 @@ def bench_save(repeats: int) -> dict:
             "atomic_save_s_all": [round(t, 3) for t in times]}
 
 
+def bench_around(repeats: int) -> dict:
+    """The step after a checkpoint, written on the step's path (``atomic_save``) or in the background
+    (``checkpoint.BackgroundSaver``): seconds from the checkpoint's start to the next step's end,
+    against a step without one, side by side in one process (ResNet34, 64 px, batch 8, CPU)."""
+    import torch
+
+    from nbddp.checkpoint import BackgroundSaver, atomic_save
+    from nbddp.models import build_model
+
+    model = build_model("resnet34", 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def state():
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+
+    step()
+    plain, sync, background, on_path = [], [], [], []
+    saver = BackgroundSaver()
+    with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            atomic_save(state(), Path(tmp) / f"s{i}.pt")
+            step()
+            sync.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            saver.save(state(), Path(tmp) / f"b{i}.pt")
+            on_path.append(time.perf_counter() - t0)
+            step()
+            background.append(time.perf_counter() - t0)
+            saver.wait()
+    med = {k: statistics.median(v) for k, v in
+           (("step_s", plain), ("checkpoint_and_step_s", sync), ("background_checkpoint_and_step_s", background),
+            ("background_on_path_s", on_path))}
+    out = {k: round(v, 3) for k, v in med.items()}
+    sync_cost = med["checkpoint_and_step_s"] - med["step_s"]
+    background_cost = med["background_checkpoint_and_step_s"] - med["step_s"]
+    out["checkpoint_cost_s"] = {"sync": round(sync_cost, 3), "background": round(background_cost, 3)}
+    # None when the machine's noise is larger than the checkpoint itself: run it again, alone.
+    out["checkpoint_cost_ratio_background_vs_sync"] = round(background_cost / sync_cost, 3) if sync_cost > 0.02 else None
+    return out
+
+
 def bench_stop(how: str = "stop") -> dict:
     from nbddp import TrainConfig, TrainingInterrupted, spawn_train
 
@@ -95,7 +150,7 @@ def bench_stop(how: str = "stop") -> dict:
                 stopped = True
         t1 = time.time()
         log = (h.run_dir / "logs" / "rank0.log").read_text()
-        saved = re.search(r"checkpoint of epoch (\d+) step (\d+) .*?\(([\d.]+) MB in ([\d.]+) s\)", log)
+        saved = re.search(r"checkpoint of epoch (\d+) step (\d+) .*?\(([\d.]+) MB in ([\d.]+) s", log)
         last = h.run_dir / "checkpoints" / "last.pt"
         return {"stopped": stopped, "click_to_end_s": round(t1 - t0, 2),
                 "click_to_checkpoint_s": round(last.stat().st_mtime - t0, 2),
@@ -108,12 +163,14 @@ def bench_stop(how: str = "stop") -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=["all", "save", "stop", "interrupt"], default="all")
+    ap.add_argument("--part", choices=["all", "save", "around", "stop", "interrupt"], default="all")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     out = {}
     if args.part in ("all", "save"):
         out["save"] = bench_save(args.repeats)
+    if args.part in ("all", "around"):
+        out["around"] = bench_around(args.repeats)
     if args.part in ("all", "stop"):
         out["stop"] = bench_stop("stop")
     if args.part in ("all", "interrupt"):

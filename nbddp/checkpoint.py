@@ -23,8 +23,10 @@ import hashlib
 import pickle
 import secrets
 import shutil
+import threading
+import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -66,6 +68,74 @@ def atomic_save(obj: Any, path: PathLike) -> Path:
     """
     # Look torch.save up at call time (not ``from torch import save``) so tests can patch it.
     return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+# ---------------------------------------------------------------------------- off the step's path
+class BackgroundSaver:
+    """Checkpoints written from a background thread: training goes on while the file is written.
+
+    :meth:`save` first waits for the previous write (and raises its error: a full disk is never
+    lost, only reported at the next checkpoint or at :meth:`wait`), then takes a snapshot of the
+    state — CPU tensors cloned, GPU tensors copied into pinned CPU memory (kept for the next
+    checkpoint of the same shapes), containers rebuilt — so that the optimizer's next in-place
+    step cannot change what is being written, and hands it to a thread that writes it with
+    ``write`` (default :func:`atomic_save`: temp file, fsync, rename). A crash during a write
+    leaves the previous checkpoint whole. Call :meth:`wait` before the run ends or reads the file.
+    """
+
+    def __init__(self):
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._pinned: dict = {}
+
+    def save(self, obj: Any, path: PathLike, write: Optional[Callable[[Any, PathLike], Any]] = None,
+             then: Optional[Callable[[float], None]] = None) -> None:
+        """Write ``obj`` to ``path`` in the background; ``then(seconds)`` runs once it is on disk."""
+        self.wait()
+        snapshot = self._snapshot(obj, ())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
+        write = write or atomic_save
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                write(snapshot, path)
+                if then is not None:
+                    then(time.perf_counter() - t0)
+            except BaseException as exc:  # noqa: BLE001 - raised by the next save or wait
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="nbddp-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the last write is on disk; raise its error, if it failed."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    @property
+    def writing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _snapshot(self, obj: Any, key: tuple) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if t.device.type == "cpu":
+                return t.clone()
+            buf = self._pinned.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return buf.copy_(t, non_blocking=True)
+        if isinstance(obj, dict):
+            return type(obj)((k, self._snapshot(v, key + (k,))) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(self._snapshot(v, key + (i,)) for i, v in enumerate(obj))
+        return obj  # numbers, strings, None: immutable
 
 
 # ---------------------------------------------------------------------------- plain values

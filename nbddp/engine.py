@@ -134,6 +134,7 @@ class EpochStats:
     seconds: float
     stopped: bool  # every rank agreed to stop early (notebook's Stop)
     optimizer_steps: int = 0  # updates of the weights: ``steps`` without accumulation
+    first_batch_s: float = 0.0  # from the epoch's start to its first batch (the loader's start, a fixed cost)
 
     @property
     def images_per_s(self) -> float:
@@ -400,13 +401,16 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     start = start or EpochStats(0.0, 0, 0, 0.0, False)
     first_step, total_steps = start.steps, start.steps + len(loader)
     t0 = time.perf_counter() - start.seconds
+    t_first = time.perf_counter()
     batches = iter(loader)
     batch, stop = _first_batch(run, batches, first_step, total_steps)
+    first_batch_s = time.perf_counter() - t_first
     loss_sum, steps, images = start.loss * start.steps, start.steps, start.images
     updates, stop_asked, save_asked = start.optimizer_steps, False, False
 
     def totals(stopped: bool) -> EpochStats:
-        return EpochStats(loss_sum / max(steps, 1), steps, images, time.perf_counter() - t0, stopped, updates)
+        return EpochStats(loss_sum / max(steps, 1), steps, images, time.perf_counter() - t0, stopped, updates,
+                          first_batch_s)
 
     if stop or first_step == total_steps:
         return totals(stop)

@@ -475,7 +475,7 @@ class RunHandle:
             return
         write_stop_request(self.run_dir, reason)  # before any signal: ranks that obey may finish
         self._shutdown = Shutdown(reason, time.time(), self.grace_s, self.stop_timeout_s, kill=self._kill_all,
-                                  finishing=self._finishing)
+                                  finishing=self._finishing, writing=self._writing)
 
     def _finishing(self, now: float, since: float) -> bool:
         """True while the workers may still be finishing after the stop request (see :func:`ranks_finishing`)."""
@@ -484,6 +484,13 @@ class RunHandle:
                  if (b.beat_time or 0.0) >= self._launched_at}
         running = [r for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None]
         return ranks_finishing(now, since, self.grace_s, beats, running)
+
+    def _writing(self, now: float) -> bool:
+        """True while a running rank writes a checkpoint in the background and its heartbeat is fresh."""
+        running = {r for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None}
+        return any(b.writing and r in running and now - (b.beat_time or 0.0) < self.grace_s + 2.0
+                   for r, b in read_heartbeats(self.run_dir, self.world_size).items()
+                   if (b.beat_time or 0.0) >= self._launched_at)
 
     def _kill_all(self, sig: int) -> None:
         if self._restart_at is not None:  # between two launches: every process was reaped

@@ -230,10 +230,14 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
     plan = tasks.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
     world, backend = _world(plan)
+    # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
+    # that could escape an allocation. Refuses unknown or repeated ids, listing the GPUs, before
+    # the run folder exists.
+    visible_devices = cuda_visible_devices(plan.gpus) if plan.gpus else None
     run_dir = _prepare_run_dir(plan, world)
     leases.note(str(run_dir))
-    launcher = _Generations(plan, world, backend, run_dir, threads_per_proc, start_method, env, all_values,
-                            restarts["max_restarts"])
+    launcher = _Generations(plan, world, backend, run_dir, visible_devices, threads_per_proc, start_method, env,
+                            all_values, restarts["max_restarts"])
     spec, meet, child_env, tmp_dir = launcher.prepare(restart=0)
     try:
         if start_method == "forkserver":
@@ -260,14 +264,13 @@ class _Generations:
     set to resume the folder (with ``changes``, the halved batch of an out-of-memory restart).
     """
 
-    def __init__(self, plan: LaunchPlan, world: int, backend: str, run_dir: Path, threads_per_proc: Optional[int],
-                 start_method: str, env: Optional[Dict[str, str]], all_values: bool, max_restarts: int):
+    def __init__(self, plan: LaunchPlan, world: int, backend: str, run_dir: Path, visible_devices: Optional[str],
+                 threads_per_proc: Optional[int], start_method: str, env: Optional[Dict[str, str]], all_values: bool,
+                 max_restarts: int):
         self.plan, self.world, self.backend, self.run_dir = plan, world, backend, run_dir
         self.start_method, self.env, self.all_values = start_method, env, all_values
         self.max_restarts = max_restarts
-        # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
-        # that could escape an allocation. Refuses unknown or repeated ids, listing the GPUs.
-        self.visible_devices = cuda_visible_devices(plan.gpus) if plan.gpus else None
+        self.visible_devices = visible_devices
         self.timeout = plan.process_group_timeout()
         self.threads = threads_per_proc or max(1, cpu_cores() // world)
         self.config = plan.config

@@ -100,6 +100,7 @@ class Heartbeat:
         progress_time: when the rank last made progress (a hung rank's stays old).
         beat_time: when this record was written (the thread writes it even inside a collective).
         stopping: the rank has seen the stop request.
+        writing: a checkpoint is being written in the background (a failure's shutdown lets it end).
     """
 
     rank: int
@@ -112,6 +113,7 @@ class Heartbeat:
     progress_time: Optional[float] = None
     beat_time: Optional[float] = None
     stopping: bool = False
+    writing: bool = False
 
     @property
     def position(self) -> tuple:

@@ -90,6 +90,9 @@ class Context:
         self._tensorboard = None
         self._logged = 0  # ctx.log calls so far: TensorBoard's step when a record names none
         self._beat: Optional[HeartbeatThread] = None
+        # What writes checkpoints in the background (``checkpoint.BackgroundSaver``), if anything:
+        # the heartbeat says when it writes, and a failure's shutdown then lets the write end.
+        self.background_writer = None
         rundir.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
 
     # -- progress and metrics ---------------------------------------------------------
@@ -121,7 +124,8 @@ class Context:
         """This rank's heartbeat record now, in lifecycle ``state`` (the heartbeat thread's snapshot)."""
         return Heartbeat(rank=self.rank, pid=os.getpid(), state=state, epoch=self.epoch, step=self.step,
                          phase=self.phase, waiting=self.waiting, progress_time=self._progress_time,
-                         beat_time=time.time(), stopping=self._stop_reason is not None)
+                         beat_time=time.time(), stopping=self._stop_reason is not None,
+                         writing=bool(getattr(self.background_writer, "writing", False)))
 
     def log(self, **metrics: Any) -> None:
         """Record metrics: rank 0's go live to the notebook and to the run's ``metrics.jsonl``.

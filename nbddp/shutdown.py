@@ -38,7 +38,9 @@ class Shutdown:
     Transitions (``since``: when the current stage began):
 
     * start: ``failure`` goes straight to TERM (the peers of a failed rank are most likely
-      blocked in a collective: no point asking nicely); ``stop`` and ``interrupt`` to ASK.
+      blocked in a collective: no point asking nicely), unless a rank is writing a checkpoint
+      in the background: then ASK until the write ends (or ``stop_timeout_s``), so the failure
+      of one rank does not cost the checkpoint another is writing; ``stop`` and ``interrupt`` to ASK.
     * ASK → TERM: for ``stop`` and ``interrupt``, once ``stop_timeout_s`` has passed or the
       ranks are no longer finishing (see :func:`ranks_finishing`); for any other reason after
       ``grace_s``. A stop keeps the result: the workers may be finishing the epoch's evaluation,
@@ -54,14 +56,16 @@ class Shutdown:
         stop_timeout_s: the longest finishing ranks are waited for after a stop or interrupt.
         kill: sends a signal to every rank still running.
         finishing: ``finishing(now, since)``: True while the ranks may still be finishing.
+        writing: ``writing(now)``: True while a live rank writes a checkpoint (its heartbeat fresh).
     """
 
     def __init__(self, reason: str, now: float, grace_s: float, stop_timeout_s: float,
-                 kill: Callable[[int], None], finishing: Callable[[float, float], bool]):
+                 kill: Callable[[int], None], finishing: Callable[[float, float], bool],
+                 writing: Callable[[float], bool] = lambda now: False):
         self.reason, self.grace_s, self.stop_timeout_s = reason, grace_s, stop_timeout_s
-        self._kill, self._finishing = kill, finishing
+        self._kill, self._finishing, self._writing = kill, finishing, writing
         self.stage, self.since = Stage.ASK, now
-        if reason == "failure":
+        if reason == "failure" and not writing(now):
             self._enter(Stage.TERM, now)
 
     @property
@@ -72,12 +76,16 @@ class Shutdown:
     def advance(self, now: float) -> Stage:
         """Move on if this stage's time is up; returns the stage it is in afterwards."""
         if self.stage is Stage.ASK:
-            if self.waits_for_finish:
+            if self.reason == "failure":
+                if now - self.since < self.stop_timeout_s and self._writing(now):
+                    return self.stage
+            elif self.waits_for_finish:
                 if now - self.since < self.stop_timeout_s and self._finishing(now, self.since):
                     return self.stage
             elif now - self.since < self.grace_s:
                 return self.stage
             self._enter(Stage.TERM, now)
+            return self.stage
         elif self.stage is Stage.TERM and now - self.since >= self.grace_s:
             self._enter(Stage.KILL, now)
         return self.stage

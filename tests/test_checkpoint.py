@@ -230,3 +230,51 @@ def test_load_state_dict_file_accepts_every_layout(tmp_path):
     atomic_save({"epoch": 3, "lr": 0.1}, tmp_path / "not_weights.pt")
     with pytest.raises(WeightsError, match="not a model state_dict"):
         load_state_dict_file(tmp_path / "not_weights.pt")
+
+
+def test_a_background_save_writes_a_snapshot_and_reports_its_error_later(tmp_path):
+    from nbddp.checkpoint import BackgroundSaver
+
+    saver, path = BackgroundSaver(), tmp_path / "last.pt"
+    w = torch.zeros(1000)
+    done = []
+    saver.save({"w": w, "history": [1.0], "rng": (3, (1, 2))}, path, then=done.append)
+    w += 1.0  # the optimizer's next in-place step: not in the file being written
+    saver.wait()
+    assert load_checkpoint(path)["w"].sum() == 0 and len(done) == 1 and not saver.writing
+
+    def full(obj, p):
+        raise OSError(28, "No space left on device", str(p))
+
+    saver.save({"w": w}, path, write=full)
+    with pytest.raises(OSError, match="No space left"):
+        saver.save({"w": w}, path)  # the next checkpoint reports the last one's failure, before writing
+    saver.wait()  # reported once
+    assert load_checkpoint(path)["w"].sum() == 0, "the failed write left the previous checkpoint"
+
+
+def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
+    """A process killed while its writer thread is inside torch.save: the old file loads, the temp file is cleanable."""
+    path = tmp_path / "last.pt"
+    code = textwrap.dedent(f"""
+        import os, sys, time, torch
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        from nbddp.checkpoint import BackgroundSaver, atomic_save
+        atomic_save({{"step": 1, "w": torch.ones(3)}}, {str(path)!r})
+        def slow_save(obj, f, *a, **k):
+            f.write(b"partial")
+            f.flush()
+            print("writing", flush=True)
+            time.sleep(60)
+        torch.save = slow_save
+        BackgroundSaver().save({{"step": 2, "w": torch.zeros(3)}}, {str(path)!r})
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert load_checkpoint(path)["step"] == 1
+    assert cleanup_temp_files(tmp_path) and not [p for p in tmp_path.iterdir() if p.name != "last.pt"]

@@ -77,3 +77,19 @@ def test_a_rank_whose_heartbeat_went_silent_is_not_finishing():
     assert ranks_finishing(50.0, 10.0, GRACE, beats, running=[0]), "an exited rank's old beat does not count"
     assert ranks_finishing(10.0 + GRACE + 1.5, 10.0, GRACE, {0: beat(0, 10.0 + GRACE, stopping=True)}, running=[0, 1]), \
         "a rank with no heartbeat yet is timed from the request"
+
+
+def test_a_failure_lets_a_checkpoint_being_written_end_first():
+    sent, writing = [], {"now": True}
+    sd = Shutdown("failure", 0.0, GRACE, PATIENCE, kill=sent.append, finishing=lambda now, since: False,
+                  writing=lambda now: writing["now"])
+    assert (sd.stage, sent) == (Stage.ASK, []), "no SIGTERM while rank 0 writes last.pt"
+    assert sd.advance(5.0) is Stage.ASK and sent == []
+    writing["now"] = False  # written (or its heartbeat went silent)
+    assert sd.advance(5.5) is Stage.TERM and sent == [signal.SIGTERM]
+    assert sd.advance(5.5 + GRACE) is Stage.KILL
+    # A write that never ends is cut at stop_timeout_s.
+    sent2 = []
+    sd = Shutdown("failure", 0.0, GRACE, PATIENCE, kill=sent2.append, finishing=lambda now, since: False,
+                  writing=lambda now: True)
+    assert sd.advance(PATIENCE) is Stage.TERM and sent2 == [signal.SIGTERM]

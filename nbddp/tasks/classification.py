@@ -10,6 +10,7 @@ once (no sampler padding), and checkpoints hold plain values that load with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import data as D
 from .. import rundir
-from ..checkpoint import atomic_save, export_weights, load_checkpoint
+from ..checkpoint import BackgroundSaver, atomic_save, export_weights, load_checkpoint
 from ..config import TrainConfig, read_config_file
 from ..dist import (agree_on_error, any_rank, barrier, check_same, cpu_group, data_parallel, is_dist,
                     sync_buffers_from_main)
@@ -370,6 +371,7 @@ class _Trainer:
     amp_dtype: Optional[torch.dtype]
     channels_last: bool
     compiled: bool = False  # ddp is torch.compile'd (the first epoch of a launch reports compile_s)
+    saver: BackgroundSaver = field(default_factory=BackgroundSaver)  # rank 0 writes checkpoints meanwhile
 
 
 @dataclass
@@ -390,6 +392,8 @@ class _Progress:
     # images each rank's loader gave them, and every rank's random state after them, in rank order.
     start: Optional[EpochStats] = None
     start_items: int = 0
+    # Seconds the training path spent on checkpoints since the last epoch record (a fixed cost).
+    checkpoint_s: float = 0.0
     rng: Optional[list] = None
 
 
@@ -615,7 +619,14 @@ def train(ctx, cfg: TrainConfig) -> dict:
         rundir.cleanup_temp_files(rundir.checkpoints_dir(ctx.run_dir))  # a crash between temp write and rename
     check_same(len(data.loaders.train), "training steps per epoch")
     writer = _writer(cfg, ctx)
-    _train_epochs(cfg, ctx, data, t, progress, writer)
+    ctx.background_writer = t.saver
+    try:
+        _train_epochs(cfg, ctx, data, t, progress, writer)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            t.saver.wait()  # a failing run still finishes the checkpoint it was writing
+        raise
+    _wait_for_checkpoints(ctx, t)
     if writer is not None:
         writer.flush()  # ctx closes it when the rank ends
     barrier()  # best.pt is complete before any rank reads it
@@ -648,7 +659,9 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
                 writer.add_scalar("train_loss_step", loss, _base + step)
 
         def checkpoint(done: EpochStats, _epoch=epoch) -> None:
+            t_save = time.perf_counter()
             _save_mid_epoch(cfg, ctx, data, t, progress, _epoch, done)
+            progress.checkpoint_s += time.perf_counter() - t_save
             if clock is not None:
                 clock.reset()
 
@@ -669,12 +682,20 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
                     saved = f"the last checkpoint is epoch {epoch}" if epoch > 0 else "no epoch was completed"
                 print(f"stop requested: leaving epoch {epoch + 1} at step {stats.steps}; {saved}", flush=True)
             return
+        t_eval = time.perf_counter()
         sync_buffers_from_main(t.model)
         ev = evaluate(t.model, data.loaders.val, ctx.device, t.amp_dtype, t.channels_last,
                       batch_transform=data.loaders.val_transform, ctx=ctx)
         t.scheduler.step()
-        improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr, compile_s)
+        # The epoch's fixed costs, in its record (bench/gpu.py prints them): the loader's first
+        # batch, the evaluation, the previous epoch's checkpoint on the step's path.
+        costs = {"first_batch_s": stats.first_batch_s, "eval_s": time.perf_counter() - t_eval,
+                 "checkpoint_s": progress.checkpoint_s}
+        improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr, compile_s, costs)
+        progress.checkpoint_s = 0.0
+        t_save = time.perf_counter()
         _save_epoch(cfg, ctx, data, t, progress, epoch, improved)
+        progress.checkpoint_s += time.perf_counter() - t_save
         if clock is not None:
             clock.reset()
 
@@ -754,14 +775,22 @@ def _save_mid_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _
             ck.update(step=done.steps, rank_rng=states,
                       epoch_stats={"loss": done.loss, "images": done.images, "seconds": done.seconds,
                                    "optimizer_steps": done.optimizer_steps})
-            path = atomic_save(ck, rundir.checkpoint_path(ctx.run_dir, rundir.LAST))
-            print(f"checkpoint of epoch {epoch + 1} step {done.steps} written to {path} "
-                  f"({path.stat().st_size / 2**20:.1f} MB in {time.perf_counter() - t0:.2f} s)", flush=True)
-        except OSError as exc:  # disk full, quota, permissions: the previous checkpoint is intact
+            path = rundir.checkpoint_path(ctx.run_dir, rundir.LAST)
+
+            def written(seconds: float) -> None:
+                note_checkpoint(ctx.run_dir, path, epoch, done.steps)  # where a restart continues from
+                print(f"checkpoint of epoch {epoch + 1} step {done.steps} written to {path} "
+                      f"({path.stat().st_size / 2**20:.1f} MB in {seconds:.2f} s, in the background)", flush=True)
+
+            t.saver.save(ck, path, write=atomic_save, then=written)
+            ctx.heartbeat(epoch=epoch, step=done.steps)  # says at once that a write is under way
+            copy_s = time.perf_counter() - t0
+            if copy_s > 1.0:
+                print(f"checkpoint of epoch {epoch + 1} step {done.steps}: {copy_s:.2f} s on the step's path "
+                      "(waiting for the previous write, copying the state)", flush=True)
+        except OSError as exc:  # disk full, quota, permissions (the last write's): the previous checkpoint is intact
             save_error = exc
     agree_on_error(save_error, f"saving the checkpoint of epoch {epoch} at step {done.steps}")
-    if ctx.is_main:
-        note_checkpoint(ctx.run_dir, rundir.checkpoint_path(ctx.run_dir, rundir.LAST), epoch, done.steps)
     ctx.heartbeat(epoch=epoch, step=done.steps)
 
 
@@ -777,7 +806,7 @@ def _early_stop_due(cfg: TrainConfig, progress: _Progress, epoch: int) -> bool:
 
 
 def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int, stats, ev, lr: float,
-                  compile_s: Optional[float] = None) -> bool:
+                  compile_s: Optional[float] = None, costs: Optional[dict] = None) -> bool:
     """The epoch's metrics into the history, ctx.log, the cell and TensorBoard; True if it is the best so far.
 
     ``ctx.log`` writes every scalar of the record to TensorBoard at step ``epoch``; the
@@ -788,6 +817,7 @@ def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int
               "rss_mb": _rss_mb()}
     if compile_s is not None:
         record["compile_s"] = compile_s
+    record.update({k: round(v, 4) for k, v in (costs or {}).items()})
     if ev.gpu_mem_alloc_gib is not None:  # GPU ranks: the epoch's peaks, the highest of any rank
         record["gpu_mem_alloc_gib"] = ev.gpu_mem_alloc_gib
         record["gpu_mem_reserved_gib"] = ev.gpu_mem_reserved_gib
@@ -820,16 +850,30 @@ def _save_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Prog
     if ctx.is_main:
         try:
             ck = _checkpoint(t, progress, epoch, cfg, data.classes)
-            atomic_save(ck, rundir.checkpoint_path(ctx.run_dir, rundir.LAST))
-            if improved:
-                atomic_save({"model": ck["model"], "epoch": epoch, "accuracy": progress.best,
-                             "classes": list(data.classes), "config": ck["config"]},
-                            rundir.checkpoint_path(ctx.run_dir, rundir.BEST))
-        except OSError as exc:  # disk full, quota, permissions: the previous checkpoint is intact
+            last, best = rundir.checkpoint_path(ctx.run_dir, rundir.LAST), rundir.checkpoint_path(ctx.run_dir, rundir.BEST)
+            accuracy, classes = progress.best, list(data.classes)
+
+            def write(snapshot: dict, path) -> None:  # in the background: last.pt, then best.pt
+                atomic_save(snapshot, path)
+                if improved:
+                    atomic_save({"model": snapshot["model"], "epoch": epoch, "accuracy": accuracy,
+                                 "classes": classes, "config": snapshot["config"]}, best)
+
+            t.saver.save(ck, last, write=write, then=lambda _s: note_checkpoint(ctx.run_dir, last, epoch, None))
+        except OSError as exc:  # disk full, quota, permissions (the last write's): the previous checkpoint is intact
             save_error = exc
     agree_on_error(save_error, f"saving the checkpoint of epoch {epoch}")
-    if ctx.is_main:  # where a restart continues from (nbddp.restarts)
-        note_checkpoint(ctx.run_dir, rundir.checkpoint_path(ctx.run_dir, rundir.LAST), epoch, None)
+
+
+def _wait_for_checkpoints(ctx, t: _Trainer) -> None:
+    """Collective: the checkpoint rank 0 writes in the background is on disk; every rank raises if it failed."""
+    error = None
+    if ctx.is_main:
+        try:
+            t.saver.wait()
+        except OSError as exc:
+            error = exc
+    agree_on_error(error, "writing the last checkpoint")
 
 
 def _final_pass(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress) -> dict:

@@ -11,8 +11,8 @@ where:
     ``run``           after the process group is up, just before the worker function is called
     ``step<E>.<S>``   at the top of training step S of epoch E, once its heartbeat is written
                       and before its batch moves to the device
-    ``epoch<E>``      once the ranks agreed that epoch E's checkpoint was saved (``last.pt``
-                      holds epoch E)
+    ``epoch<E>``      once the ranks agreed that epoch E's checkpoint was saved and it is on
+                      disk (``last.pt`` holds epoch E)
     ``nan<E>.<S>``    (action ``on``) the loss of step S of epoch E is NaN on this rank alone
     ``diskfull<E>``   (action ``on``) saving epoch E's ``last.pt`` fails with ENOSPC
 
@@ -198,7 +198,8 @@ def _arm_diskfull(rank: int, action: str, epoch: int) -> None:
 
 
 def _arm_epoch(rank: int, action: str, epoch: int) -> None:
-    """After the ranks agreed on epoch ``epoch``'s checkpoint: it is saved, the next epoch not begun."""
+    """After the ranks agreed on epoch ``epoch``'s checkpoint and it is on disk (rank 0 writes it in the
+    background: the fault waits for the write), the next epoch not begun."""
     from nbddp.tasks import classification
 
     agree_on_error = classification.agree_on_error
@@ -208,6 +209,8 @@ def _arm_epoch(rank: int, action: str, epoch: int) -> None:
         # ctx.log(epoch=...) of this epoch's metrics set the epoch; the epoch's own save comes
         # after its evaluation (a checkpoint in the middle of the epoch is in its training phase).
         if _rank_ctx.epoch == epoch and _rank_ctx.phase != "train":
+            if _rank_ctx.background_writer is not None:
+                _rank_ctx.background_writer.wait()
             _act(action, rank)
 
     classification.agree_on_error = faulty_agree_on_error
