@@ -409,8 +409,12 @@ out = {"import_s": time.perf_counter() - t0}
 def launch(key, **override):
     cfg = TrainConfig(**dict(spec["config"], **override))
     t = time.perf_counter()
-    r = spawn_train(cfg, echo=False)
-    out[key] = {"wall_s": time.perf_counter() - t, "metrics": r.metrics}
+    seen = {}
+    def first_step(kind, payload):  # the first progress with a step done: the launch's fixed cost
+        if kind == "progress" and (payload.get("step") or 0) >= 1 and "first_step_s" not in seen:
+            seen["first_step_s"] = time.perf_counter() - t
+    r = spawn_train(cfg, echo=False, on_event=first_step)
+    out[key] = {"wall_s": time.perf_counter() - t, "metrics": r.metrics, **seen}
     with open(spec["out"], "w") as f:  # after each launch: a part that runs out of time keeps the rest
         json.dump(out, f)
 launch("first")
@@ -459,6 +463,25 @@ def _peak_gib(records):
     return max(peaks) if peaks else None
 
 
+def fixed_costs(e2e_r) -> str:
+    """The fixed costs of the end-to-end launches, a line each: ``spawn_train`` to the first step,
+    then per epoch the loader's first batch, the evaluation and the checkpoints on the step's path
+    (from the built-in worker's epoch records: ``first_batch_s``, ``eval_s``, ``checkpoint_s``)."""
+    lines = []
+    for key in ("first", "warm", "pil"):
+        r = e2e_r.get(key) or {}
+        start = r.get("first_step_s")
+        lines.append(f"fixed cost, {key} launch: spawn_train to the first step "
+                     + (f"{start:.2f} s" if isinstance(start, (int, float)) else "n/a"))
+        for m in r.get("metrics", []):
+            parts = [f"{k.removesuffix('_s').replace('_', ' ')} {m[k]:.2f} s" for k in ("first_batch_s", "eval_s",
+                                                                                       "checkpoint_s", "compile_s")
+                     if isinstance(m.get(k), (int, float))]
+            lines.append(f"fixed cost, {key} launch, epoch {m.get('epoch', 0) + 1}: " + (", ".join(parts) or "n/a")
+                         + f" (epoch {m.get('seconds', float('nan')):.2f} s)")
+    return "\n".join(lines)
+
+
 def _report(a, plain_r, step_r, e2e_r) -> dict:
     gflop = GFLOP_224 * (a.image_size / 224) ** 2
     world = step_r["world"]
@@ -502,6 +525,7 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
           f"{e2e_r['import_s']:.1f} s of import torch/nbddp), warm relaunch {warm:.1f} s (goal <= 6 s), "
           f"PIL pipeline ({e2e_r['pil']['wall_s']:.1f} s wall): "
           f"{', '.join(f'{v:,.0f}' for v in e2e_r['pil_images_per_s'])} images/s by epoch (goal >= 2,500)")
+    print(fixed_costs(e2e_r))
     comp = (f"plain {plain_r['compile_s']:.1f} s, nbddp (DDP) {step_r['compile_s']:.1f} s" if a.compile
             else "not run (--compile)")
     print(f"torch.compile time: {comp}")

@@ -48,3 +48,8 @@ def test_gpu_benchmark_runs_every_part_on_the_cpu(tmp_path, capsys):
     assert "| row | images/s per GPU | vs plain eager | TFLOP/s | peak GiB |" in printed
     assert "| nbddp step / plain eager |" in printed and "warm relaunch" in printed
     assert "profile of one nbddp step" in printed and "all-reduce of the gradients" in printed
+    # The fixed costs, a line each: launch to first step, then per epoch loader, evaluation, checkpoint.
+    assert e2e["first"]["first_step_s"] > 0 and e2e["warm"]["first_step_s"] > 0
+    assert "fixed cost, first launch: spawn_train to the first step" in printed
+    assert all(k in e2e["first"]["metrics"][0] for k in ("first_batch_s", "eval_s", "checkpoint_s"))
+    assert "fixed cost, warm launch, epoch 2: first batch" in printed and "checkpoint" in printed
