@@ -51,8 +51,9 @@ worker      ``heartbeat``,       the rank's heartbeat thread; which errors are a
 worker      ``elastic``          the same rank under torchrun / srun
 worker      ``dist``             process group and the collectives nbddp uses
 worker      ``engine``           training and evaluation loops that stop every rank together
-worker      ``data``,            class folders, samplers, transforms; the decoded tensor cache
-            ``tensor_data``
+worker      ``data``,            class folders, samplers, transforms; the decoded tensor cache;
+            ``tensor_data``,     file bytes decoded and augmented batch by batch on the device
+            ``decode_data``
 worker      ``models``,          torchvision models, weights files, SyncBatchNorm
             ``sync_bn``
 worker      ``tasks.``           the built-in worker: its preflight and plan (run in the
@@ -70,7 +71,7 @@ SIDES = {
     "ui.charts": "kernel", "ui.tensorboard": "kernel", "ui.devices": "kernel", "ui.form": "kernel",
     "ui.layout": "kernel", "ui.run_view": "kernel", "ui.worker_form": "kernel",
     "runtime": "worker", "heartbeat": "worker", "rank_errors": "worker", "elastic": "worker", "dist": "worker", "engine": "worker", "data": "worker",
-    "tensor_data": "worker", "models": "worker", "sync_bn": "worker",
+    "tensor_data": "worker", "decode_data": "worker", "models": "worker", "sync_bn": "worker",
     "tasks.classification": "worker",
     "cli": "entry", "__main__": "entry", "calls": "worker", "conventions": "shared",
 }

@@ -20,7 +20,7 @@ from .errors import ConfigError
 from .fieldspec import GROUPS, RESUME_FREE, RESUME_MORE, Check, Widget, spec, specs, utf8_problem
 from .gpus import IDLE, IDLE_RULE
 
-DATA_PIPELINES = ("pil", "tensor")
+DATA_PIPELINES = ("pil", "tensor", "decode")
 OPTIMIZERS = ("sgd", "adamw")
 OOM_POLICIES = ("fail", "halve")
 #: The models the panel suggests (any torchvision classification model name works).
@@ -122,7 +122,10 @@ class TrainConfig:
         check_images: open every image in the kernel before launching (names corrupt files).
         cache_images: decode each image once and keep it in memory (small datasets; the
             random augmentation still runs every epoch). For ``data_pipeline="pil"``.
-        data_pipeline: ``"pil"`` (the reference: per-image PIL transforms in DataLoader
+        data_pipeline: ``"decode"``: loader workers read the files' bytes, and each batch is
+            decoded (nvJPEG on GPUs, PNG per image on the CPU) and augmented on the rank's
+            device (:mod:`nbddp.decode_data`): for photo folders too large to keep decoded.
+            ``"pil"`` (the reference: per-image PIL transforms in DataLoader
             workers, random crops of the full image) or ``"tensor"`` (decode once into a uint8
             tensor on the rank's device, then crop, flip and normalise whole batches there: GPU-side
             augmentation, no loader processes; for datasets that fit in memory, see
@@ -239,11 +242,13 @@ class TrainConfig:
     cache_images: bool = spec(False, help="decode each image once and keep it in memory (pil pipeline)", check=_BOOL,
                               resume=RESUME_FREE)
     data_pipeline: str = spec("pil", group="choices", help="pil: per-image transforms (reference); tensor: decode "
-                              "once, augment batches on the device",
+                              "once, augment batches on the device; decode: read bytes, decode and augment each batch "
+                              "on the device (nvJPEG on GPUs)",
                               check=Check("choice", values=DATA_PIPELINES, why="'pil' (per-image transforms, the "
-                                          "reference) or 'tensor' (decoded once, batches augmented on the device)"),
-                              widget=Widget("check", "Fast data (decode once, augment batches on the device)",
-                                            "options", on="tensor", off="pil", attr="tensor_toggle"), resume_why=_DATA)
+                                          "reference), 'tensor' (decoded once, batches augmented on the device) or "
+                                          "'decode' (file bytes decoded and augmented batch by batch on the device)"),
+                              widget=Widget("choice", "Data pipeline", "options", attr="pipeline_input"),
+                              resume_why=_DATA)
     persistent_workers: bool = spec(True, help="keep DataLoader workers alive between epochs", check=_BOOL,
                                     resume=RESUME_FREE)
     timeout_s: float = spec(300.0, group="numbers", help="process-group timeout in seconds",

@@ -53,3 +53,9 @@ def test_gpu_benchmark_runs_every_part_on_the_cpu(tmp_path, capsys):
     assert "fixed cost, first launch: spawn_train to the first step" in printed
     assert all(k in e2e["first"]["metrics"][0] for k in ("first_batch_s", "eval_s", "checkpoint_s"))
     assert "fixed cost, warm launch, epoch 2: first batch" in printed and "checkpoint" in printed
+
+
+def test_decode_benchmark_measures_both_pipelines_side_by_side():
+    decode = load("decode")
+    r = decode.main(["--images", "20", "--image-size", "32", "--batch", "8", "--repeats", "1"])
+    assert r["pil"] > 0 and r["decode"] > 0 and r["decode_vs_pil"] > 0 and r["images"] == 20

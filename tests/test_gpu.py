@@ -240,3 +240,29 @@ def test_a_collective_timeout_on_gpus_shows_stacks_and_the_flight_recorder(runs_
     text = str(info.value)
     assert "rank 1 is in `load_batch` (stuck.py:" in text, text
     assert "NCCL's flight recorder, each rank's last collective: rank 0: all_reduce" in text, text
+
+
+@needs_gpu
+def test_the_decode_pipeline_decodes_jpegs_on_the_gpu_as_the_cpu_does(tmp_path, runs_dir):
+    """nvJPEG and the CPU decoder agree to within rounding; the built-in worker trains on it."""
+    from nbddp.data import item_seed, scan_class_folders
+    from nbddp.decode_data import DeviceDecoder, FileBytes, collate
+
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu import _flowers_like
+
+    root = _flowers_like(tmp_path / "flowers", 40)
+    _, samples = scan_class_folders(root)
+    ds = FileBytes(samples)
+    batch = collate([ds[(i, item_seed(0, 0, i))] for i in range(16)])[0]
+    on_gpu = DeviceDecoder("cuda", 64, train=True)(batch.pin_memory())
+    on_cpu = DeviceDecoder("cpu", 64, train=True)(batch)
+    assert on_gpu.device.type == "cuda"
+    assert (on_gpu.cpu() - on_cpu).abs().mean() < 0.05, "the same crops; decoders differ by rounding only"
+    cfg = TrainConfig(data_path=str(root), model="resnet18", image_size=64, epochs=1, batch_size=8, gpus=GPUS[:1],
+                      data_pipeline="decode", runs_dir=str(runs_dir), amp=True)
+    assert spawn_train(cfg, echo=False).metrics[0]["images_per_s"] > 0

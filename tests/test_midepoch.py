@@ -46,7 +46,7 @@ def _log(run_dir) -> str:
     return rundir.rank_log(run_dir, 0).read_text()
 
 
-@pytest.mark.parametrize("pipeline, workers", [("pil", 0), ("tensor", 0), ("pil", 2)])
+@pytest.mark.parametrize("pipeline, workers", [("pil", 0), ("tensor", 0), ("pil", 2), ("decode", 2)])
 def test_stop_and_kill_in_the_middle_of_epochs_lose_no_step(tree, runs_dir, pipeline, workers):
     # 30 training images, 2 ranks, batch 4: 3 steps per epoch. The uninterrupted reference,
     # then one run that is stopped in its first epoch, resumed with a checkpoint after every

@@ -42,10 +42,11 @@ def test_cpu_controls_and_config_follow_the_widgets(tmp_path, tree, runs_dir):
     assert (cfg.epochs, cfg.batch_size, cfg.lr, cfg.nprocs, cfg.image_size) == (3, 8, 0.05, 2, 64)
     assert cfg.model == "mobilenet_v3_small" and cfg.weights is None and cfg.amp and cfg.sync_bn
     assert (cfg.val_fraction, cfg.seed, cfg.name, cfg.gpus) == (0.3, 7, "panel", ())  # fields not shown: kept
-    assert cfg.data_pipeline == "pil" and not panel.tensor_toggle.value
-    panel.tensor_toggle.value = True
+    assert cfg.data_pipeline == "pil" and panel.pipeline_input.value == "pil"
+    assert list(panel.pipeline_input.options) == ["pil", "tensor", "decode"]
+    panel.pipeline_input.value = "tensor"
     assert panel.config.data_pipeline == "tensor"
-    assert TrainingPanel(small_cfg(tree, runs_dir, name="panel", data_pipeline="tensor")).tensor_toggle.value
+    assert TrainingPanel(small_cfg(tree, runs_dir, name="panel", data_pipeline="decode")).pipeline_input.value == "decode"
 
     panel.freeze_toggle.value = True  # SyncBN is disabled and unchecked, with the reason
     assert panel.sync_bn_toggle.disabled and not panel.sync_bn_toggle.value

@@ -401,6 +401,8 @@ def _loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
     """The loaders of the configured pipeline: decoded tensors on the device, or PIL images per item."""
     if cfg.data_pipeline == "tensor":
         return _tensor_loaders(cfg, ctx, train_s, val_s)
+    if cfg.data_pipeline == "decode":
+        return _decode_loaders(cfg, ctx, train_s, val_s)
     cuda = ctx.device.type == "cuda"
     train_tf, val_tf = D.build_transforms(cfg.image_size, cfg.crop_scale, cfg.hflip)
     train_ds = D.ImageListDataset(train_s, train_tf, cache=cfg.cache_images)
@@ -428,6 +430,28 @@ def _loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
     val_loader = DataLoader(val_ds, batch_size=cfg.batch_size,
                             sampler=D.ShardSampler(len(val_ds), ctx.rank, ctx.world_size), **common)
     return _Loaders(order, train_loader, val_loader)
+
+
+def _decode_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
+    """Loader processes read the files' bytes; each batch is decoded and augmented on the device
+    (:mod:`nbddp.decode_data`), every image seeded by (seed, epoch, image) as in the PIL pipeline."""
+    from .. import decode_data as DD
+
+    cuda = ctx.device.type == "cuda"
+    workers = cfg.num_workers
+    if workers is None:  # reading bytes is light: a few processes feed a GPU
+        workers = min(4, D.loader_workers(ctx.world_size, at_least=1)) if cuda else 0
+    sampler = DistributedSampler(range(len(train_s)), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                 seed=cfg.seed)
+    order = D.SkipSampler(D.SeededSampler(sampler, cfg.seed))
+    common = dict(pin_memory=cuda, persistent_workers=cfg.persistent_workers and workers > 0,
+                  **D.loader_processes(workers))
+    train_loader, val_loader = DD.decode_loaders(train_s, val_s, order, cfg.batch_size,
+                                                 D.ShardSampler(len(val_s), ctx.rank, ctx.world_size), common,
+                                                 generator=torch.Generator().manual_seed(cfg.seed))
+    return _Loaders(order, train_loader, val_loader,
+                    DD.DeviceDecoder(ctx.device, cfg.image_size, True, cfg.crop_scale, cfg.hflip),
+                    DD.DeviceDecoder(ctx.device, cfg.image_size, False))
 
 
 def _tensor_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
