@@ -239,12 +239,21 @@ class RunHandle:
         with self._lock:
             if self._restart_at is not None or self._done.is_set():
                 return Stacks()
-            pids = {r: p.pid for r, p in enumerate(self._procs.processes) if r not in self._ends}
+            pids = self._answering_ranks()
         return collect_stacks(self.run_dir, pids, timeout)
+
+    def _answering_ranks(self) -> Dict[int, int]:
+        """``{rank: pid}`` of the running ranks that can answer for their stack: those that have
+        beaten in this launch (a rank registers its stack signal before its first heartbeat; before
+        that, the signal's default action would end it)."""
+        beats = read_heartbeats(self.run_dir, self.world_size)
+        return {r: p.pid for r, p in enumerate(self._procs.processes)
+                if r not in self._ends and p.exitcode is None and r in beats
+                and (beats[r].beat_time or 0.0) >= self._launched_at}
 
     def _stacks_before_stopping(self) -> None:
         """A failure or a hang is about to stop the run: keep where every live rank is, for the error."""
-        pids = {r: p.pid for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None}
+        pids = self._answering_ranks()
         self._failure_stacks = collect_stacks(self.run_dir, pids, timeout=2.0) if pids else Stacks()
 
     @property

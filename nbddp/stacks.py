@@ -58,10 +58,12 @@ class Frame:
     @property
     def in_library(self) -> bool:
         """Python's, torch's or another installed package's, or nbddp's plumbing: not the training code."""
-        path = os.path.realpath(self.file) if not self.file.startswith("<") else self.file
+        if self.file.startswith("<"):  # <string>, <frozen ...>: a launcher's -c code or the import system
+            return True
+        path = os.path.realpath(self.file)
         if path.startswith(_NBDDP_DIR + os.sep):
             return Path(path).name in _PLUMBING
-        return ("site-packages" in path or "dist-packages" in path or path.startswith("<frozen")
+        return ("site-packages" in path or "dist-packages" in path
                 or any(path.startswith(d + os.sep) for d in _LIBRARY_DIRS))
 
 
