@@ -269,6 +269,15 @@ def shot_whole(page, element, name: str) -> Path:
         page.set_viewport_size(VIEWPORT)
 
 
+def frame_text(frame_el) -> str:
+    """What an iframe shows as text (its document's body), or why it could not be read."""
+    try:
+        frame = frame_el.element_handle(timeout=5 * MS).content_frame()
+        return frame.evaluate("() => document.body ? document.body.innerText : '(no body)'")[:3000]
+    except Exception as e:  # noqa: BLE001 - a report of the page, never the failure itself
+        return f"(unreadable: {e})"
+
+
 def image_bytes(img) -> bytes:
     """The bytes behind an <img> (ipywidgets 8 serves Image values as blob: URLs)."""
     b64 = img.evaluate("""async (el) => {
@@ -430,9 +439,13 @@ def test_panel_trains_stops_and_tensorboard_shows_the_run_in_jupyterlab(lab, pag
     frame_el.evaluate("el => { el.src = el.src; }")  # it loaded before the run existed: reload
     frame_el.scroll_into_view_if_needed()
     frame = page.frame_locator("iframe")
-    expect(frame.get_by_text(run_name).first).to_be_visible(timeout=60 * MS)
-    expect(frame.get_by_text("accuracy", exact=True).first).to_be_visible(timeout=30 * MS)  # a scalar card
-    expect(frame.get_by_text("Data could not be loaded")).to_have_count(0)
+    try:
+        expect(frame.get_by_text(run_name).first).to_be_visible(timeout=60 * MS)
+        expect(frame.get_by_text("accuracy", exact=True).first).to_be_visible(timeout=30 * MS)  # a scalar card
+        expect(frame.get_by_text("Data could not be loaded")).to_have_count(0)
+    except AssertionError as e:  # what the frame showed instead, for the report
+        shot(frame_el, "tensorboard-failed.png")
+        raise AssertionError(f"{e}\nthe TensorBoard frame reads: {frame_text(frame_el)!r}") from None
     shot(frame_el, "tensorboard.png")
 
     # ---- A second, long run, stopped mid-epoch from the Stop button
