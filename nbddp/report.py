@@ -7,7 +7,9 @@ often wrong. The rules, in order:
 1. an error that knows its cause (``exc.rank``, e.g. a NaN seen on another rank);
 2. a primary exception (not a communication error), earliest first;
 3. a rank that died on its own (signal or exit code) without an error record;
-4. a rank that stopped making progress (stalest heartbeat), for hangs;
+4. a rank that stopped making progress, for hangs: among the ranks without an error of their
+   own (a rank whose collective failed or timed out was waiting for another), the one whose
+   stack is not in a collective, then the stalest heartbeat;
 5. the earliest communication error.
 """
 
@@ -22,7 +24,7 @@ from typing import Dict, Optional
 from .errors import WorkerError
 from . import rundir
 from .protocol import ErrorRecord, Heartbeat, read_error_records, read_heartbeats
-from .stacks import last_collectives
+from .stacks import Stacks, from_traceback, last_collectives
 
 
 @dataclass
@@ -70,10 +72,12 @@ def aborted_by_watchdog(end: Optional[RankEnd], log_path: Path) -> bool:
 
 
 def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord], beats: Dict[int, Heartbeat],
-                    consequences: frozenset = frozenset()) -> int:
+                    consequences: frozenset = frozenset(), stacks: Optional[Dict] = None) -> int:
     """Pick the rank that caused a failure (see the module docstring for the rules).
 
     ``consequences``: ranks whose death is known to be secondary (NCCL's watchdog abort).
+    ``stacks``: where the ranks were (:class:`nbddp.stacks.RankStack` by rank), to tell a rank
+    waiting in a collective from the one it waits for.
     """
     for rec in sorted(records.values(), key=lambda r: r.time):
         if rec.root_rank is not None and not rec.secondary:
@@ -87,13 +91,17 @@ def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord], b
         return min(died, key=lambda e: e.seen_at).rank
     if beats:
         def staleness(b: Heartbeat):
-            # Least progress first (epoch, phase, step), then the oldest progress time.
-            return (*b.position, b.progress_time if b.progress_time is not None else 0.0)
+            # A rank waiting in a collective is behind the one it waits for; then least progress
+            # (epoch, phase, step), then the oldest progress time.
+            waiting = bool(stacks and b.rank in stacks and stacks[b.rank].waiting_in)
+            return (waiting, *b.position, b.progress_time if b.progress_time is not None else 0.0)
         # A rank that returned (exit code 0) is not stuck, however old its last progress.
         stuck = [b for r, b in beats.items() if (r not in records or records[r].secondary)
                  and not (r in ends and ends[r].exitcode == 0)]
+        # A rank whose collective failed or timed out was waiting for one that has no error.
+        waited_for = [b for b in stuck if b.rank not in records]
         if stuck and len(records) < len(beats):
-            return min(stuck, key=staleness).rank
+            return min(waited_for or stuck, key=staleness).rank
     if records:
         return min(records.values(), key=lambda r: r.time).rank
     return min(ends) if ends else 0
@@ -180,13 +188,21 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     records, beats = read_error_records(run_dir, world_size), read_heartbeats(run_dir, world_size)
     logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}
     watchdog = frozenset(r for r in range(world_size) if aborted_by_watchdog(ends.get(r), logs[r]))
-    root = find_root_cause(ends, records, beats, watchdog)
+    if stacks:  # a rank that raised is gone: its traceback says where it was
+        stacks = Stacks({**{r: from_traceback(r, rec.traceback) for r, rec in records.items()
+                            if rec.traceback and r not in stacks}, **stacks})
+    root = find_root_cause(ends, records, beats, watchdog, stacks)
     rec, end, beat = records.get(root), ends.get(root), beats.get(root)
     log_path = rundir.rank_log(run_dir, root)
     where_from = rec or beat
     epoch = where_from.epoch if where_from else None
     step = where_from.step if where_from else None
-    where = f"at epoch {epoch}, step {step}" if epoch is not None or step is not None else "before its first step"
+    if epoch is not None or step is not None:
+        where = f"at epoch {epoch}, step {step}"
+    elif rec is None and beat is not None and beat.state == "running":
+        where = "no epoch or step reported yet (ctx.heartbeat says where a worker is)"
+    else:
+        where = "before its first step"
     sig = signal_name(end.exitcode) if end else None
     pid = end.pid if end else (beat.pid if beat else None)
 
@@ -209,6 +225,9 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
         kind = "watchdog"
         headline = (f"rank {root} timed out waiting in a collective and NCCL's watchdog aborted it; "
                     "no rank was found behind it")
+    elif rec:
+        kind = "collective"
+        headline = f"rank {root} failed in a collective: {rec.type}: {rec.message}"
     elif end and not end.by_launcher and sig:
         hint = " — possibly out of memory (check `dmesg`, lower batch_size)" if sig == "SIGKILL" else ""
         kind = "signal"
@@ -217,14 +236,16 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
         kind = "exit-code"
         headline = (f"rank {root} exited with code {end.exitcode} without a Python exception "
                     "(sys.exit/os._exit in the worker, or a crash in native code)")
-    elif rec:
-        kind = "collective"
-        headline = f"rank {root} failed in a collective: {rec.type}: {rec.message}"
     else:
         last = beat.progress_time if beat and beat.progress_time is not None else time.time()
         age = time.time() - last
         kind = "hang"
         headline = f"rank {root} stopped making progress (last progress {age:.0f} s ago)"
+        gave_up = [r for r in sorted(records) if records[r].secondary and r != root]
+        if gave_up:
+            who = f"rank {gave_up[0]}" if len(gave_up) == 1 else "ranks " + ", ".join(map(str, gave_up))
+            headline += (f"; {who} gave up waiting for it: {records[gave_up[0]].type}: "
+                         f"{records[gave_up[0]].first_line[:160]}")
 
     parts = [f"Training failed: {headline}",
              f"  {where} · pid {pid} · log: {log_path}"]

@@ -135,6 +135,17 @@ class Stacks(Dict[int, RankStack]):
         p.text(str(self))
 
 
+_TRACEBACK_FRAME = re.compile(r'^\s+File "(?P<file>.+)", line (?P<line>\d+), in (?P<function>.+)$')
+
+
+def from_traceback(rank: int, text: str) -> RankStack:
+    """Rank ``rank``'s stack as a Python traceback left it (a rank that raised has no stack to
+    ask for any more: its error record's traceback says where it was), innermost first."""
+    frames = [Frame(m["file"], int(m["line"]), m["function"].strip())
+              for m in map(_TRACEBACK_FRAME.match, text.splitlines()) if m]
+    return RankStack(rank, [frames[::-1]] if frames else [], text)
+
+
 def parse(text: str) -> List[List[Frame]]:
     """``faulthandler``'s dump as a list of threads, each a list of frames, innermost first."""
     threads: List[List[Frame]] = []
@@ -233,5 +244,5 @@ def _read_from(path: Path, offset: int) -> str:
         return ""
 
 
-__all__ = ["Frame", "RankStack", "Stacks", "parse", "collect", "flight_recorder_env", "last_collectives",
+__all__ = ["Frame", "RankStack", "Stacks", "parse", "from_traceback", "collect", "flight_recorder_env", "last_collectives",
            "FLIGHT_RECORDER_PREFIX"]

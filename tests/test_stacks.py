@@ -5,7 +5,7 @@ import re
 import pytest
 
 from nbddp import WorkerError, spawn_train
-from nbddp.stacks import parse
+from nbddp.stacks import from_traceback, parse
 from conftest import WORKERS, survivors, wait_for
 
 STUCK = WORKERS / "stuck.py"
@@ -33,6 +33,36 @@ def test_a_collective_that_times_out_shows_where_every_rank_was(runs_dir):
     text = str(info.value)
     assert "without a Python exception" not in text, text
     assert re.search(r"rank 1 is in `load_batch` \(stuck.py:1[23]\)", text), text
+
+
+def test_a_collective_timeout_in_a_worker_without_heartbeats_names_the_rank_it_waited_for(runs_dir):
+    """Code people bring never calls ctx.heartbeat: the rank that timed out in ``all_reduce`` is
+    not the cause, the rank it waited for is, and both say where they were."""
+    with pytest.raises(WorkerError) as info:
+        spawn_train(f"{STUCK}:one_rank_stuck_quietly", nprocs=2, runs_dir=runs_dir, timeout_s=5,
+                    stall_timeout_s=0, echo=False)
+    err, text = info.value, str(info.value)
+    assert err.rank == 1 and err.kind == "hang", text
+    assert "without a Python exception" not in text and "before its first step" not in text, text
+    headline = text.splitlines()[0]
+    assert headline.startswith("Training failed: rank 1 stopped making progress"), headline
+    assert "; rank 0 gave up waiting for it: RuntimeError: " in headline and "Timed out" in headline, headline
+    line = next(ln for ln in text.splitlines() if ln.startswith("Where the ranks were: "))
+    # rank 0 raised: its traceback says where it was; rank 1 answered the stack signal
+    assert "rank 0 is in `one_rank_stuck_quietly` (stuck.py:33), waiting in `all_reduce`" in line, line
+    assert re.search(r"rank 1 is in `load_batch` \(stuck.py:1[23]\)", line), line
+
+
+def test_a_traceback_reads_as_a_stack():
+    text = ('Traceback (most recent call last):\n'
+            '  File "/x/nbddp/runtime.py", line 581, in run_rank\n    value = call()\n'
+            '  File "/home/me/train.py", line 33, in train\n    dist.all_reduce(t)\n'
+            '  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3913, in all_reduce\n'
+            '    work.wait()\nRuntimeError: Timed out waiting 5000ms\n')
+    stack = from_traceback(3, text)
+    assert [f.function for f in stack.main] == ["all_reduce", "train", "run_rank"]
+    assert stack.where() == "rank 3 is in `train` (train.py:33), waiting in `all_reduce`"
+    assert from_traceback(0, "no traceback here").where() == "rank 0 did not answer"
 
 
 def test_stacks_on_demand_from_a_background_run(tmp_path, runs_dir):

@@ -23,3 +23,12 @@ def one_rank_stuck(ctx, go: str = "/nonexistent"):
     t = torch.ones(1, device=ctx.device)
     dist.all_reduce(t)
     return float(t)
+
+
+def one_rank_stuck_quietly(ctx, go: str = "/nonexistent"):
+    """The same hang in a worker that never calls ``ctx.heartbeat`` (most code people bring)."""
+    if ctx.rank == 1:
+        load_batch(go)
+    t = torch.ones(1, device=ctx.device)
+    dist.all_reduce(t)
+    return float(t)
