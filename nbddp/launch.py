@@ -180,8 +180,8 @@ def spawn_train(
             code that would fail again the same way, a Stop and an Interrupt are never retried:
             the rule is :mod:`nbddp.restarts`. Default 0 (a config's own ``max_restarts``).
         oom: ``"halve"``: an out-of-memory error restarts the built-in worker with half the
-            per-rank batch and twice the gradient accumulation (same global batch and schedule);
-            counts as a restart. ``"fail"``: it ends the run. Default: the config's own ``oom``,
+            per-rank batch and twice the gradient accumulation (same global batch and schedule),
+            as often as the batch can be split, whatever ``max_restarts``. ``"fail"``: it ends the run. Default: the config's own ``oom``,
             else ``"fail"``.
         restart_backoff_s: seconds before the first restart, doubled for each next one.
 

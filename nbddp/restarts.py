@@ -21,7 +21,9 @@ Retried, up to ``max_restarts`` times:
   ``torch.distributed``, errors of the GPU, its driver or NCCL;
 - ``torch.OutOfMemoryError`` with ``oom="halve"`` (the built-in worker): the restart splits
   the per-rank batch (halves it; an odd one by its smallest factor) and multiplies
-  ``grad_accum_steps`` by as much, so the global batch and the schedule stay the same.
+  ``grad_accum_steps`` by as much, so the global batch and the schedule stay the same. These
+  restarts do not count against ``max_restarts`` (``oom="halve"`` works with the default 0):
+  the batch bounds them, as a batch of 1 has nothing left to split.
 
 Not retried, because they would fail again the same way: any other exception of the worker
 (a ``TypeError`` at the first step, a ``KeyError``...), ``ConfigError``/``DataError``/
@@ -97,8 +99,10 @@ class Restart:
         where = f" at epoch {self.epoch}, step {self.step}" if self.epoch is not None or self.step is not None else ""
         changed = "".join(f"; {k} {v[0]} -> {v[1]}" for k, v in self.changes.items())
         start = f"from {self.resumed_from}" if self.resumed_from else "from the start (no checkpoint yet)"
-        return (f"nbddp: restart {self.number}/{max_restarts}: {self.cause}{where}; relaunching in "
-                f"{self.backoff_s:g} s {start}{changed}")
+        # Out-of-memory restarts (oom="halve") are bounded by the batch, not by max_restarts.
+        count = f"restart {self.number} (out of memory, oom='halve')" if self.changes else \
+            f"restart {self.number}/{max_restarts}"
+        return (f"nbddp: {count}: {self.cause}{where}; relaunching in {self.backoff_s:g} s {start}{changed}")
 
 
 def check_policy(max_restarts: Any, oom: Any, backoff_s: Any) -> None:
@@ -174,17 +178,21 @@ class RestartPolicy:
 
     def next_restart(self, error: WorkerError, done: list, resumes_from: Optional[str]) -> Tuple[Optional[Restart], str]:
         """The restart to make after ``error`` (``done``: the restarts made so far), or ``(None, why not)``."""
-        if self.max_restarts <= 0 or self.launcher is None:
+        if self.launcher is None:
+            return None, ""
+        halving = self.oom == "halve" and error.exc_type == "OutOfMemoryError"
+        if self.max_restarts <= 0 and not halving:
             return None, ""
         config = getattr(self.launcher, "config", None)
         batch = getattr(config, "batch_size", None)
         retry, why = decide(error, self.oom, batch)
         if not retry:
             return None, f"not restarted: {why}"
-        if len(done) >= self.max_restarts:
+        # The batch bounds the halvings (a batch of 1 has nothing left to split), max_restarts the rest.
+        if not halving and sum(1 for r in done if not r.changes) >= self.max_restarts:
             return None, f"not restarted: the run made all of its max_restarts={self.max_restarts} restarts"
         changes: Dict[str, list] = {}
-        if error.exc_type == "OutOfMemoryError":
+        if halving:
             f = split_batch(batch)
             accum = config.grad_accum_steps
             changes = {"batch_size": [batch, batch // f], "grad_accum_steps": [accum, accum * f]}

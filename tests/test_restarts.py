@@ -97,11 +97,13 @@ def test_out_of_memory_restarts_with_half_the_batch_and_twice_the_accumulation(t
     from nbddp import TrainConfig
     from conftest import fault_env, small_cfg
 
-    cfg = small_cfg(tree, runs_dir, name="oom", checkpoint_every_s=0.001, oom="halve", max_restarts=1)
-    assert cfg.batch_size == 4 and cfg.grad_accum_steps == 1
+    # oom="halve" alone (max_restarts=0): the batch bounds these restarts, not max_restarts.
+    cfg = small_cfg(tree, runs_dir, name="oom", checkpoint_every_s=0.001, oom="halve")
+    assert cfg.batch_size == 4 and cfg.grad_accum_steps == 1 and cfg.max_restarts == 0
     result = spawn_train(cfg, echo=False, env=fault_env("step0.2:1:oom"), restart_backoff_s=0)
     (restart,) = result.restarts
     assert "OutOfMemoryError" in restart.cause and restart.rank == 1
+    assert restart.line(0).startswith("nbddp: restart 1 (out of memory, oom='halve'): "), restart.line(0)
     assert restart.changes == {"batch_size": [4, 2], "grad_accum_steps": [1, 2]}
     kept = TrainConfig.load(rundir.config_path(result.run_dir))
     assert (kept.batch_size, kept.grad_accum_steps, kept.resume) == (2, 2, str(result.run_dir))
@@ -110,7 +112,8 @@ def test_out_of_memory_restarts_with_half_the_batch_and_twice_the_accumulation(t
     assert result.weights_path is not None and len(result.metrics) == cfg.epochs
     # Without oom="halve" the same error ends the run, saying why.
     with pytest.raises(WorkerError, match="out of memory fails again with the same batch"):
-        spawn_train(cfg.replace(name="oom-fail", oom="fail"), echo=False, env=fault_env("step0.2:1:oom"))
+        spawn_train(cfg.replace(name="oom-fail", oom="fail", max_restarts=1), echo=False,
+                    env=fault_env("step0.2:1:oom"))
 
 
 def test_the_panel_and_the_cli_set_restarts(tree, runs_dir, no_gpu):

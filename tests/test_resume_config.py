@@ -2,6 +2,7 @@
 why; more epochs (and settings that change nothing the run computes) are taken."""
 
 import json
+import re
 
 import pytest
 
@@ -71,3 +72,22 @@ def test_every_field_declares_what_resume_does_with_a_change():
     assert {n for n, r in rules.items() if r not in (RESUME_FREE, RESUME_MORE)} >= {
         "data_path", "val_fraction", "seed", "model", "optimizer", "lr", "momentum", "weight_decay", "lrf",
         "warmup_epochs", "batch_size"}
+
+
+def test_the_readme_table_says_what_resume_does_with_every_field():
+    """The README's resume table names each field once, in the row of its declared rule."""
+    from conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| a change of | resume | why |"):]
+    table = table[:table.index("\n\n")]
+    row_of = {}
+    for row in table.splitlines()[2:]:
+        names, rule = row.split("|")[1:3]
+        for name in re.findall(r"`(\w+)`", names):
+            assert name not in row_of, f"{name} is in two rows of the README's resume table"
+            row_of[name] = rule.strip()
+    expected = {RESUME_FREE: "taken", RESUME_MORE: "while epochs are left"}
+    for f, s in specs(TrainConfig):
+        assert f.name in row_of, f"README's resume table does not say what resume does with `{f.name}`"
+        assert row_of[f.name] == expected.get(s.resume, "refused"), (f.name, row_of[f.name], s.resume)
