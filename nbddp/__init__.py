@@ -1,6 +1,7 @@
 """nbddp: train PyTorch models with DistributedDataParallel from a Jupyter notebook.
 
-Worker functions live in files and start in fresh interpreters (a forkserver with torch
+Your code as it is (a function in a file or a notebook cell, a torchrun script, an mp.spawn
+function) or the built-in classifier starts in fresh interpreters (a forkserver with torch
 preloaded, or spawn; never a fork of the kernel), one process per GPU (nccl) or N CPU processes
 (gloo); the notebook gets live progress, one clear error when a rank fails, and no process left
 behind when a cell is interrupted.

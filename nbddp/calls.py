@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Sequence
 
+from . import targets
+
 #: The conventions ``spawn_train(..., call=)`` accepts for a function.
 CTX, MP_SPAWN, TORCHRUN = "ctx", "mp.spawn", "torchrun"
 CALLS = (CTX, MP_SPAWN, TORCHRUN)
@@ -69,12 +71,14 @@ def run_script(spec: str, argv: Sequence[str]) -> None:
         sys.argv = [module, *argv]  # run_module sets argv[0] to the module's file, as python -m does
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # python -m puts the working directory first
+        targets.from_source_in_user_folders()  # the module and what it imports, as on disk now
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
     sys.argv = [spec, *argv]
     folder = str(Path(spec).resolve().parent)
     if sys.path[:1] != [folder]:
         sys.path.insert(0, folder)  # python train.py puts the script's folder first
+    targets.from_source_in_user_folders(folder)  # the modules it imports, as on disk now
     runpy.run_path(spec, run_name="__main__")
 
 

@@ -7,7 +7,7 @@ twice". Each of these can be read from the function's signature and source (``as
 file, never executing it), so the kernel says which convention the code follows and how to
 launch it instead.
 
-Kernel side.
+Shared: the kernel reads conventions before a launch; nothing here runs user code.
 """
 
 from __future__ import annotations

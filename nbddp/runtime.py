@@ -442,9 +442,13 @@ def _call_user_code(ctx: Context, target: Union[str, Callable[..., Any]], args: 
                 raise
         return None
     if payload is not None:
+        targets.from_source_in_user_folders()  # what the cell's function imports, as on disk now
         fn = cells.load(payload)
     else:
         fn = targets.load_target(target) if isinstance(target, str) else target
+    # A function gets a command line of its own, not the kernel's (spawn hands the parent's
+    # ``ipykernel_launcher.py -f ...`` down): argparse inside it then reads no arguments.
+    sys.argv = [target.rpartition(":")[0] if isinstance(target, str) else getattr(fn, "__name__", "worker")]
     return calls.call_function(fn, call, ctx, args, kwargs)
 
 

@@ -1,9 +1,8 @@
 """Worker targets: ``"package.module:function"``, ``"path/to/file.py:function"`` or a function.
 
-A notebook cannot hand a function defined in its own cells to a spawned child: the child
-re-imports it by module path, and a kernel's ``__main__`` is not a module. So worker functions
-live in files, and this module turns whatever the user passed into a spec string that every
-child can load by itself. The kernel checks the spec (file exists, function defined) without
+A function from a file or a module travels to a spawned child by name: this module turns
+whatever the user passed into a spec string that every child can load by itself (a function
+defined in a notebook cell travels by value instead, :mod:`nbddp.cells`). The kernel checks the spec (file exists, function defined) without
 running the user's file; the child loads it fresh, so edits to the file count at every launch.
 :func:`worker_signature` reads a worker's keyword parameters the same way (``ast`` on the file),
 for the panel's form.
@@ -18,6 +17,7 @@ import importlib.util
 import os
 import inspect
 import sys
+import sysconfig
 import types
 import typing
 from dataclasses import dataclass
@@ -27,8 +27,9 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 from .errors import ConfigError
 
 _NOTEBOOK_FIX = (
-    "Worker functions must live in a file so each spawned process can import them. In the "
-    "notebook, put the function in its own cell that starts with\n"
+    "A function of __main__ travels to the ranks by value when spawn_train or TrainingPanel is "
+    "given the function itself (nbddp.cells); by name, it must live in a file. Put it in its own "
+    "cell that starts with\n"
     "    %%writefile my_worker.py\n"
     "run that cell, then launch with\n"
     "    spawn_train(\"my_worker.py:train\", ...)"
@@ -144,10 +145,11 @@ def load_target(spec: str) -> Callable[..., Any]:
         # The file's folder goes on sys.path so the worker can import its sibling modules.
         if str(path.parent) not in sys.path:
             sys.path.insert(0, str(path.parent))
-        _from_source_in(str(path.parent))
+        from_source_in_user_folders(str(path.parent))
         name = "nbddp_user_" + "".join(c if c.isalnum() else "_" for c in path.stem)
         obj: Any = _exec_file(name, path)
     else:
+        from_source_in_user_folders()
         obj = importlib.import_module(where)
     for part in qualname.split("."):
         obj = getattr(obj, part)
@@ -176,6 +178,29 @@ class _SourceLoader(importlib.machinery.SourceFileLoader):
     def get_code(self, fullname):
         path = self.get_filename(fullname)
         return compile(self.get_data(path), path, "exec", dont_inherit=True)
+
+
+def _installed(folder: str) -> bool:
+    """A folder of the installed Python (its standard library, site-packages): caches are fine there."""
+    real = os.path.realpath(folder)
+    if "site-packages" in real or "dist-packages" in real:
+        return True
+    paths = sysconfig.get_paths()
+    roots = {os.path.realpath(p) for p in (paths.get("stdlib"), paths.get("platstdlib"), paths.get("purelib"),
+                                            paths.get("platlib")) if p}
+    return any(real == r or real.startswith(r + os.sep) for r in roots)
+
+
+def from_source_in_user_folders(*folders: str) -> None:
+    """``folders`` (a script's own) and every folder of the user's on ``sys.path`` (the kernel's
+    working directory that a rank starts in, ``PYTHONPATH`` entries of your own) import their
+    modules from source, never from ``__pycache__``: a module a worker, a script, ``-m`` module
+    or a notebook cell's function imports runs as it is on disk now, like the worker file itself.
+    Folders of the installed Python keep their caches."""
+    for entry in (*folders, *sys.path):
+        folder = entry or os.getcwd()  # "" is the working directory (importlib's own reading)
+        if os.path.isdir(folder) and not _installed(folder):
+            _from_source_in(folder)
 
 
 def _from_source_in(folder: str) -> None:

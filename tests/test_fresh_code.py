@@ -66,3 +66,20 @@ def test_a_module_the_worker_file_imports_runs_as_edited(tmp_path, monkeypatch, 
     result = spawn_train(f"{worker}:train", nprocs=1, runs_dir=tmp_path / "runs", echo=False,
                          start_method=start_method)
     assert result.value == "new"
+
+
+def test_what_a_script_and_a_module_target_import_runs_as_edited(tmp_path, monkeypatch):
+    """The same for the modules a torchrun script imports from its folder, and for a module
+    target (``pkg.mod:fn``) found from the kernel's working directory: one launch of each."""
+    code = tmp_path / "project"
+    (code / "pkg").mkdir(parents=True)
+    (code / "pkg" / "__init__.py").write_text("")
+    (code / "settings.py").write_text("VALUE = 'old'\n")
+    (code / "script.py").write_text("import pathlib, settings\npathlib.Path('seen.txt').write_text(settings.VALUE)\n")
+    (code / "pkg" / "mod.py").write_text("import settings\n\ndef train(ctx):\n    return settings.VALUE\n")
+    monkeypatch.chdir(code)
+    _import_once(monkeypatch, code, "settings")
+    _write_same_size_same_time(code / "settings.py", "'old'", "'new'")
+    spawn_train("script.py", nprocs=1, runs_dir=tmp_path / "runs", echo=False)
+    assert (code / "seen.txt").read_text() == "new"
+    assert spawn_train("pkg.mod:train", nprocs=1, runs_dir=tmp_path / "runs", echo=False).value == "new"

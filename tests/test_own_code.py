@@ -148,3 +148,15 @@ def test_the_command_line_takes_the_same_targets_and_under_torchrun_a_script_is_
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert cli.main(["run", "torchrun_train.py", "3", "1"]) == 2
     assert "run the script itself (torchrun --nproc_per_node=N train.py" in capsys.readouterr().err
+
+
+def test_a_function_sees_a_command_line_of_its_own_not_the_kernels(tmp_path, monkeypatch):
+    """Under spawn, multiprocessing hands the parent's ``sys.argv`` down: in a kernel that is
+    ``ipykernel_launcher.py -f kernel.json``, and argparse in the function would refuse ``-f``."""
+    worker = tmp_path / "uses_argparse.py"
+    worker.write_text("import argparse, sys\n\ndef main(rank, world_size):\n"
+                      "    args = argparse.ArgumentParser().parse_args()\n    return list(sys.argv)\n")
+    monkeypatch.setattr(sys, "argv", ["ipykernel_launcher.py", "-f", "/tmp/kernel-1.json"])
+    result = spawn_train(f"{worker}:main", 2, nprocs=2, call="mp.spawn", start_method="spawn",
+                         runs_dir=tmp_path / "runs", echo=False)
+    assert result.value == [str(worker)], result.value

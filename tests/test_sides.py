@@ -75,6 +75,22 @@ def test_every_module_has_a_side():
     assert not gone, f"nbddp.SIDES names modules that do not exist: {gone}"
 
 
+def test_the_readme_layout_names_every_module_on_its_side():
+    """README's Layout lists each module in the row of its side (``ui/`` and ``tasks/`` as folders)."""
+    from conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout"):text.index("## Development")]
+    rows = {side: next(row for row in layout.splitlines() if f"**{label}**" in row)
+            for side, label in (("shared", "shared"), ("kernel", "kernel side"), ("worker", "worker side"),
+                                ("entry", "entry"))}
+    for module, side in nbddp.SIDES.items():
+        names = ("`ui/`",) if module.startswith("ui") else (f"`{module.replace('.', '/')}.py`", f"`{module}/`")
+        if module == "tasks":
+            names = ("`tasks/__init__.py`",)
+        assert any(n in rows[side] for n in names), f"README's Layout lacks {module} in its {side} row"
+
+
 def test_no_import_circle_at_any_level(graph):
     # Depth-first search for a back edge; the package's own __init__ is left out, since every
     # module imports its package first by Python's rules, not by a line anyone wrote.

@@ -1,8 +1,9 @@
 """``TrainingPanel``: choose GPUs (or CPU processes), set the config, train, watch, stop.
 
 Two kinds of run: the built-in classifier (a :class:`TrainConfig`: model, data, SyncBN...) and
-any worker function in a file (``"my_worker.py:train"``: a form of its keyword arguments, read
-from its signature without running the file, and a chart of every scalar it logs).
+any worker function, in a file (``"my_worker.py:train"``) or a notebook cell (a form of its
+keyword arguments, read from its signature without running a file, and a chart of every scalar
+it logs).
 
 The panel composes three parts: the device picker (:mod:`.devices`), the form
 (:mod:`.form` for a config, :mod:`.worker_form` for a worker) and the run view
