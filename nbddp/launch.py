@@ -279,8 +279,12 @@ class _Generations:
         """The spec, meeting point, environment and private temp folder of launch number ``restart``."""
         plan = self.plan
         # nbddp's own group meets in a FileStore only this user can open; env:// needs a TCP store.
-        meet = rendezvous_for(plan.call, plan.target, self.timeout)
         tmp_dir = private_tmp()
+        try:
+            meet = rendezvous_for(plan.call, plan.target, self.timeout, within=tmp_dir)
+        except BaseException:
+            remove_private_tmp(tmp_dir)
+            raise
         try:
             warm = self.start_method == "forkserver"
             child_env = _child_env(self.run_dir, meet.master_port, self.threads, self.visible_devices, warm, self.env,

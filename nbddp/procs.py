@@ -12,7 +12,10 @@ the run's marker in its environment, even one that left the group for a session 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import stat
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -243,4 +246,29 @@ def cleanup(run_dir: Union[str, Path], grace_s: float = 3.0) -> List[int]:
     parent = rundir.read_launch_record(run_dir).get("parent_pid")
     spare = [parent] if isinstance(parent, int) else []
     leftovers = end_leftovers(run_dir, groups=pids, spare=spare + list(recorded), grace_s=grace_s)
+    remove_left_temp_folder(run_dir)
     return pids + [p for p in leftovers if p not in pids]
+
+
+def remove_left_temp_folder(run_dir: Union[str, Path]) -> bool:
+    """Remove the launch's private temp folder (the ranks' ``TMPDIR``, with its rendezvous
+    ``FileStore``) that a kernel killed before the run's end left behind; True if removed.
+
+    Only a folder the launch record names, called ``nbddp-*``, directly in the system temp
+    folder, a real folder (not a link) of this user: what :func:`nbddp.launch.private_tmp` made.
+    """
+    path = rundir.read_launch_record(run_dir).get("tmp_dir")
+    if not isinstance(path, str) or not path:
+        return False
+    folder = Path(path)
+    if not folder.name.startswith("nbddp-") or \
+            os.path.realpath(folder.parent) != os.path.realpath(tempfile.gettempdir()):
+        return False
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return False  # gone already: the run ended as it should
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    return not os.path.lexists(folder)

@@ -75,14 +75,17 @@ class Rendezvous:
             free port nothing of nbddp listens on.
     """
 
-    def __init__(self, kind: str, timeout_s: float):
+    def __init__(self, kind: str, timeout_s: float, within: Optional[str] = None):
+        """``within``: the folder to make the ``FileStore``'s own folder in (the launch's private
+        temp folder, so that one folder holds all a launch leaves in the temp folder); default
+        the system temp folder."""
         self.kind = kind
         self._store: Optional[dist.TCPStore] = None
         self._folder: Optional[Path] = None
         self.store_path: Optional[str] = None
         self.store_port: Optional[int] = None
         if kind == "file":
-            self._folder = Path(tempfile.mkdtemp(prefix="nbddp-rendezvous-"))  # 0700, ours, never reused
+            self._folder = Path(tempfile.mkdtemp(prefix="nbddp-rendezvous-", dir=within))  # 0700, ours, never reused
             self.store_path = str(self._folder / STORE_FILE)
         elif kind == "tcp":
             self._store = free_tcp_store(timeout_s)
@@ -97,10 +100,11 @@ class Rendezvous:
             self._folder = None
 
 
-def rendezvous_for(call: str, target: str, timeout_s: float) -> Rendezvous:
-    """The meeting point a launch of ``target`` called as ``call`` needs (see the module's table)."""
+def rendezvous_for(call: str, target: str, timeout_s: float, within: Optional[str] = None) -> Rendezvous:
+    """The meeting point a launch of ``target`` called as ``call`` needs (see the module's table);
+    a private ``FileStore`` is made in ``within`` (the launch's private temp folder)."""
     if not makes_own_group(call, target):
-        return Rendezvous("file", timeout_s)
+        return Rendezvous("file", timeout_s, within)
     return Rendezvous("own" if call == MP_SPAWN else "tcp", timeout_s)
 
 

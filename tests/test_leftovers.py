@@ -9,6 +9,7 @@ Each rank leads its own process group, ended once the rank exits; a process that
 import json
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,16 +82,42 @@ def test_cleanup_ends_a_marked_process_in_a_session_of_its_own(tmp_path):
     try:
         # Its parent is this process here; a rank's child left behind has init as its parent.
         # Stand in for that: the record names a dead rank, and the caller is not its kernel.
-        (run / ".nbddp" / "launch.json").write_text(json.dumps({"pids": [], "start_times": []}))
+        # The dead kernel also left the launch's private temp folder (the ranks' TMPDIR, its FileStore).
+        tmp = Path(tempfile.mkdtemp(prefix="nbddp-"))
+        (tmp / "nbddp-rendezvous-x").mkdir()
+        (tmp / "nbddp-rendezvous-x" / "store").write_bytes(b"")
+        (run / ".nbddp" / "launch.json").write_text(json.dumps({"pids": [], "start_times": [], "tmp_dir": str(tmp)}))
         assert wait_for(lambda: Path(f"/proc/{left.pid}/cmdline").read_bytes().startswith(b"sleep"), 10)
         ended = _cleanup_from_elsewhere(run)
         assert left.pid in ended
         assert left.wait(5) is not None
         assert other.poll() is None, "cleanup ended a process of another run"
+        assert not tmp.exists(), "cleanup left the launch's temp folder"
     finally:
         for p in (left, other):
             p.kill()
             p.wait()
+
+
+def test_cleanup_removes_only_a_temp_folder_nbddp_made(tmp_path):
+    """A launch record that names a link, another name or a folder elsewhere removes nothing."""
+    from nbddp.procs import remove_left_temp_folder
+
+    run = tmp_path / "run"
+    (run / ".nbddp").mkdir(parents=True)
+    keep = tmp_path / "precious"
+    keep.mkdir()
+    link = Path(tempfile.gettempdir()) / f"nbddp-link-{os.getpid()}"
+    link.symlink_to(keep)
+    plain = Path(tempfile.mkdtemp(prefix="mine-"))
+    try:
+        for named in (keep, link, plain):
+            (run / ".nbddp" / "launch.json").write_text(json.dumps({"tmp_dir": str(named)}))
+            assert not remove_left_temp_folder(run)
+        assert keep.is_dir() and link.is_symlink() and plain.is_dir()
+    finally:
+        link.unlink()
+        plain.rmdir()
 
 
 def _cleanup_from_elsewhere(run: Path) -> list:
