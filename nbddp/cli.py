@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import typing
 from typing import List, Optional, Union
 
-from . import rundir
 from .config import TrainConfig, read_config_file
 from .errors import ConfigError
 from .fieldspec import flag_name, specs
@@ -237,98 +235,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
 
 
-def _launcher_started() -> Optional[float]:
-    """When the process that started this one (torchrun's agent) started, as a Unix time."""
-    from .system import start_time
-
-    ticks = start_time(os.getppid())
-    if ticks is None:
-        return None
-    try:
-        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def _check_may_continue(run_dir, cfg: TrainConfig, le) -> None:
-    """Refuse to start over a run folder that holds checkpoints, unless this run continues it.
-
-    It continues it when asked to (``--resume true``, or ``--resume`` naming this folder), or when
-    this is a launcher restart of the same run. torchrun also restarts after a refusal, so a
-    restart counts only if the checkpoint was written after this torchrun started; srun
-    requeues keep the job id, which names the default run folder.
-    """
-    from pathlib import Path
-
-    if cfg.resume is True:
-        return
-    if isinstance(cfg.resume, str):
-        asked = Path(cfg.resume)
-        asked = rundir.run_dir_of_checkpoint(asked)
-        if asked.resolve() == run_dir.resolve():
-            return
-        raise ConfigError(f"--resume {cfg.resume} and --run-dir {run_dir} name two different runs, and {run_dir} "
-                          "already holds checkpoints; give one of them")
-    last = rundir.checkpoint_path(run_dir)
-    if le.restart_count and le.kind == "torchrun":
-        started = _launcher_started()
-        if started is None or not last.exists() or last.stat().st_mtime >= started:
-            return
-    elif le.restart_count:
-        return
-    found = ", ".join(rundir.checkpoint_names(run_dir))
-    raise ConfigError(
-        f"{run_dir} already holds checkpoints ({found}) of an earlier run; training again would start from "
-        f"epoch 0 and overwrite them. To continue that run, add --resume true; to train anew, choose a new "
-        "folder with --run-dir (or move the old one away).")
-
-
 def _under_launcher(ns: argparse.Namespace, le) -> int:
     """One rank of a torchrun/srun job: the same plan, worker and run folder layout as spawn_train."""
     from pathlib import Path
 
-    from . import tasks
-    from .elastic import run_under_launcher
+    from . import elastic, tasks
 
     run_dir = Path(ns.run_dir) if ns.run_dir else None
     if ns.command == "run":
-        cfg = None
         target, args, how = _run_target(ns)
-        if how["call"] != "ctx" or how["argv"] is not None:
-            raise ConfigError(
-                f"under {le.kind}, a script or a function that makes its own process group needs no nbddp: run the "
-                f"script itself (torchrun --nproc_per_node=N train.py ...; srun python train.py ...). "
-                "python -m nbddp run under a launcher takes fn(ctx) workers")
+        elastic.refuse_script_under_launcher(le, how["call"], how["argv"])
         plan = tasks.plan(target, args, kwargs=how["kwargs"])
     else:
-        cfg = build_config(ns).replace(gpus=(), nprocs=le.world_size)
-        if run_dir is None and le.job_id:
-            run_dir = Path(cfg.runs_dir) / f"{cfg.name}-{le.job_id}"
-        if run_dir is not None and rundir.checkpoint_names(run_dir):
-            # A launcher restart of this run, or an explicit resume, continues from the last
-            # checkpoint; anything else would train from epoch 0 over it.
-            _check_may_continue(run_dir, cfg, le)
-            cfg = cfg.replace(resume=str(run_dir))
+        cfg, run_dir = elastic.continue_or_start(build_config(ns), le, run_dir)
         plan = tasks.plan(cfg)  # every rank checks the same inputs, so all fail together
-    run_dir = plan.run_dir or run_dir
-
-    def choose() -> Path:
-        path = run_dir.resolve() if run_dir else rundir.new_run_dir(plan.runs_dir, plan.name)
-        path.mkdir(parents=True, exist_ok=True)
-        if plan.config is not None:
-            plan.config.save(rundir.config_path(path))
-        return path
-
-    code, value = run_under_launcher(le, plan, choose)
-    if le.rank == 0 and code == 0:
-        if cfg is not None and isinstance(value, dict):
-            print(f"best val_accuracy {value['best_accuracy']:.4f}; exported weights: {value['weights_path']}")
-        else:
-            print(f"result: {value!r}")
-    # Leave without interpreter teardown, as spawned workers do: after a failure the process
-    # group is still up, and gloo's destructor can deadlock at exit, holding up the launcher's
-    # restart. Everything was flushed and the records written above.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    elastic.run_job_rank(le, plan, run_dir)  # never returns: the rank leaves as spawned ranks do
+    return 1

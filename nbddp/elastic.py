@@ -18,14 +18,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import rundir
 from .dist import init_process_group
-from .system import cpu_cores
+from .errors import ConfigError
+from .system import cpu_cores, start_time
 from .runtime import Context, run_rank, run_rank_hook
 from .tasks import LaunchPlan
 
@@ -155,3 +156,99 @@ def run_under_launcher(le: LauncherEnv, plan: LaunchPlan, choose_run_dir: Callab
     finally:
         sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
         log.close()
+
+# ------------------------------------------------------------------------ the job's run folder
+def refuse_script_under_launcher(le: LauncherEnv, call: str, argv: Optional[Any]) -> None:
+    """A script, or a function that makes its own group, needs no nbddp under a launcher."""
+    if call != "ctx" or argv is not None:
+        raise ConfigError(
+            f"under {le.kind}, a script or a function that makes its own process group needs no nbddp: run the "
+            f"script itself (torchrun --nproc_per_node=N train.py ...; srun python train.py ...). "
+            "python -m nbddp run under a launcher takes fn(ctx) workers")
+
+
+def continue_or_start(cfg: Any, le: LauncherEnv, run_dir: Optional[Path]) -> Tuple[Any, Optional[Path]]:
+    """The built-in worker's config and run folder for this rank of a job.
+
+    The folder is ``run_dir``, else ``<runs_dir>/<name>-<job id>`` when the launcher names a job
+    (srun requeues keep it), else a new one chosen later. A folder that holds checkpoints is
+    continued (``resume`` set to it) by a launcher restart of the run or an explicit resume,
+    and refused otherwise (:func:`check_may_continue`).
+    """
+    cfg = cfg.replace(gpus=(), nprocs=le.world_size)
+    if run_dir is None and le.job_id:
+        run_dir = Path(cfg.runs_dir) / f"{cfg.name}-{le.job_id}"
+    if run_dir is not None and rundir.checkpoint_names(run_dir):
+        check_may_continue(run_dir, cfg, le)
+        cfg = cfg.replace(resume=str(run_dir))
+    return cfg, run_dir
+
+
+def run_job_rank(le: LauncherEnv, plan: LaunchPlan, run_dir: Optional[Path]) -> None:
+    """Run ``plan`` as this rank of the job, print rank 0's result, and leave the process.
+
+    It leaves without interpreter teardown, as spawned ranks do: after a failure the process
+    group is still up, and gloo's destructor can deadlock at exit, holding up the launcher's
+    restart. Everything was flushed and the records written before.
+    """
+    run_dir = plan.run_dir or run_dir
+
+    def choose() -> Path:
+        path = run_dir.resolve() if run_dir else rundir.new_run_dir(plan.runs_dir, plan.name)
+        path.mkdir(parents=True, exist_ok=True)
+        if plan.config is not None:
+            plan.config.save(rundir.config_path(path))
+        return path
+
+    code, value = run_under_launcher(le, plan, choose)
+    if le.rank == 0 and code == 0:
+        if plan.config is not None and isinstance(value, dict):
+            print(f"best val_accuracy {value['best_accuracy']:.4f}; exported weights: {value['weights_path']}")
+        else:
+            print(f"result: {value!r}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launcher_started() -> Optional[float]:
+    """When the process that started this one (torchrun's agent) started, as a Unix time."""
+    ticks = start_time(os.getppid())
+    if ticks is None:
+        return None
+    try:
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def check_may_continue(run_dir: Path, cfg: Any, le: LauncherEnv) -> None:
+    """Refuse to start over a run folder that holds checkpoints, unless this run continues it.
+
+    It continues it when asked to (``--resume true``, or ``--resume`` naming this folder), or when
+    this is a launcher restart of the same run. torchrun also restarts after a refusal, so a
+    restart counts only if the checkpoint was written after this torchrun started; srun
+    requeues keep the job id, which names the default run folder.
+    """
+    if cfg.resume is True:
+        return
+    if isinstance(cfg.resume, str):
+        asked = Path(cfg.resume)
+        asked = rundir.run_dir_of_checkpoint(asked)
+        if asked.resolve() == run_dir.resolve():
+            return
+        raise ConfigError(f"--resume {cfg.resume} and --run-dir {run_dir} name two different runs, and {run_dir} "
+                          "already holds checkpoints; give one of them")
+    last = rundir.checkpoint_path(run_dir)
+    if le.restart_count and le.kind == "torchrun":
+        started = launcher_started()
+        if started is None or not last.exists() or last.stat().st_mtime >= started:
+            return
+    elif le.restart_count:
+        return
+    found = ", ".join(rundir.checkpoint_names(run_dir))
+    raise ConfigError(
+        f"{run_dir} already holds checkpoints ({found}) of an earlier run; training again would start from "
+        f"epoch 0 and overwrite them. To continue that run, add --resume true; to train anew, choose a new "
+        "folder with --run-dir (or move the old one away).")
