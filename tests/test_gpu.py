@@ -12,7 +12,7 @@ import pytest
 
 from nbddp import TrainConfig, WorkerError, spawn_train
 from nbddp.gpus import list_gpus
-from conftest import EXAMPLES, WORKERS, make_tree, survivors, wait_for
+from conftest import EXAMPLES, WORKERS, free_port, make_tree, survivors, wait_for
 
 pytestmark = pytest.mark.gpu
 GPUS = [g.index for g in list_gpus()]
@@ -218,10 +218,7 @@ def test_your_code_as_it_is_runs_on_the_chosen_gpu(tmp_path, runs_dir, monkeypat
         spawn_train("torchrun_train.py", gpus=gpu, argv=["2", "1", "--batch_size", "4"], runs_dir=runs_dir, echo=False)
         assert json.loads((own / "report.json").read_text())["env"]["LOCAL_RANK"] == "0"
     elif mode == "mp.spawn":
-        port = __import__("socket").socket()
-        port.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("OWN_CODE_PORT", str(port.getsockname()[1]))
-        port.close()
+        monkeypatch.setenv("OWN_CODE_PORT", str(free_port()))
         assert spawn_train("multigpu.py:main", 1, 2, 4, gpus=gpu, call="mp.spawn", runs_dir=runs_dir,
                            echo=False).value == 0
     else:

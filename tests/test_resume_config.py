@@ -10,13 +10,13 @@ from nbddp import ConfigError, TrainConfig, spawn_train
 from nbddp.engine import warmup_cosine_lambda
 from nbddp.fieldspec import RESUME_FREE, RESUME_MORE, spec_of, specs
 from nbddp.tasks.classification import resume_changes
+import conftest
 
 
 def small_cfg(tree, runs_dir, **kw):
-    base = dict(data_path=str(tree), model="resnet18", image_size=32, epochs=1, batch_size=4, lr=0.01,
-                nprocs=2, runs_dir=str(runs_dir), name="r", check_images=False, num_workers=0)
-    base.update(kw)
-    return TrainConfig(**base)
+    """conftest's small run, one epoch long."""
+    return conftest.small_cfg(tree, runs_dir, **{"epochs": 1, "name": "r", "check_images": False, "num_workers": 0,
+                                                 **kw})
 
 
 @pytest.fixture
