@@ -448,7 +448,8 @@ def _call_user_code(ctx: Context, target: Union[str, Callable[..., Any]], args: 
         fn = targets.load_target(target) if isinstance(target, str) else target
     # A function gets a command line of its own, not the kernel's (spawn hands the parent's
     # ``ipykernel_launcher.py -f ...`` down): argparse inside it then reads no arguments.
-    sys.argv = [target.rpartition(":")[0] if isinstance(target, str) else getattr(fn, "__name__", "worker")]
+    from_file = isinstance(target, str) and payload is None
+    sys.argv = [target.rpartition(":")[0] if from_file else getattr(fn, "__name__", "worker")]
     return calls.call_function(fn, call, ctx, args, kwargs)
 
 
