@@ -184,12 +184,13 @@ class RunHandle:
 
     def __init__(self, procs, spec: LaunchSpec, store, echo: bool, grace_s: float,
                  stall_timeout_s: Optional[float] = None, stop_timeout_s: float = STOP_TIMEOUT_S,
-                 leases=None, log_start: int = 0, tmp_dir: Optional[str] = None,
+                 leases=None, log_starts: Optional[Dict[int, int]] = None, tmp_dir: Optional[str] = None,
                  restarts: Optional[RestartPolicy] = None):
         # torch's ProcessContext of the workers (not a worker's ctx: that lives in the workers).
         # store: the launch's meeting point (nbddp.rendezvous.Rendezvous, or a bare TCPStore);
         # leases: its GPU leases (nbddp.leases.Leases). Both are held until the run ends.
-        # log_start: rank 0's log size before this launch (a resumed run appends to its log);
+        # log_starts: each rank's log size before this launch (a resumed run appends to its logs):
+        # the echo and the error quote only this launch's lines;
         # tmp_dir: the ranks' private TMPDIR, removed once the run has ended;
         # restarts: max_restarts and the launcher that starts each restart (nbddp.restarts).
         self._procs, self.spec, self._store, self.echo, self.grace_s = procs, spec, store, echo, grace_s
@@ -209,7 +210,8 @@ class RunHandle:
         self.metrics: List[dict] = []
         self.progress: dict = {}
         self._ends: Dict[int, RankEnd] = {}
-        self._log_tail = OutputTail(rundir.rank_log(self.run_dir, 0), start=log_start)
+        self._log_starts = dict(log_starts or {})
+        self._log_tail = OutputTail(rundir.rank_log(self.run_dir, 0), start=self._log_starts.get(0, 0))
         self._tmp_dir = tmp_dir
         self._echo = CellEcho("[rank0] ")
         self._metrics_tail = _LineTail(rundir.metrics_path(self.run_dir))
@@ -543,7 +545,7 @@ class RunHandle:
             self._finish()
             return
         error = build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._server),
-                                   stacks=self._failure_stacks)
+                                   stacks=self._failure_stacks, log_starts=self._log_starts)
         restart, why = (self._policy.next_restart(error, self.restarts, self._resumes_from())
                         if self._policy is not None else (None, ""))
         if restart is None:
@@ -567,6 +569,7 @@ class RunHandle:
     def _relaunch(self) -> None:
         """Start the restart that waited for its back-off; a restart that cannot start ends the run."""
         restart = self.restarts[-1]
+        self._log_starts = rundir.log_sizes(self.run_dir, self.world_size)  # the restart's own lines
         try:
             procs, spec, store, tmp_dir = self._policy.launcher.relaunch(restart.number, restart.changes)
         except Exception as exc:  # noqa: BLE001 - the run must reach an end state
@@ -613,7 +616,7 @@ class RunHandle:
         if error is not None or reason == "failure" or (not all_ok and reason is None):
             outcome: Union[TrainResult, BaseException] = error or build_worker_error(
                 self.run_dir, self._ends, self.world_size, server_died=server_death(self._server),
-                stacks=self._failure_stacks)
+                stacks=self._failure_stacks, log_starts=self._log_starts)
             if isinstance(outcome, WorkerError):
                 _note_restarts(outcome, self.restarts, not_restarted)
         elif all_ok and has_result(self.run_dir) and reason != "interrupt":

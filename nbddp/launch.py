@@ -248,7 +248,7 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
             stall_timeout_s = 0.75 * spec.timeout_s if backend == "nccl" else spec.timeout_s
         # Echo only what this launch writes: a resumed run appends to its rank logs.
         watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s,
-                     log_start=_size(rundir.rank_log(run_dir, 0)), tmp_dir=tmp_dir,
+                     log_starts=rundir.log_sizes(run_dir, spec.world_size), tmp_dir=tmp_dir,
                      restarts=RestartPolicy(launcher=launcher, **restarts))
         return _start(spec, meet, leases, child_env, start_method, watch, on_event, block)
     except BaseException:
@@ -329,13 +329,6 @@ class _Generations:
             remove_private_tmp(tmp_dir)
             raise
         return procs, spec, meet, tmp_dir
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def private_tmp() -> str:

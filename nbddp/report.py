@@ -47,11 +47,13 @@ def signal_name(exitcode: Optional[int]) -> Optional[str]:
         return f"signal {-exitcode}"
 
 
-def tail(path: Path, lines: int = 20) -> str:
+def tail(path: Path, lines: int = 20, start: int = 0) -> str:
+    """The last ``lines`` lines of ``path`` written after byte ``start`` (this launch's: a resumed
+    or restarted run appends to its rank logs)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
-            f.seek(max(0, f.tell() - 64 * 1024))
+            f.seek(max(start, f.tell() - 64 * 1024))
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
@@ -63,11 +65,11 @@ def tail(path: Path, lines: int = 20) -> str:
 _WATCHDOG_MARKERS = ("watchdog caught collective operation timeout", "watchdog thread terminated")
 
 
-def aborted_by_watchdog(end: Optional[RankEnd], log_path: Path) -> bool:
+def aborted_by_watchdog(end: Optional[RankEnd], log_path: Path, start: int = 0) -> bool:
     """True if the rank died of SIGABRT after NCCL's watchdog timed out its wait."""
     if end is None or end.exitcode != -signal.SIGABRT:
         return False
-    text = tail(log_path, 200).lower()
+    text = tail(log_path, 200, start).lower()
     return any(m in text for m in _WATCHDOG_MARKERS)
 
 
@@ -155,7 +157,7 @@ def _heartbeat_words(beat: Optional[Heartbeat], now: float) -> str:
 
 def ranks_table(run_dir: Path, ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord],
                 beats: Dict[int, Heartbeat], world_size: int, stacks=None, lines: int = 20,
-                skip_tail: frozenset = frozenset()) -> str:
+                skip_tail: frozenset = frozenset(), log_starts: Optional[Dict[int, int]] = None) -> str:
     """Every rank in one compact table (how it ended, its last heartbeat, where its stack was),
     then the last ``lines`` lines of each rank's log (those in ``skip_tail`` are shown already)."""
     now = time.time()
@@ -170,24 +172,28 @@ def ranks_table(run_dir: Path, ends: Dict[int, RankEnd], records: Dict[int, Erro
     for r in range(world_size):
         if r in skip_tail:
             continue
-        text = tail(rundir.rank_log(run_dir, r), lines)
+        text = tail(rundir.rank_log(run_dir, r), lines, (log_starts or {}).get(r, 0))
         if text.strip():
             parts.append(f"--- rank {r}: last {lines} lines of rank{r}.log ---\n{text}")
     return "\n".join(parts)
 
 
 def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
-                       server_died: Optional[str] = None, stacks=None) -> WorkerError:
+                       server_died: Optional[str] = None, stacks=None,
+                       log_starts: Optional[Dict[int, int]] = None) -> WorkerError:
     """Compose the one exception the notebook shows for a failed run.
 
     Args:
+        log_starts: each rank's log size when this launch started: only what the launch wrote
+            is quoted (a resumed or restarted run appends to its logs).
         server_died: how the warm server the ranks forked from ended (``"signal 9"``), if it
             died during the run: every rank then ends with it, without a word of its own.
         stacks: where the live ranks were when the failure was seen (:class:`nbddp.stacks.Stacks`).
     """
     records, beats = read_error_records(run_dir, world_size), read_heartbeats(run_dir, world_size)
     logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}
-    watchdog = frozenset(r for r in range(world_size) if aborted_by_watchdog(ends.get(r), logs[r]))
+    starts = log_starts or {}
+    watchdog = frozenset(r for r in range(world_size) if aborted_by_watchdog(ends.get(r), logs[r], starts.get(r, 0)))
     if stacks:  # a rank that raised is gone: its traceback says where it was
         stacks = Stacks({**{r: from_traceback(r, rec.traceback) for r, rec in records.items()
                             if rec.traceback and r not in stacks}, **stacks})
@@ -208,7 +214,7 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
 
     if rec and not rec.secondary and rec.type == "SystemExit":
         # sys.exit(2) from argparse says why only on stderr: its last lines are the headline.
-        said = "\n".join("    " + line for line in tail(log_path, 6).splitlines() if line.strip())
+        said = "\n".join("    " + line for line in tail(log_path, 6, starts.get(root, 0)).splitlines() if line.strip())
         kind = "exit"
         headline = f"rank {root} exited with SystemExit({rec.message or 'None'})" + (
             f"; its last output:\n{said}" if said else "")
@@ -270,10 +276,11 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
         parts.append("Other ranks: " + "; ".join(others))
     if rec and rec.traceback:
         parts.append(f"--- traceback of rank {root} ---\n{rec.traceback.rstrip()}")
-    log_tail = tail(log_path)
+    log_tail = tail(log_path, start=starts.get(root, 0))
     if log_tail and not (rec and rec.traceback and rec.traceback.strip() in log_tail):
         parts.append(f"--- last lines of {log_path.name} ---\n{log_tail}")
-    parts.append(ranks_table(run_dir, ends, records, beats, world_size, stacks, skip_tail=frozenset({root})))
+    parts.append(ranks_table(run_dir, ends, records, beats, world_size, stacks, skip_tail=frozenset({root}),
+                             log_starts=starts))
     return WorkerError(
         "\n".join(parts), rank=root, exc_type=rec.type if rec else None, signal=sig,
         exitcode=end.exitcode if end else None, epoch=epoch, step=step,

@@ -124,6 +124,17 @@ def rank_log(run_dir: PathLike, rank: int) -> Path:
     return logs_dir(run_dir) / f"rank{rank}.log"
 
 
+def log_sizes(run_dir: PathLike, world_size: int) -> Dict[int, int]:
+    """Each rank's log size now (0 for none): where a launch's own lines start in the appended logs."""
+    sizes = {}
+    for rank in range(world_size):
+        try:
+            sizes[rank] = rank_log(run_dir, rank).stat().st_size
+        except OSError:
+            sizes[rank] = 0
+    return sizes
+
+
 def stacks_log(run_dir: PathLike, rank: int) -> Path:
     """Where rank ``rank`` writes its Python stacks when asked (``nbddp.stacks``)."""
     return logs_dir(run_dir) / f"rank{rank}.stacks.log"

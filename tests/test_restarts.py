@@ -80,6 +80,9 @@ def test_a_retryable_error_is_restarted_and_an_error_of_the_code_is_not(runs_dir
     text = str(err)
     assert "The run was restarted 1 time before" in text
     assert "Not restarted: TypeError comes from the worker's code and would fail again the same way" in text
+    # The logs' tails quote the last launch only: the first launch's traceback is in the logs, not here.
+    tails = text[text.index("--- every rank ---"):]
+    assert "--- rank 0: last 20 lines of rank0.log ---" in tails and "the data server went away" not in tails, tails
 
 
 def test_a_stop_during_the_back_off_ends_the_run_without_a_restart(tmp_path, runs_dir):
