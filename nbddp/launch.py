@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import types
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -31,7 +32,7 @@ from .gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
 from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
 from .protocol import MAX_RESTARTS_ENV, RESTART_ENV
 from .restarts import RestartPolicy, check_policy as check_restart_policy
-from .leases import Leases, holders, try_lease
+from .leases import LEASES_ENV, Leases, holders, try_lease, unusable_reason
 from .procs import MARKER_ENV, live_workers
 from .protocol import LaunchSpec
 from .rendezvous import Rendezvous, rendezvous_for
@@ -389,6 +390,10 @@ def _leased(value: Union[str, Sequence[int], None]) -> Tuple[List[int], Leases]:
         return ids, Leases()
     listed = {g.index: g for g in list_gpus()}
     taken = [lease for lease in (try_lease(i, listed[i].uuid) for i in ids if i in listed) if lease is not None]
+    off = unusable_reason() if not taken else None
+    if off:
+        warnings.warn(f"GPU leases are off: {off}. Other kernels cannot see that this launch uses GPUs {ids}, "
+                      f"nor this one theirs; set {LEASES_ENV} to a folder your kernels share.", stacklevel=3)
     if not isinstance(value, str):
         return ids, Leases(taken)
     won = {lease.index for lease in taken}

@@ -66,6 +66,22 @@ def _folder(create: bool) -> Optional[Path]:
     return folder if stat.S_ISDIR(st.st_mode) else None
 
 
+def unusable_reason() -> Optional[str]:
+    """Why no lease can be taken in the lease folder (another user made ``/tmp/nbddp-gpu-leases``
+    a file, a link or a folder only they can write), or None when leases work."""
+    folder = leases_dir()
+    if _folder(create=True) is None:
+        return f"{folder} is not a folder (a file or a link is there)"
+    try:
+        st = os.stat(folder)
+    except OSError as e:
+        return f"{folder} cannot be read ({e.strerror})"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return (f"{folder} is not writable by you (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; "
+                "nbddp makes it 1777, as /tmp)")
+    return None
+
+
 def _open_lock(path: Path) -> Optional[int]:
     """An fd on the lock file, made if missing (writable by everyone: the next holder may be another user)."""
     flags = os.O_NOFOLLOW | os.O_CLOEXEC

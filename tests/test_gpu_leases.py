@@ -148,3 +148,11 @@ def test_an_unusable_lease_folder_leases_nothing_and_launches_anyway(tmp_path, m
     monkeypatch.setenv(leases.LEASES_ENV, str(blocker))
     assert leases.try_lease(0, UUID[0]) is None
     assert resolve_gpus("idle") == [0, 1, 2, 3]
+    # The launch goes on, and says leases are off and why (another user could have planted the file).
+    from nbddp.launch import _leased
+
+    with pytest.warns(UserWarning, match=r"GPU leases are off: .*file.* is not a folder .*NBDDP_GPU_LEASES"):
+        assert _leased([0, 1])[0] == [0, 1]
+    assert leases.unusable_reason() is not None
+    monkeypatch.setenv(leases.LEASES_ENV, str(tmp_path / "leases"))
+    assert leases.unusable_reason() is None
