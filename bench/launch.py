@@ -70,9 +70,11 @@ def run_torchrun(tmp: Path) -> float:
     out.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=str(HERE), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(HERE / "plain_ddp.py"), "--steps", "2", "--warmup", "1", "--out", str(out)],
-                   env=env, check=True, capture_output=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(HERE / "plain_ddp.py"), "--steps", "2", "--warmup", "1", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise RuntimeError(f"torchrun failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(out.read_text().splitlines()[-1])["first_step"] - t0
 
 
