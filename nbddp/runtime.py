@@ -381,13 +381,21 @@ def fork_children() -> None:
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
-def redirect_output(log_path: Path) -> None:
-    """Send fd 1 and 2 (Python and C++ output alike) to the rank's log file, line-buffered."""
+def open_private_log(log_path: Path) -> int:
+    """A descriptor appending to ``log_path``, created ``0600`` whatever the umask, never through a link.
+
+    A rank's output and its stacks (paths, tokens a library prints, the code's names) are its
+    user's alone, however group-writable the runs folder is."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    # 0600: a rank's output (paths, tokens a library prints) is its user's, whatever the umask.
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     with contextlib.suppress(OSError):
         os.fchmod(fd, 0o600)  # a log from an earlier launch (resume) that was created wider
+    return fd
+
+
+def redirect_output(log_path: Path) -> None:
+    """Send fd 1 and 2 (Python and C++ output alike) to the rank's log file, line-buffered."""
+    fd = open_private_log(log_path)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -492,7 +500,7 @@ def _stacks_on_signal(run_dir: Path, rank: int) -> None:
     """
     global _stack_file
     try:
-        _stack_file = open(rundir.stacks_log(run_dir, rank), "a")
+        _stack_file = os.fdopen(open_private_log(rundir.stacks_log(run_dir, rank)), "a")
         faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
     except (OSError, AttributeError, ValueError, RuntimeError):  # no such signal here: no stacks on demand
         _stack_file = None

@@ -70,7 +70,9 @@ def test_launch_record_and_rank_logs_are_private_under_umask_022(runs_dir, umask
     run = result.run_dir
     assert mode(run / ".nbddp" / "launch.json") == 0o600
     assert mode(run / "logs") == 0o700
-    assert [mode(run / "logs" / f"rank{r}.log") for r in (0, 1)] == [0o600, 0o600]
+    logs = {p.name: mode(p) for p in (run / "logs").iterdir()}
+    assert {"rank0.log", "rank1.log", "rank0.stacks.log", "rank1.stacks.log"} <= set(logs), logs
+    assert set(logs.values()) == {0o600}, f"every log, the stacks' included, is the user's alone: {logs}"
     assert result.value["env"]["MASTER_PORT"].isdigit()  # torchrun's environment is still complete
 
 
