@@ -619,11 +619,14 @@ class RunHandle:
                 stacks=self._failure_stacks, log_starts=self._log_starts)
             if isinstance(outcome, WorkerError):
                 _note_restarts(outcome, self.restarts, not_restarted)
-        elif all_ok and has_result(self.run_dir) and reason != "interrupt":
+        elif all_ok and reason != "interrupt" and (has_result(self.run_dir) or reason is None):
+            # Every rank exited 0 unasked: a success, with or without a value. Code that ends its
+            # process itself (``os._exit(0)`` after training, common in scripts) returned nothing.
             try:
-                value = read_result(self.run_dir)
-                values = ([value] + [read_result(self.run_dir, r) for r in range(1, self.world_size)]
-                          if self.spec.all_values else None)
+                values = [read_result(self.run_dir, r) if has_result(self.run_dir, r) else None
+                          for r in range(self.world_size if self.spec.all_values else 1)]
+                value = values[0]
+                values = values if self.spec.all_values else None
                 outcome = TrainResult(value, self.run_dir, self.metrics, seconds, self.world_size,
                                       self.spec.backend, stopped=reason is not None, all_values=values,
                                       restarts=list(self.restarts))
@@ -634,8 +637,9 @@ class RunHandle:
             # stop request and returned: the user asked the cell to stop.
             what = "interrupted" if reason == "interrupt" else "stopped"
             records = read_error_records(self.run_dir, self.world_size)
+            request = "the interrupt" if reason == "interrupt" else "the stop request"
             outcome = TrainingInterrupted.for_run(what, self.world_size, self.run_dir,
-                                                  how=how_ranks_stopped(self._ends, records),
+                                                  how=how_ranks_stopped(self._ends, records, request),
                                                   checkpoint=_newest_checkpoint(self.run_dir))
         self._outcome = outcome
         self._restart_at = None

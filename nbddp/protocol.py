@@ -398,9 +398,9 @@ def write_result(run_dir: PathLike, value: Any, rank: int = 0) -> None:
     rundir.atomic_write(rundir.result_path(run_dir, rank), data, durable=False)
 
 
-def has_result(run_dir: PathLike) -> bool:
-    """Rank 0 returned (and stored its value)."""
-    return rundir.result_path(run_dir).exists()
+def has_result(run_dir: PathLike, rank: int = 0) -> bool:
+    """The rank returned (and stored its value)."""
+    return rundir.result_path(run_dir, rank).exists()
 
 
 def read_result(run_dir: PathLike, rank: int = 0) -> Any:

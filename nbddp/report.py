@@ -109,20 +109,22 @@ def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord], b
     return min(ends) if ends else 0
 
 
-def how_ranks_stopped(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord]) -> str:
+def how_ranks_stopped(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord],
+                      request: str = "the stop request") -> str:
     """How each rank of a stopped run ended, ranks that ended alike together:
-    ``"ranks 0-1: KeyboardInterrupt at the stop request; rank 2: SIGTERM"``."""
+    ``"ranks 0-1: KeyboardInterrupt at the stop request; rank 2: SIGTERM"``. ``request`` names
+    what asked them to stop (``"the interrupt"`` for Jupyter's Interrupt or Ctrl-C)."""
     kinds: Dict[str, list] = {}
     for r in sorted(ends):
         rec, code = records.get(r), ends[r].exitcode
         if rec is not None and rec.type == "KeyboardInterrupt":
-            kind = "KeyboardInterrupt at the stop request"
+            kind = f"KeyboardInterrupt at {request}"
         elif code == 0:
-            kind = "finished after the request"
+            kind = f"finished after {request}"
         elif signal_name(code):
             kind = f"ended by {signal_name(code)}"
         else:
-            kind = f"{rec.type} after the request" if rec else f"exit code {code}"
+            kind = f"{rec.type} after {request}" if rec else f"exit code {code}"
         kinds.setdefault(kind, []).append(r)
     parts = []
     for kind, ranks in kinds.items():

@@ -127,6 +127,37 @@ def test_interrupt_sent_to_the_kernel_pid_only(shared_kernel, tmp_path):
     assert wait_for(lambda: survivors(pids) == {}, timeout=20)
 
 
+def test_interrupt_reaches_a_script_that_never_checks_should_stop(shared_kernel, tmp_path):
+    """A torchrun script knows nothing of nbddp: Jupyter's Interrupt (SIGINT to the kernel's whole
+    process group) must still end it between two statements, and the cell says how each rank ended."""
+    km, kc = shared_kernel
+    runs = tmp_path / "runs"
+    setup, _ = execute(kc, f"import sys; sys.path.insert(0, {str(ROOT)!r}); from nbddp import spawn_train")
+    assert setup["status"] == "ok"
+    msg_id = kc.execute(f"spawn_train({str(WORKERS / 'own_code' / 'endless.py')!r}, nprocs=2, argv=['120'], "
+                        f"runs_dir={str(runs)!r}, grace_s=5.0)")
+
+    def spinning():
+        logs = list(runs.glob("*/logs/rank[0-9].log"))
+        return len(logs) == 2 and all("spinning" in p.read_text() for p in logs)
+
+    assert wait_for(spinning, timeout=90), "the script did not start"
+    pids = json.loads(next(runs.glob("*/.nbddp/launch.json")).read_text())["pids"]
+    t0 = time.time()
+    km.interrupt_kernel()
+    reply = None
+    while reply is None:
+        msg = kc.get_shell_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            reply = msg["content"]
+    # Out of time.sleep at the next statement, well before the 5 s grace would send SIGTERM.
+    assert time.time() - t0 < 5
+    assert reply["status"] == "error" and reply["ename"] == "TrainingInterrupted", reply
+    assert "ranks 0-1: KeyboardInterrupt at the interrupt" in reply["evalue"], reply["evalue"]
+    assert "no checkpoint was written" in reply["evalue"]
+    assert wait_for(lambda: survivors(pids) == {}, timeout=10), survivors(pids)
+
+
 def test_interrupt_during_training_keeps_the_checkpoint_and_resume_works(shared_kernel, tmp_path):
     import sys as _sys
 

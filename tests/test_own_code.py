@@ -116,6 +116,13 @@ def test_a_second_group_at_run_time_gets_nbddp_s_message_and_argparse_s_exit_its
     assert "at before" not in str(err.value)
 
 
+def test_a_script_that_ends_its_own_process_succeeds(project, tmp_path):
+    """``os._exit(0)`` after training (scripts do it to skip a teardown that hangs) is a success."""
+    result = spawn_train("endless.py", nprocs=2, argv=["0.5"], runs_dir=tmp_path / "runs", echo=False,
+                         all_values=True)
+    assert result.value is None and result.values == [None, None] and not result.stopped
+
+
 @pytest.mark.parametrize("target, kwargs", [("endless.py:spin", {"call": "mp.spawn"}),
                                             ("endless.py", {"argv": ["120"]})])
 def test_stop_reaches_code_that_never_checks_should_stop(project, tmp_path, target, kwargs):
