@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import re
+import sys
 import sysconfig
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,22 @@ _LIBRARY_DIRS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths().get("
                                                    sysconfig.get_paths().get("platlib")) if p})
 
 
+def _cell_name(path: str) -> Optional[str]:
+    """``"Cell In[5]"`` for the code file IPython made of a cell this kernel ran, else None.
+
+    A cell's function keeps the file name IPython compiled it under (``/tmp/ipykernel_<pid>/<hash>.py``),
+    which means nothing to its user; the kernel that reports knows which cell it was, as its
+    own tracebacks show. Outside IPython nothing is imported and nothing changes."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    name_of = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    try:
+        label = name_of(path) if name_of is not None else None
+    except Exception:  # noqa: BLE001 - an IPython without this API: the plain file name
+        return None
+    return f"{label[0]} {label[1]}" if label else None
+
+
 @dataclass(frozen=True)
 class Frame:
     """One line of a stack: ``file``, ``line`` and ``function``."""
@@ -52,14 +69,17 @@ class Frame:
     function: str
 
     def short(self) -> str:
-        """```load_batch` (my_worker.py:42)``."""
-        return f"`{self.function}` ({Path(self.file).name}:{self.line})"
+        """```load_batch` (my_worker.py:42)``; a function from a notebook cell as IPython names it,
+        ```train` (Cell In[5], line 12)``."""
+        cell = _cell_name(self.file)
+        return f"`{self.function}` ({cell}, line {self.line})" if cell else \
+            f"`{self.function}` ({Path(self.file).name}:{self.line})"
 
     @property
     def in_library(self) -> bool:
         """Python's, torch's or another installed package's, or nbddp's plumbing: not the training code."""
         if self.file.startswith("<"):  # <string>, <frozen ...>: a launcher's -c code or the import system
-            return True
+            return _cell_name(self.file) is None  # terminal IPython names its cells <ipython-input-...>
         path = os.path.realpath(self.file)
         if path.startswith(_NBDDP_DIR + os.sep):
             return Path(path).name in _PLUMBING

@@ -181,9 +181,22 @@ def test_run_applies_the_form_and_charts_every_logged_key(worker, tmp_path, caps
     assert not survivors(panel.handle.pids)
 
 
+def cell_function(name: str = "train"):
+    """The toy worker as a notebook defines it: a function of ``__main__`` compiled from a cell,
+    under the file name ipykernel gives cells (a file the ranks do not have)."""
+    source = "\n".join(line for line in WORKER.splitlines() if "__file__" not in line)
+    ns = {"__name__": "__main__"}
+    exec(compile(source, "/tmp/ipykernel_4242/2716057093.py", "exec"), ns)
+    return ns[name]
+
+
 @pytest.mark.timeout(120)
-def test_stop_after_the_first_metrics_returns_a_stopped_result(worker, tmp_path):
-    panel = toy_panel(worker, tmp_path, kwargs={"steps": 100_000, "pause": 0.05})
+@pytest.mark.parametrize("where", ["file", "cell"])
+def test_stop_after_the_first_metrics_returns_a_stopped_result(worker, tmp_path, where):
+    kwargs = {"steps": 100_000, "pause": 0.05}
+    panel = (toy_panel(worker, tmp_path, kwargs=kwargs) if where == "file" else
+             TrainingPanel(cell_function(), nprocs=2, runs_dir=str(tmp_path / "runs"), kwargs=kwargs))
+    source = "toy_worker.py" if where == "file" else "2716057093.py"
     panel.train_button.click()
     handle = panel.handle
     assert handle is not None and handle.running, text_of(panel.status)
@@ -193,7 +206,7 @@ def test_stop_after_the_first_metrics_returns_a_stopped_result(worker, tmp_path)
     assert not panel.where_button.disabled
     panel.where_button.click()  # "Where are they?": every rank's stack, in the panel
     shown = text_of(panel.stacks)
-    assert "rank 0 is in `train` (toy_worker.py:" in shown and "rank 1 is in `train` (toy_worker.py:" in shown, shown
+    assert f"rank 0 is in `train` ({source}:" in shown and f"rank 1 is in `train` ({source}:" in shown, shown
     panel.stop_button.click()
     assert panel.stop_button.disabled and "Stopping" in panel.stop_button.description
     result = panel.wait(timeout=60)

@@ -1,11 +1,12 @@
 """Where is each rank: every rank's Python stack on a hang, a collective timeout, and on demand."""
 
 import re
+import types
 
 import pytest
 
 from nbddp import WorkerError, spawn_train
-from nbddp.stacks import from_traceback, parse
+from nbddp.stacks import Frame, from_traceback, parse
 from conftest import WORKERS, survivors, wait_for
 
 STUCK = WORKERS / "stuck.py"
@@ -63,6 +64,24 @@ def test_a_traceback_reads_as_a_stack():
     assert [f.function for f in stack.main] == ["all_reduce", "train", "run_rank"]
     assert stack.where() == "rank 3 is in `train` (train.py:33), waiting in `all_reduce`"
     assert from_traceback(0, "no traceback here").where() == "rank 0 did not answer"
+
+
+def test_a_function_from_a_cell_is_placed_in_its_cell_as_ipython_names_it(monkeypatch):
+    """A cell's code file is ``/tmp/ipykernel_<pid>/<hash>.py``: the kernel says which cell it was,
+    through the compiler IPython runs cells with (the shell itself is left out: it keeps history)."""
+    IPython = pytest.importorskip("IPython")
+    from IPython.core.compilerop import CachingCompiler
+
+    compiler = CachingCompiler()
+    cell = "def train(ctx):\n    return ctx\n"
+    path = compiler.cache(cell, number=5)
+    ns = {}
+    exec(compile(cell, path, "exec"), ns)
+    frame = Frame(ns["train"].__code__.co_filename, 2, "train")
+    assert frame.short() == f"`train` ({path.rsplit('/', 1)[-1]}:2)"  # outside a kernel: the file
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(compile=compiler))
+    assert frame.short() == "`train` (Cell In[5], line 2)" and not frame.in_library
+    assert Frame(__file__, 7, "f").short() == "`f` (test_stacks.py:7)"  # a file stays a file
 
 
 def test_stacks_on_demand_from_a_background_run(tmp_path, runs_dir):
