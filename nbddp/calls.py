@@ -19,13 +19,15 @@ Worker side.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict, Iterator, Sequence
 
 from . import targets
+from .errors import ConfigError
 
 #: The conventions ``spawn_train(..., call=)`` accepts for a function.
 CTX, MP_SPAWN, TORCHRUN = "ctx", "mp.spawn", "torchrun"
@@ -80,6 +82,43 @@ def run_script(spec: str, argv: Sequence[str]) -> None:
         sys.path.insert(0, folder)  # python train.py puts the script's folder first
     targets.from_source_in_user_folders(folder)  # the modules it imports, as on disk now
     runpy.run_path(spec, run_name="__main__")
+
+
+def _short_repr(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def refuse_nested_spawn() -> Iterator[None]:
+    """While the user's code runs in a rank, ``torch.multiprocessing.spawn``/``start_processes`` raise.
+
+    nbddp's ranks are the processes: code that spawns its own (``if args.multiprocessing_distributed:
+    mp.spawn(main_worker, ...)``) would start a set per rank and fight over its port. The error
+    names the function it spawns and the launch that runs it as intended. Calls every run makes
+    are refused in the kernel already (:func:`nbddp.conventions.check_script`)."""
+    import torch.multiprocessing as tmp
+
+    def refusal(spawner: str) -> Callable[..., None]:
+        def refuse(fn: Any, args: tuple = (), nprocs: int = 1, *rest: Any, **kwargs: Any) -> None:
+            code = getattr(fn, "__code__", None)
+            name = getattr(fn, "__name__", "fn")
+            where = os.path.relpath(code.co_filename) if code is not None else "<file>.py"
+            where = code.co_filename if code is not None and where.startswith("..") else where
+            shown = ", ".join(_short_repr(a) for a in (args or ()))
+            raise ConfigError(
+                f"the code called torch.multiprocessing.{spawner} on `{name}` inside an nbddp rank, but nbddp's "
+                f"ranks are already the processes: each rank would start {nprocs} more. Launch the function it "
+                f"spawns instead: spawn_train({where + ':' + name!r}{', ' + shown if shown else ''}, nprocs={nprocs}, "
+                "call='mp.spawn') (or drop the spawn when it runs under nbddp)")
+        return refuse
+
+    saved = tmp.spawn, tmp.start_processes
+    tmp.spawn, tmp.start_processes = refusal("spawn"), refusal("start_processes")
+    try:
+        yield
+    finally:
+        tmp.spawn, tmp.start_processes = saved
 
 
 def call_function(fn: Callable[..., Any], call: str, ctx: Any, args: tuple, kwargs: dict) -> Any:

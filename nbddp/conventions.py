@@ -16,7 +16,7 @@ import ast
 import inspect
 import textwrap
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from .calls import CTX, MP_SPAWN, TORCHRUN
 from .errors import ConfigError
@@ -96,6 +96,108 @@ def calls_init_process_group(node: ast.AST, source_file: Optional[str] = None) -
                 if name in defs:
                     todo.append(defs[name])
     return False
+
+
+#: What starts processes of its own: a script calling it under nbddp would run world_size
+#: processes in every rank.
+SPAWNERS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
+
+
+def check_script(path: str, tree: ast.Module) -> None:
+    """Refuse a script that starts its own processes whenever it runs as ``__main__``.
+
+    ``python multigpu.py`` that ends in ``mp.spawn(main, args=(...), nprocs=world_size)`` would, run
+    as a script in each of nbddp's ranks, start ``world_size`` more processes per rank (and bind
+    its hard-coded port twice). Only calls every run reaches are refused here, in the main block
+    or in a function of the file it calls; a call behind a condition (``if args.spawn:``) is
+    refused when a rank reaches it (:func:`nbddp.calls.refuse_nested_spawn`).
+
+    Raises:
+        ConfigError: naming the line, and the launch of the function it spawns.
+    """
+    found = _spawn_in_main(tree)
+    if found is None:
+        return
+    line, spawner, fn, passed = found
+    name = Path(path).name
+    target = f"{path}:{fn}" if fn else f"{path}:<the function it spawns>"
+    raise ConfigError(
+        f"{name} starts its own processes: line {line} calls {spawner}"
+        f"{f' on `{fn}`' if fn else ''}, and nbddp already starts one process per rank, so each rank would "
+        f"start its own set. Launch the function it spawns instead, with the arguments it passes after the "
+        f"rank{f' (args={passed})' if passed else ''}: spawn_train({target!r}, *args, nprocs=..., call='mp.spawn') "
+        f"(called as {fn or 'fn'}(rank, *args), its process group its own, as under mp.spawn)")
+
+
+def _spawn_in_main(tree: ast.Module) -> Optional[tuple]:
+    """``(line, what it calls, spawned function's name or None, its args= as written or None)`` of a
+    spawn call every ``__main__`` run reaches."""
+    aliases = _import_aliases(tree)
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    main = [st for st in tree.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    for st in list(main):
+        if isinstance(st, ast.If) and _is_main_test(st.test):
+            main.extend(st.body)
+    # (statement, depth, the names its function's parameters were given: run_demo(demo_basic, 2))
+    todo, seen = [(st, 0, {}) for st in main], set()
+    while todo:
+        st, depth, bound = todo.pop(0)
+        for call in _unconditional_calls(st):
+            name = _dotted(call.func, aliases)
+            if name in SPAWNERS:
+                first = call.args[0] if call.args else None
+                fn = bound.get(first.id, first.id) if isinstance(first, ast.Name) else None
+                passed = next((ast.unparse(k.value) for k in call.keywords if k.arg == "args"), None)
+                return call.lineno, name, fn if fn in defs else None, passed
+            local = call.func.id if isinstance(call.func, ast.Name) else None
+            if local in defs and depth < 2 and local not in seen:
+                seen.add(local)
+                params = [a.arg for a in defs[local].args.posonlyargs + defs[local].args.args]
+                given = {p: a.id for p, a in zip(params, call.args) if isinstance(a, ast.Name)}
+                todo.extend((sub, depth + 1, given) for sub in defs[local].body)
+    return None
+
+
+def _unconditional_calls(st: ast.stmt) -> List[ast.Call]:
+    """The calls a statement always makes: its own expression, and those in ``with``/``try`` bodies."""
+    if isinstance(st, (ast.Expr, ast.Assign, ast.AnnAssign, ast.Return)) and isinstance(st.value, ast.Call):
+        return [st.value]
+    if isinstance(st, (ast.With, ast.AsyncWith, ast.Try)):
+        return [c for sub in st.body for c in _unconditional_calls(sub)]
+    return []
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and \
+        any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides)
+
+
+def _import_aliases(tree: ast.Module) -> Dict[str, str]:
+    """Local name -> what it imports: ``{"mp": "torch.multiprocessing", "spawn": "torch.multiprocessing.spawn"}``."""
+    aliases: Dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    return aliases
+
+
+def _dotted(func: ast.expr, aliases: Dict[str, str]) -> Optional[str]:
+    """The full dotted name a call's function refers to, through the file's imports."""
+    parts = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name):
+        return None
+    return ".".join([aliases.get(func.id, func.id), *reversed(parts)])
 
 
 def _function(target: Union[str, Callable[..., Any]]):

@@ -442,6 +442,12 @@ def _interrupt_on_stop(ctx: Context, beat: HeartbeatThread) -> None:
 def _call_user_code(ctx: Context, target: Union[str, Callable[..., Any]], args: tuple, kwargs: dict, call: str,
                     argv: tuple, payload: Optional[bytes]) -> Any:
     """Run the user's code as it was written: a script as ``__main__``, a function by its convention."""
+    with calls.refuse_nested_spawn():  # the ranks are the processes: an mp.spawn inside would double them
+        return _call_as_written(ctx, target, args, kwargs, call, argv, payload)
+
+
+def _call_as_written(ctx: Context, target: Union[str, Callable[..., Any]], args: tuple, kwargs: dict, call: str,
+                     argv: tuple, payload: Optional[bytes]) -> Any:
     if isinstance(target, str) and calls.is_script(target):
         try:
             calls.run_script(target, argv)

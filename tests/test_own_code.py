@@ -116,6 +116,62 @@ def test_a_second_group_at_run_time_gets_nbddp_s_message_and_argparse_s_exit_its
     assert "at before" not in str(err.value)
 
 
+def test_code_that_spawns_its_own_processes_is_refused_with_the_launch_that_fits(project, tmp_path):
+    runs = tmp_path / "runs"
+    # Every run of multigpu.py reaches its mp.spawn: refused in the kernel, before any process.
+    line = next(i for i, text in enumerate((project / "multigpu.py").read_text().splitlines(), 1) if "mp.spawn(" in text
+                and not text.lstrip().startswith(("``", '"')))
+    with pytest.raises(ConfigError) as err:
+        spawn_train("multigpu.py", nprocs=2, argv=["2"], runs_dir=runs)
+    msg = str(err.value)
+    assert f"multigpu.py starts its own processes: line {line} calls torch.multiprocessing.spawn on `main`" in msg, msg
+    assert "(args=(world_size, 5, 32)): spawn_train('multigpu.py:main', *args, nprocs=..., call='mp.spawn')" in msg, msg
+    assert not runs.exists()
+    # Behind a flag it cannot be read from the source: a rank that reaches it gets the same fix.
+    with pytest.raises(WorkerError) as err:
+        spawn_train("imagenet_style.py", nprocs=2, argv=["--multiprocessing-distributed"], runs_dir=runs, echo=False)
+    msg = str(err.value)
+    assert "ConfigError: the code called torch.multiprocessing.spawn on `main_worker` inside an nbddp rank" in msg, msg
+    assert "spawn_train('imagenet_style.py:main_worker', 2, Namespace(multiprocessing_distributed=True), nprocs=2, " \
+           "call='mp.spawn')" in msg, msg
+    # Without the flag it is one rank of a torchrun job, and runs unchanged.
+    result = spawn_train("imagenet_style.py", nprocs=2, runs_dir=runs, echo=False)
+    assert "rank 1 of 2, local rank 1" in (result.run_dir / "logs" / "rank1.log").read_text()
+
+
+TUTORIAL = """
+import torch.multiprocessing as mp
+def demo_basic(rank, world_size): ...
+def run_demo(demo_fn, world_size):
+    mp.spawn(demo_fn, args=(world_size,), nprocs=world_size, join=True)
+if __name__ == "__main__":
+    run_demo(demo_basic, 2)
+"""
+
+
+@pytest.mark.parametrize("source, refused", [
+    (TUTORIAL, "line 5 calls torch.multiprocessing.spawn on `demo_basic`"),  # through run_demo's parameter
+    ("from torch.multiprocessing import start_processes as sp\ndef f(r): ...\nwith open('x'):\n    sp(f)\n",
+     "line 4 calls torch.multiprocessing.start_processes on `f`"),
+    ("import torch\ndef f(r): ...\nif __name__ == '__main__':\n    torch.multiprocessing.spawn(f, nprocs=2)\n",
+     "line 4 calls torch.multiprocessing.spawn on `f`"),
+    ("import torch.multiprocessing as mp\ndef f(r): ...\nif __name__ == '__main__' and FLAG:\n    mp.spawn(f)\n", None),
+    ("import torch.multiprocessing as mp\ndef f(r): ...\ndef main():\n    if FLAG:\n        mp.spawn(f)\nmain()\n", None),
+    ("import multiprocessing as mp\ndef f(): ...\nmp.Process(target=f).start()\n", None),  # not torch's spawn
+])
+def test_a_spawn_every_run_reaches_is_read_from_the_source(source, refused):
+    import ast
+
+    from nbddp.conventions import check_script
+
+    if refused is None:
+        check_script("s.py", ast.parse(source))
+        return
+    with pytest.raises(ConfigError) as err:
+        check_script("s.py", ast.parse(source))
+    assert refused in str(err.value), str(err.value)
+
+
 def test_a_script_that_ends_its_own_process_succeeds(project, tmp_path):
     """``os._exit(0)`` after training (scripts do it to skip a teardown that hangs) is a success."""
     result = spawn_train("endless.py", nprocs=2, argv=["0.5"], runs_dir=tmp_path / "runs", echo=False,

@@ -166,6 +166,8 @@ def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:
     import ast
     import importlib.machinery
 
+    from ..conventions import check_script
+
     if target == "-m" or target.startswith(calls.MODULE_PREFIX):
         module = target[len(calls.MODULE_PREFIX):].strip() if target != "-m" else (args[0] if args else "")
         args = args if target != "-m" else args[1:]
@@ -185,9 +187,10 @@ def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:
         raise ConfigError(f"script {target} does not exist (relative paths start at the kernel's working directory "
                           f"{os.getcwd()}); write it first, e.g. with %%writefile {Path(target).name}")
     try:
-        ast.parse(path.read_text(), filename=str(path))
+        tree = ast.parse(path.read_text(), filename=str(path))
     except SyntaxError as exc:
         raise ConfigError(f"script {target} has a syntax error at line {exc.lineno}: {exc.msg}") from None
+    check_script(target, tree)  # an mp.spawn script would start its own processes in every rank
     return target, args
 
 
