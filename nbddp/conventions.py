@@ -103,8 +103,9 @@ def calls_init_process_group(node: ast.AST, source_file: Optional[str] = None) -
 SPAWNERS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
 
 
-def check_script(path: str, tree: ast.Module) -> None:
-    """Refuse a script that starts its own processes whenever it runs as ``__main__``.
+def check_script(path: str, tree: ast.Module, launch: Optional[str] = None) -> None:
+    """Refuse a script (or the module ``python -m launch`` runs) that starts its own processes
+    whenever it runs as ``__main__``.
 
     ``python multigpu.py`` that ends in ``mp.spawn(main, args=(...), nprocs=world_size)`` would, run
     as a script in each of nbddp's ranks, start ``world_size`` more processes per rank (and bind
@@ -119,8 +120,9 @@ def check_script(path: str, tree: ast.Module) -> None:
     if found is None:
         return
     line, spawner, fn, passed = found
-    name = Path(path).name
-    target = f"{path}:{fn}" if fn else f"{path}:<the function it spawns>"
+    name = f"python -m {launch} ({Path(path).name})" if launch else Path(path).name
+    where = launch or path  # a module's function launches as 'pkg.train:main_worker'
+    target = f"{where}:{fn}" if fn else f"{where}:<the function it spawns>"
     raise ConfigError(
         f"{name} starts its own processes: line {line} calls {spawner}"
         f"{f' on `{fn}`' if fn else ''}, and nbddp already starts one process per rank, so each rank would "

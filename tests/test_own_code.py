@@ -139,6 +139,31 @@ def test_code_that_spawns_its_own_processes_is_refused_with_the_launch_that_fits
     assert "rank 1 of 2, local rank 1" in (result.run_dir / "logs" / "rank1.log").read_text()
 
 
+def test_a_module_that_spawns_its_own_processes_is_refused_as_a_script_is(project, tmp_path):
+    """``python -m`` targets are read from their source too, found without importing the package."""
+    runs = tmp_path / "runs"
+    source = (project / "multigpu.py").read_text()
+    (project / "pkg" / "multigpu.py").write_text(source)
+    app = project / "app"
+    app.mkdir()
+    (app / "__init__.py").write_text("raise RuntimeError('the kernel ran the package')\n")
+    (app / "__main__.py").write_text(source)
+    line = next(i for i, text in enumerate(source.splitlines(), 1) if text.startswith("    mp.spawn("))
+    for argv, shown, launch in ((["pkg.multigpu"], "python -m pkg.multigpu (multigpu.py)", "pkg.multigpu:main"),
+                                (["app"], "python -m app (__main__.py)", "app:main")):
+        with pytest.raises(ConfigError) as err:
+            spawn_train("-m", *argv, nprocs=2, argv=["2"], runs_dir=runs)
+        msg = str(err.value)
+        assert f"{shown} starts its own processes: line {line} calls torch.multiprocessing.spawn on `main`" in msg, msg
+        assert f"spawn_train({launch!r}, *args, nprocs=..., call='mp.spawn')" in msg, msg
+    assert not runs.exists()
+    # A module that does not spawn passes the same reading (and pkg/__init__.py is not run for it).
+    from nbddp.tasks import _module_source
+
+    assert _module_source("pkg.train") == project / "pkg" / "train.py"
+    assert _module_source("app") == app / "__main__.py" and _module_source("app.nothing") is None
+
+
 TUTORIAL = """
 import torch.multiprocessing as mp
 def demo_basic(rank, world_size): ...

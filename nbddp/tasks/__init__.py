@@ -17,6 +17,7 @@ config type               task module                                     worker
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -181,6 +182,10 @@ def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:
         if not found:
             raise ConfigError(f"no module {module!r} can be imported from {os.getcwd()} (python -m {module} would "
                               "fail the same way); check the name and the working directory")
+        source = _module_source(module)
+        if source is not None:  # one that spawns its own processes is refused as a script is
+            with contextlib.suppress(SyntaxError, OSError, UnicodeDecodeError):  # python -m will say it
+                check_script(str(source), ast.parse(source.read_bytes(), filename=str(source)), launch=module)
         return calls.MODULE_PREFIX + module, args
     path = Path(target).expanduser()
     if not path.is_file():
@@ -192,6 +197,26 @@ def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:
         raise ConfigError(f"script {target} has a syntax error at line {exc.lineno}: {exc.msg}") from None
     check_script(target, tree)  # an mp.spawn script would start its own processes in every rank
     return target, args
+
+
+def _module_source(module: str) -> Optional[Path]:
+    """The file ``python -m module`` would run (a package's ``__main__.py``), found without importing
+    anything: not even a package's ``__init__`` runs in the kernel. None when it is not a plain
+    source file (a namespace package, a compiled or zipped module)."""
+    import importlib.machinery
+
+    parts, locations, spec = module.split("."), [os.getcwd(), *sys.path], None
+    for i, part in enumerate(parts):
+        spec = importlib.machinery.PathFinder.find_spec(part, locations)
+        if spec is None:
+            return None
+        locations = list(spec.submodule_search_locations or [])
+        if not locations and i < len(parts) - 1:  # a module where python -m wants a package
+            return None
+    if locations:  # a package: python -m runs its __main__
+        spec = importlib.machinery.PathFinder.find_spec("__main__", locations)
+    origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and origin.endswith(".py") and os.path.isfile(origin) else None
 
 
 def _argv(argv: Optional[Sequence[Any]]) -> Tuple[str, ...]:
