@@ -37,6 +37,7 @@ kernel      ``rendezvous``       where the ranks meet: a private FileStore, or a
 kernel      ``forkserver``       the warm server workers fork from; pre-warmed in a kernel
 kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
 kernel      ``shutdown``         the staged stop: ask, SIGTERM, SIGKILL, as a small state machine
+kernel      ``stall``            from heartbeats: a hung rank (stop the run), a run where none moves (say where)
 kernel      ``restarts``         which failures a run heals by restarting (the rule), and each restart's record
 kernel      ``stacks``           where each rank is: every rank's Python stack, on demand and on a hang
 kernel      ``output``           rank 0's output in the cell as a terminal shows it (``\\r`` bars, long lines)
@@ -67,7 +68,7 @@ entry       ``cli``              ``python -m nbddp``: a shell's launcher, or one
 SIDES = {
     "config": "shared", "errors": "shared", "rundir": "shared", "paths": "shared", "system": "shared",
     "targets": "shared", "protocol": "shared", "cells": "shared", "fieldspec": "shared", "cluster": "shared", "gpus": "shared", "leases": "shared", "tasks": "shared", "checkpoint": "shared",
-    "launch": "kernel", "rendezvous": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel", "shutdown": "kernel", "restarts": "kernel", "stacks": "kernel", "output": "kernel",
+    "launch": "kernel", "rendezvous": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel", "shutdown": "kernel", "stall": "kernel", "restarts": "kernel", "stacks": "kernel", "output": "kernel",
     "export": "kernel", "inference": "kernel", "ui": "kernel", "ui.panel": "kernel",
     "ui.charts": "kernel", "ui.tensorboard": "kernel", "ui.devices": "kernel", "ui.form": "kernel",
     "ui.layout": "kernel", "ui.run_view": "kernel", "ui.worker_form": "kernel",

@@ -24,11 +24,12 @@ from .errors import NbddpError, RunAbandoned, TrainingInterrupted, WorkerError
 from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
 from . import rundir
-from .protocol import (LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_checkpoint_note,
+from .protocol import (Heartbeat, LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_checkpoint_note,
                        read_error_records, read_heartbeats, read_progress, read_result, write_stop_request)
 from .restarts import Restart, RestartPolicy
 from .stacks import Stacks, collect as collect_stacks
 from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
+from .stall import QuietWatch, find_lagging_rank, where_all_are
 from .forkserver import server_death, server_pid
 from .procs import end_leftovers, orphaned_group
 from .system import kill_group_or_process, start_time
@@ -205,6 +206,7 @@ class RunHandle:
         self.restarts: List[Restart] = []  # made so far (a restart is a new launch in the same folder)
         self._restart_at: Optional[float] = None  # a restart waits for its back-off until then
         self._launched_at = self.started_at  # this launch's start (the run's first, or its last restart)
+        self._quiet = QuietWatch(stall_timeout_s or 0.0, self._launched_at)
         self._failure_stacks: Optional[Stacks] = None  # where the live ranks were when a failure stopped them
         self.pids = [p.pid for p in procs.processes]
         self.metrics: List[dict] = []
@@ -248,10 +250,9 @@ class RunHandle:
         """``{rank: pid}`` of the running ranks that can answer for their stack: those that have
         beaten in this launch (a rank registers its stack signal before its first heartbeat; before
         that, the signal's default action would end it)."""
-        beats = read_heartbeats(self.run_dir, self.world_size)
+        beats = self._beats()
         return {r: p.pid for r, p in enumerate(self._procs.processes)
-                if r not in self._ends and p.exitcode is None and r in beats
-                and (beats[r].beat_time or 0.0) >= self._launched_at}
+                if r not in self._ends and p.exitcode is None and r in beats}
 
     def _stacks_before_stopping(self) -> None:
         """A failure or a hang is about to stop the run: keep where every live rank is, for the error."""
@@ -266,7 +267,8 @@ class RunHandle:
     def subscribe(self, callback: Callable[[str, Any], None]) -> None:
         """Call ``callback(kind, payload)`` for ``"line"``, ``"update"`` (rank 0 rewrote its current line
         with ``\r``: a progress bar), ``"metrics"``, ``"progress"``, ``"restart"`` (a
-        :class:`nbddp.restarts.Restart`, before its back-off) and ``"end"``."""
+        :class:`nbddp.restarts.Restart`, before its back-off), ``"notice"`` (a line: no rank has made
+        progress for long, and where each one is; see :mod:`nbddp.stall`) and ``"end"``."""
         self._listeners.append(callback)
 
     def stop(self, wait: bool = True, timeout: Optional[float] = None) -> None:
@@ -431,34 +433,44 @@ class RunHandle:
                 self._begin_shutdown("failure")
             if self._shutdown is None and self.stall_timeout_s and now - self._stall_checked >= 1.0:
                 self._stall_checked = now
-                if self._find_stalled_rank(now) is not None:
-                    self._stacks_before_stopping()
-                    self._begin_shutdown("failure")
+                self._check_progress(now)
             if self._shutdown is not None:
                 self._shutdown.advance(now)
             if len(self._ends) == self.world_size:
                 self._reap_all()
                 self._restart_or_finish()
 
-    def _find_stalled_rank(self, now: float) -> Optional[int]:
-        """A rank behind the others whose progress stopped ``stall_timeout_s`` ago (a hang).
+    def _beats(self) -> Dict[int, Heartbeat]:
+        """This launch's heartbeats: a resumed or restarted run's folder still holds the earlier ones."""
+        return {r: b for r, b in read_heartbeats(self.run_dir, self.world_size).items()
+                if (b.beat_time or 0.0) >= self._launched_at}
 
-        Only a rank that lags can be hung: the ones ahead of it are waiting for it in a
-        collective. Ranks all at the same point (a long evaluation, a checkpoint) never trip it.
-        """
+    def _check_progress(self, now: float) -> None:
+        """Stop a run with a hung rank (one that lags); explain, once, a run in which no rank moves."""
         if read_error_records(self.run_dir, self.world_size):
-            return None
-        beats = {r: b for r, b in read_heartbeats(self.run_dir, self.world_size).items()
-                 if (b.beat_time or 0.0) >= self._launched_at}  # this launch's, not an earlier one's
+            return  # a failure is on its way: the error tells it
+        beats = self._beats()
         if len(beats) < self.world_size or any(b.state != "running" for b in beats.values()):
-            return None
+            return
+        if find_lagging_rank(beats, now, self.stall_timeout_s) is not None:
+            self._stacks_before_stopping()
+            self._begin_shutdown("failure")
+            return
+        quiet = self._quiet.quiet_for(beats, now)
+        if quiet is not None:
+            self._tell_quiet(beats, quiet)
 
-        lead = max(b.position for b in beats.values())
-        for rank, b in sorted(beats.items()):
-            progressed = b.progress_time if b.progress_time is not None else now
-            if b.position < lead and now - progressed > self.stall_timeout_s:
-                return rank
-        return None
+    def _tell_quiet(self, beats: Dict[int, Heartbeat], quiet: float) -> None:
+        """No rank has made progress, and none lags: say where every rank is; the run goes on."""
+        pids = self._answering_ranks()
+        where = collect_stacks(self.run_dir, pids, timeout=2.0).summary() if pids else ""
+        line = (f"nbddp: no rank has made progress for {quiet:.0f} s{where_all_are(beats)}, and none is behind the "
+                f"others: {where or 'their stacks did not come (handle.stacks() asks again)'}. The run goes on; "
+                "Stop (or handle.stop()) ends it.")
+        if self.echo:
+            self._echo.close()
+            print(line, file=sys.stderr, flush=True)
+        self._emit("notice", line)
 
     def _read_streams(self, final: bool = False) -> None:
         for kind, text in (self._log_tail.rest() if final else self._log_tail.read()):
@@ -490,9 +502,7 @@ class RunHandle:
 
     def _finishing(self, now: float, since: float) -> bool:
         """True while the workers may still be finishing after the stop request (see :func:`ranks_finishing`)."""
-        # A resumed run's folder may still hold the previous launch's records: not this run's.
-        beats = {r: b for r, b in read_heartbeats(self.run_dir, self.world_size).items()
-                 if (b.beat_time or 0.0) >= self._launched_at}
+        beats = self._beats()
         running = [r for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None]
         return ranks_finishing(now, since, self.grace_s, beats, running)
 
@@ -500,8 +510,7 @@ class RunHandle:
         """True while a running rank writes a checkpoint in the background and its heartbeat is fresh."""
         running = {r for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None}
         return any(b.writing and r in running and now - (b.beat_time or 0.0) < self.grace_s + 2.0
-                   for r, b in read_heartbeats(self.run_dir, self.world_size).items()
-                   if (b.beat_time or 0.0) >= self._launched_at)
+                   for r, b in self._beats().items())
 
     def _kill_all(self, sig: int) -> None:
         if self._restart_at is not None:  # between two launches: every process was reaped
@@ -583,6 +592,7 @@ class RunHandle:
         self.pids = [p.pid for p in procs.processes]
         self._ends, self._shutdown, self._stall_checked, self._failure_stacks = {}, None, 0.0, None
         self._launched_at = time.time()
+        self._quiet = QuietWatch(self.stall_timeout_s or 0.0, self._launched_at)
         self._server = server_pid() if spec.parent_pid is None else None
         self._restart_at = None
         rundir.update_launch_record(

@@ -153,6 +153,9 @@ def spawn_train(
             declared hung and the run is stopped, naming it (default: ``timeout_s`` on CPU,
             ``0.75 * timeout_s`` on GPUs, before NCCL's watchdog aborts the waiting ranks).
             Progress is what the worker reports through ``ctx.heartbeat``/``ctx.log``/``ctx.progress``.
+            When no rank makes progress and none lags (every rank stuck at the same point, e.g. in a
+            data loader), the run goes on, but once that lasts ``stall_timeout_s`` and three times
+            the longest gap seen so far, the cell says where every rank is (:mod:`nbddp.stall`).
         echo: print rank 0's output live, prefixed with ``[rank0]``.
         on_event: called as ``on_event(kind, payload)`` for every ``"line"``, ``"metrics"``,
             ``"progress"`` and ``"end"`` event (see :meth:`RunHandle.subscribe`).

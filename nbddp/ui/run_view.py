@@ -185,6 +185,9 @@ class RunView:
             self._on_metrics()
         elif kind == "restart":
             self._on_restart(payload)
+        elif kind == "notice":  # no rank has made progress for long: where they are
+            self._on_line(payload)
+            self._status("warn", f"<b>No progress</b>: {html.escape(payload)}")
         elif kind == "end":
             self._on_end(payload)
 

@@ -32,3 +32,16 @@ def one_rank_stuck_quietly(ctx, go: str = "/nonexistent"):
     t = torch.ones(1, device=ctx.device)
     dist.all_reduce(t)
     return float(t)
+
+
+def every_rank_stuck(ctx, go: str = "/nonexistent"):
+    """A few quick steps, then every rank waits in ``load_batch`` (a data loader on a dead file
+    system): none lags, no collective times out. Creating ``go`` lets them go on and finish."""
+    for step in range(5):
+        ctx.heartbeat(epoch=0, step=step)
+        time.sleep(0.02)
+    load_batch(go)
+    ctx.heartbeat(epoch=0, step=5)
+    t = torch.ones(1, device=ctx.device)
+    dist.all_reduce(t)
+    return float(t)

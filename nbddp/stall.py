@@ -1,0 +1,87 @@
+"""What the ranks' heartbeats say about a run that stopped moving.
+
+Two rules read the heartbeats of one launch (every rank running, none with an error):
+
+- **a lagging rank is hung** (:func:`find_lagging_rank`): the ranks ahead of it wait for it in a
+  collective, so once its progress is ``stall_timeout_s`` old the run is stopped, naming it;
+- **a quiet run is explained** (:class:`QuietWatch`): every rank stopped at the same point, so
+  none lags and no collective times out (a data loader whose workers hang on a dead network
+  file system, a lock every rank waits on). Nothing would ever end or explain such a run. Once no
+  rank has made progress for ``stall_timeout_s``, and for three times the longest gap the run
+  has shown so far, the kernel takes every rank's stack and says once where they are. It does
+  not end the run: code that reports progress once per long evaluation or epoch can look the
+  same, and its user is the one who knows (Stop ends it).
+
+Kernel side.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from .protocol import Heartbeat
+
+#: How many times the longest gap between two reports of progress a quiet spell must last to be told.
+QUIET_FACTOR = 3.0
+
+
+def find_lagging_rank(beats: Dict[int, Heartbeat], now: float, stall_timeout_s: float) -> Optional[int]:
+    """A rank behind the others whose progress stopped ``stall_timeout_s`` ago (a hang).
+
+    Only a rank that lags can be hung: the ones ahead of it are waiting for it in a
+    collective. Ranks all at the same point (a long evaluation, a checkpoint) never trip it.
+    """
+    lead = max(b.position for b in beats.values())
+    for rank, b in sorted(beats.items()):
+        progressed = b.progress_time if b.progress_time is not None else now
+        if b.position < lead and now - progressed > stall_timeout_s:
+            return rank
+    return None
+
+
+class QuietWatch:
+    """Notices, once per quiet spell, that no rank of a launch has made progress for long.
+
+    Example:
+        >>> watch = QuietWatch(stall_timeout_s=120, launched_at=t0)
+        >>> watch.quiet_for(beats, now)      # None, or the seconds since the last progress (once)
+    """
+
+    def __init__(self, stall_timeout_s: float, launched_at: float):
+        self.stall_timeout_s = stall_timeout_s
+        self._since = launched_at  # the newest progress seen (the launch, before any)
+        self._longest = 0.0  # the longest gap between two reports seen in this launch
+        self._told = False
+
+    def quiet_for(self, beats: Dict[int, Heartbeat], now: float) -> Optional[float]:
+        """How long no rank has made progress, the first time that is long enough to tell; else None.
+
+        Only ranks that report progress can be judged: None until every rank has reported once."""
+        if not beats or any(b.progress_time is None for b in beats.values()):
+            return None
+        newest = max(b.progress_time for b in beats.values())
+        if newest > self._since:  # progress: a new spell, and the run's rhythm learned
+            self._longest = max(self._longest, newest - self._since)
+            self._since, self._told = newest, False
+        quiet = now - self._since
+        if self._told or quiet < max(self.stall_timeout_s, QUIET_FACTOR * self._longest):
+            return None
+        self._told = True
+        return quiet
+
+    @property
+    def longest_gap_s(self) -> float:
+        """The longest time between two reports of progress seen so far (the launch to the first, included)."""
+        return self._longest
+
+
+def where_all_are(beats: Dict[int, Heartbeat]) -> str:
+    """``" (all at epoch 0, step 5)"`` when every rank reported the same place, else ``""``."""
+    places = {(b.epoch, b.phase, b.step) for b in beats.values()}
+    if len(places) != 1:
+        return ""
+    epoch, phase, step = places.pop()
+    parts = [f"epoch {epoch}" if epoch is not None else "", f"step {step}" if step is not None else "",
+             phase if phase not in (None, "train") else ""]
+    text = ", ".join(p for p in parts if p)
+    return f" (all at {text})" if text else ""
