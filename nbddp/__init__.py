@@ -6,76 +6,106 @@ preloaded, or spawn; never a fork of the kernel), one process per GPU (nccl) or 
 (gloo); the notebook gets live progress, one clear error when a rank fails, and no process left
 behind when a cell is interrupted.
 
-The package has two sides and the shared modules between them. The kernel side runs in the
-notebook (or a script) and never initialises CUDA; the worker side runs in each rank. A rank
-loads no kernel-side module: not when it imports the worker side, not when it starts (spawned,
-forked from the warm server, or under torchrun/srun), and ``import nbddp`` itself loads nothing
-until a name is used. :data:`SIDES` is the table below as data; ``tests/test_sides.py`` holds
-every rank to it. ``cli`` is the command line of both: a shell's launcher, or a rank under
-torchrun/srun (then it takes the worker side only).
+The package has two sides and the contract between them, one folder each. The kernel side
+(``kernel/``, ``ui/``) runs in the notebook (or a script) and never initialises CUDA; the rank
+side (``rank/``) runs in each rank; the contract (``contract/``) is what both read and write;
+a built-in task (``tasks/<name>/``) is its plan, its worker and the model and image code both
+use. A rank loads no kernel-side module: not when it imports the rank side, not when it starts
+(spawned, forked from the warm server, or under torchrun/srun), and ``import nbddp`` itself
+loads nothing until a name is used. :data:`SIDES` is the table below as data;
+``tests/test_sides.py`` holds every rank to it and every folder to one side. ``cli`` is the
+command line of both: a shell's launcher, or a rank under torchrun/srun (then it takes the rank
+side only). ``docs/architecture.md`` draws the map and one launch's path through it.
 
-==========  ===================  ==============================================================
-side        module               what it does
-==========  ===================  ==============================================================
-shared      ``config``           ``TrainConfig``: the built-in worker's settings, validated
-shared      ``fieldspec``        what each ``TrainConfig`` field is: help, flag, check, widget
-shared      ``cluster``          torchrun and sbatch commands, as text (``cfg.torchrun_command``)
-shared      ``errors``           the exceptions users see
-shared      ``rundir``           the run folder: every file name, the atomic writer, records
-shared      ``protocol``         ``LaunchSpec`` and every record between kernel and ranks, typed
-shared      ``paths``            what a path is (FIFO, /proc) before anything reads it
-shared      ``system``           process identity (pid + start time), CPU cores, signalling
-shared      ``targets``          ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (kernel), loaded (rank)
-shared      ``cells``            functions from notebook cells: checked and pickled by value (kernel), loaded (rank)
-shared      ``conventions``      a worker's convention and arguments, read from its signature and source
-shared      ``gpus``             GPUs from NVML or nvidia-smi, never through CUDA
-shared      ``leases``           advisory per-GPU leases between kernels (taken by launch, shown by gpus)
-shared      ``tasks``            every launch's plan (``LaunchPlan``): target, world, name, resume
-shared      ``checkpoint``       atomic save, weights-only load, export files
-kernel      ``launch``           ``spawn_train``: plan, run folder, store, environment, start
-kernel      ``rendezvous``       where the ranks meet: a private FileStore, or a TCP store for env://
-kernel      ``forkserver``       the warm server workers fork from; pre-warmed in a kernel
-kernel      ``handle``           ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
-kernel      ``shutdown``         the staged stop: ask, SIGTERM, SIGKILL, as a small state machine
-kernel      ``stall``            from heartbeats: a hung rank (stop the run), a run where none moves (say where)
-kernel      ``restarts``         which failures a run heals by restarting (the rule), and each restart's record
-kernel      ``stacks``           where each rank is: every rank's Python stack, on demand and on a hang
-kernel      ``output``           rank 0's output in the cell as a terminal shows it (``\\r`` bars, long lines)
-kernel      ``report``           a failed run's root-cause rank and its one error
-kernel      ``procs``            ``cleanup`` of an earlier launch's workers, proven by marker
-kernel      ``export``,          weights out of a run folder; prediction in the kernel
-            ``inference``
-kernel      ``ui``               ``TrainingPanel``, charts, TensorBoard in the notebook
-worker      ``runtime``          a rank's entry: ``Context``, heartbeats, error records
-worker      ``calls``            how a rank calls ctx, mp.spawn and torchrun functions, and scripts
-worker      ``heartbeat``,       the rank's heartbeat thread; which errors are another rank's fault
-            ``rank_errors``
-worker      ``elastic``          the same rank under torchrun / srun
-worker      ``dist``             process group and the collectives nbddp uses
-worker      ``engine``           training and evaluation loops that stop every rank together
-worker      ``data``,            class folders, samplers, transforms; the decoded tensor cache;
-            ``tensor_data``,     file bytes decoded and augmented batch by batch on the device
-            ``decode_data``
-worker      ``models``,          torchvision models, weights files, SyncBatchNorm
-            ``sync_bn``
-worker      ``tasks.``           the built-in worker: its preflight and plan (run in the
-            ``classification``   kernel, from the shared side) and ``train(ctx, cfg)``
-entry       ``cli``              ``python -m nbddp``: a shell's launcher, or one rank of torchrun/srun
-==========  ===================  ==============================================================
+========  ====================================  ==============================================================
+side      module                                what it does
+========  ====================================  ==============================================================
+entry     ``cli``, ``__main__``                 ``python -m nbddp``: a shell's launcher, or one rank of torchrun/srun
+contract  ``contract.config``                   ``TrainConfig``: the built-in worker's settings, validated
+contract  ``contract.fieldspec``                what each ``TrainConfig`` field is: help, flag, check, widget
+contract  ``contract.cluster``                  torchrun and sbatch commands, as text (``cfg.torchrun_command``)
+contract  ``contract.errors``                   the exceptions users see
+contract  ``contract.rundir``                   the run folder: every file name, the atomic writer, records
+contract  ``contract.protocol``                 ``LaunchSpec``, the ranks' entry by name, every record between kernel and ranks
+contract  ``contract.paths``                    what a path is (FIFO, /proc) before anything reads it
+contract  ``contract.system``                   process identity (pid + start time), CPU cores, signalling
+contract  ``contract.targets``                  ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (kernel), loaded (rank)
+contract  ``contract.cells``                    functions from notebook cells: checked and pickled by value (kernel), loaded (rank)
+contract  ``contract.conventions``              the calling conventions (ctx, mp.spawn, torchrun, script) and a worker's, read from its source
+contract  ``contract.gpus``                     GPUs from NVML or nvidia-smi, never through CUDA
+contract  ``contract.leases``                   advisory per-GPU leases between kernels (taken by launch, shown by gpus)
+contract  ``contract.plans``                    every launch's plan (``LaunchPlan``): target, world, name, resume
+contract  ``contract.checkpoint``               atomic save, weights-only load, export files
+kernel    ``kernel.launch``                     ``spawn_train``: plan, run folder, store, environment, start
+kernel    ``kernel.rendezvous``                 where the ranks meet: a private FileStore, or a TCP store for env://
+kernel    ``kernel.forkserver``                 the warm server workers fork from; pre-warmed in a kernel
+kernel    ``kernel.handle``                     ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
+kernel    ``kernel.shutdown``                   the staged stop: ask, SIGTERM, SIGKILL, as a small state machine
+kernel    ``kernel.stall``                      from heartbeats: a hung rank (stop the run), a run where none moves (say where)
+kernel    ``kernel.restarts``                   which failures a run heals by restarting (the rule), and each restart's record
+kernel    ``kernel.stacks``                     where each rank is: every rank's Python stack, on demand and on a hang
+kernel    ``kernel.output``                     rank 0's output in the cell as a terminal shows it (``\\r`` bars, long lines)
+kernel    ``kernel.report``                     a failed run's root-cause rank and its one error
+kernel    ``kernel.procs``                      ``cleanup`` of an earlier launch's workers, proven by marker
+kernel    ``kernel.export``,                    weights out of a run folder; prediction in the kernel
+          ``kernel.inference``
+kernel    ``ui``                                ``TrainingPanel``, charts, TensorBoard in the notebook
+rank      ``rank.runtime``                      a rank's entry: ``Context``, heartbeats, error records
+rank      ``rank.calls``                        how a rank calls ctx, mp.spawn and torchrun functions, and scripts
+rank      ``rank.heartbeat``,                   the rank's heartbeat thread; which errors are another rank's fault
+          ``rank.rank_errors``
+rank      ``rank.elastic``                      the same rank under torchrun / srun
+rank      ``rank.dist``                         process group and the collectives nbddp uses
+rank      ``rank.engine``                       training and evaluation loops that stop every rank together
+rank      ``rank.sync_bn``                      SyncBatchNorm that works on CPU (gloo) as on GPUs
+task      ``tasks.classification.plan``         the built-in worker's preflight and plan (run in the kernel)
+task      ``tasks.classification.train``        ``train(ctx, cfg)``: the built-in worker (run in each rank)
+task      ``tasks.classification.data``,        class folders, samplers, transforms; the decoded tensor cache;
+          ``tasks.classification.tensor_data``, file bytes decoded and augmented batch by batch on the device
+          ``tasks.classification.decode_data``
+task      ``tasks.classification.models``       torchvision models, weights files (training and prediction)
+========  ====================================  ==============================================================
 """
 
-#: Each module's side (the table above as data): ``kernel``, ``worker``, ``shared`` or ``entry``.
+#: The side of each folder: every module in a folder is of that side (``""``: the package's face).
+FOLDER_SIDES = {"": "entry", "kernel": "kernel", "ui": "kernel", "rank": "rank", "contract": "contract",
+                "tasks": "task"}
+
+#: Each module's side (the table above as data): ``kernel``, ``rank``, ``contract``, ``task`` or ``entry``.
 SIDES = {
-    "config": "shared", "errors": "shared", "rundir": "shared", "paths": "shared", "system": "shared",
-    "targets": "shared", "protocol": "shared", "cells": "shared", "fieldspec": "shared", "cluster": "shared", "gpus": "shared", "leases": "shared", "tasks": "shared", "checkpoint": "shared",
-    "launch": "kernel", "rendezvous": "kernel", "forkserver": "kernel", "handle": "kernel", "report": "kernel", "procs": "kernel", "shutdown": "kernel", "stall": "kernel", "restarts": "kernel", "stacks": "kernel", "output": "kernel",
-    "export": "kernel", "inference": "kernel", "ui": "kernel", "ui.panel": "kernel",
-    "ui.charts": "kernel", "ui.tensorboard": "kernel", "ui.devices": "kernel", "ui.form": "kernel",
-    "ui.layout": "kernel", "ui.run_view": "kernel", "ui.worker_form": "kernel",
-    "runtime": "worker", "heartbeat": "worker", "rank_errors": "worker", "elastic": "worker", "dist": "worker", "engine": "worker", "data": "worker",
-    "tensor_data": "worker", "decode_data": "worker", "models": "worker", "sync_bn": "worker",
-    "tasks.classification": "worker",
-    "cli": "entry", "__main__": "entry", "calls": "worker", "conventions": "shared",
+    "cli": "entry", "__main__": "entry",
+    "contract": "contract", "contract.config": "contract", "contract.errors": "contract",
+    "contract.rundir": "contract", "contract.paths": "contract", "contract.system": "contract",
+    "contract.targets": "contract", "contract.protocol": "contract", "contract.cells": "contract",
+    "contract.fieldspec": "contract", "contract.cluster": "contract", "contract.gpus": "contract",
+    "contract.leases": "contract", "contract.plans": "contract", "contract.checkpoint": "contract",
+    "contract.conventions": "contract",
+    "kernel": "kernel", "kernel.launch": "kernel", "kernel.rendezvous": "kernel", "kernel.forkserver": "kernel",
+    "kernel.handle": "kernel", "kernel.report": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
+    "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",
+    "kernel.export": "kernel", "kernel.inference": "kernel",
+    "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
+    "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
+    "ui.worker_form": "kernel",
+    "rank": "rank", "rank.runtime": "rank", "rank.heartbeat": "rank", "rank.rank_errors": "rank",
+    "rank.elastic": "rank", "rank.dist": "rank", "rank.engine": "rank", "rank.sync_bn": "rank",
+    "rank.calls": "rank",
+    "tasks": "task", "tasks.classification": "task", "tasks.classification.plan": "task",
+    "tasks.classification.train": "task", "tasks.classification.data": "task",
+    "tasks.classification.tensor_data": "task", "tasks.classification.decode_data": "task",
+    "tasks.classification.models": "task",
+}
+
+#: Where each module of the package's first, flat layout lives now: ``import nbddp.dist`` still
+#: works (the same module as ``nbddp.rank.dist``), with a DeprecationWarning naming the new path.
+MOVED = {
+    **{m: "kernel." + m for m in ("launch", "handle", "procs", "output", "stall", "stacks", "restarts", "shutdown",
+                                  "rendezvous", "forkserver", "report", "export", "inference")},
+    **{m: "rank." + m for m in ("runtime", "dist", "engine", "heartbeat", "sync_bn", "elastic", "calls",
+                                "rank_errors")},
+    **{m: "contract." + m for m in ("protocol", "rundir", "config", "fieldspec", "checkpoint", "errors", "targets",
+                                    "cells", "conventions", "cluster", "gpus", "leases", "paths", "system")},
+    **{m: "tasks.classification." + m for m in ("data", "tensor_data", "decode_data", "models")},
 }
 
 __version__ = "0.1.0"
@@ -83,30 +113,30 @@ __version__ = "0.1.0"
 #: Public name -> the module that defines it, imported on first use (PEP 562), so that
 #: ``import nbddp`` costs nothing in a rank and a script imports only what it uses.
 _EXPORTS = {
-    "spawn_train": "launch",
-    "TrainConfig": "config",
-    "TrainResult": "handle",
-    "RunHandle": "handle",
-    "Context": "runtime",
-    "load_model": "inference",
-    "predict": "inference",
-    "Prediction": "inference",
-    "export_run": "export",
+    "spawn_train": "kernel.launch",
+    "TrainConfig": "contract.config",
+    "TrainResult": "kernel.handle",
+    "RunHandle": "kernel.handle",
+    "Context": "rank.runtime",
+    "load_model": "kernel.inference",
+    "predict": "kernel.inference",
+    "Prediction": "kernel.inference",
+    "export_run": "kernel.export",
     "TrainingPanel": "ui",
     "show_tensorboard": "ui",
     "show_predictions": "ui",
     "plot_confusion_matrix": "ui",
-    "list_gpus": "gpus",
-    "GPUInfo": "gpus",
-    "cleanup": "procs",
-    "NbddpError": "errors",
-    "ConfigError": "errors",
-    "DataError": "errors",
-    "WeightsError": "errors",
-    "WorkerError": "errors",
-    "TrainingInterrupted": "errors",
-    "RunAbandoned": "errors",
-    "Retryable": "errors",
+    "list_gpus": "contract.gpus",
+    "GPUInfo": "contract.gpus",
+    "cleanup": "kernel.procs",
+    "NbddpError": "contract.errors",
+    "ConfigError": "contract.errors",
+    "DataError": "contract.errors",
+    "WeightsError": "contract.errors",
+    "WorkerError": "contract.errors",
+    "TrainingInterrupted": "contract.errors",
+    "RunAbandoned": "contract.errors",
+    "Retryable": "contract.errors",
 }
 
 __all__ = [name for name in _EXPORTS if name not in ("show_predictions", "plot_confusion_matrix")]
@@ -115,6 +145,8 @@ __all__ = [name for name in _EXPORTS if name not in ("show_predictions", "plot_c
 def __getattr__(name):
     module = _EXPORTS.get(name)
     if module is None:
+        if name in MOVED:  # nbddp.dist after `import nbddp`: the old path, through _MovedFinder
+            return _import_holding_interrupts(f"{__name__}.{name}")
         raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
     value = getattr(_import_holding_interrupts(f"{__name__}.{module}"), name)
     globals()[name] = value  # the next use is a plain attribute
@@ -150,6 +182,53 @@ def _import_holding_interrupts(module: str):
     return loaded
 
 
+class _MovedFinder:
+    """Finds ``nbddp.<old name>`` (:data:`MOVED`): the module at its new path, with a DeprecationWarning.
+
+    ``import nbddp.config`` and ``from nbddp.config import X`` give the very module
+    ``nbddp.contract.config`` (one module object under two names, so ``mock.patch`` on either
+    patches both); nothing is imported until such a name is.
+    """
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        prefix, _, old = fullname.partition(".")
+        if prefix != __name__ or old not in MOVED:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, _MovedLoader(f"{__name__}.{MOVED[old]}"))
+
+
+class _MovedLoader:
+    def __init__(self, new: str):
+        self.new = new
+        self.spec = None
+
+    def create_module(self, spec):
+        import importlib
+        import warnings
+
+        warnings.warn(f"{spec.name} moved to {self.new}: import it from there", DeprecationWarning, stacklevel=2)
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        # The module ran under its new name already. The import system gave it the old name's
+        # __spec__, which its relative imports would read: give it back its own.
+        module.__spec__ = self.spec
+
+
+def _install_moved_finder() -> None:
+    import sys
+
+    # First in line: an old copy of the package elsewhere on the path (an editable install of
+    # another checkout) must not answer for a name that moved.
+    if not any(type(f).__name__ == "_MovedFinder" for f in sys.meta_path):
+        sys.meta_path.insert(0, _MovedFinder())
+
+
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
 
@@ -161,9 +240,10 @@ def _prewarm_if_kernel() -> None:
     import sys
 
     if "ipykernel" in sys.modules:
-        from .forkserver import prewarm_in_kernel
+        from .kernel.forkserver import prewarm_in_kernel
 
         prewarm_in_kernel()
 
 
+_install_moved_finder()
 _prewarm_if_kernel()

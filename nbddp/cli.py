@@ -19,10 +19,10 @@ import sys
 import typing
 from typing import List, Optional, Union
 
-from .config import TrainConfig, read_config_file
-from .errors import ConfigError
-from .fieldspec import flag_name, specs
-from .gpus import IDLE
+from .contract.config import TrainConfig, read_config_file
+from .contract.errors import ConfigError
+from .contract.fieldspec import flag_name, specs
+from .contract.gpus import IDLE
 
 
 def _field_parser(value_type):
@@ -56,7 +56,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 def build_config(ns: argparse.Namespace) -> TrainConfig:
     """The config file (if any) with every given flag applied on top."""
-    from .gpus import list_gpus
+    from .contract.gpus import list_gpus
 
     # The file's fields are read raw and validated once the flags are on top, so a flag can
     # correct a field the file got wrong.
@@ -111,7 +111,7 @@ def _split_script_command(argv: List[str]) -> Optional[List[str]]:
     """Cut a script's own command line off ``run``'s arguments (in place), as python does:
     everything after ``train.py`` or ``-m MODULE`` is the script's. None for other commands and
     for function targets, whose options may come before or after them."""
-    from .calls import is_script
+    from .contract.conventions import is_script
 
     if not argv or argv[0] != "run":
         return None
@@ -134,7 +134,7 @@ def _split_script_command(argv: List[str]) -> Optional[List[str]]:
 
 def _run_target(ns: argparse.Namespace) -> tuple:
     """``(target, args, spawn_train keywords)`` of ``python -m nbddp run``."""
-    from . import calls
+    from .rank import calls
 
     if ns.module:
         return "-m", (ns.module,), dict(argv=list(ns.argv or ()), call="ctx", kwargs={})
@@ -193,18 +193,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ns = parser.parse_args(argv)
     ns.argv = script_argv
 
-    from .elastic import detect
-    from .errors import NbddpError
+    from .rank.elastic import detect
+    from .contract.errors import NbddpError
 
     launcher = detect()
     try:
         if launcher is not None and ns.command in ("train", "run"):
             return _under_launcher(ns, launcher)  # a rank: the worker side only
-        from .gpus import resolve_gpus
-        from .launch import spawn_train
+        from .contract.gpus import resolve_gpus
+        from .kernel.launch import spawn_train
 
         if ns.command == "gpus":
-            from .gpus import gpu_setup_problem, list_gpus
+            from .contract.gpus import gpu_setup_problem, list_gpus
 
             gpus = list_gpus()
             print("\n".join(g.label() for g in gpus) or gpu_setup_problem()
@@ -239,15 +239,16 @@ def _under_launcher(ns: argparse.Namespace, le) -> int:
     """One rank of a torchrun/srun job: the same plan, worker and run folder layout as spawn_train."""
     from pathlib import Path
 
-    from . import elastic, tasks
+    from .rank import elastic
+    from .contract import plans
 
     run_dir = Path(ns.run_dir) if ns.run_dir else None
     if ns.command == "run":
         target, args, how = _run_target(ns)
         elastic.refuse_script_under_launcher(le, how["call"], how["argv"])
-        plan = tasks.plan(target, args, kwargs=how["kwargs"])
+        plan = plans.plan(target, args, kwargs=how["kwargs"])
     else:
         cfg, run_dir = elastic.continue_or_start(build_config(ns), le, run_dir)
-        plan = tasks.plan(cfg)  # every rank checks the same inputs, so all fail together
+        plan = plans.plan(cfg)  # every rank checks the same inputs, so all fail together
     elastic.run_job_rank(le, plan, run_dir)  # never returns: the rank leaves as spawned ranks do
     return 1

@@ -20,8 +20,8 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..export import confusion_matrix, load_val_predictions, run_classes
-from ..paths import PathLike
+from ..kernel.export import confusion_matrix, load_val_predictions, run_classes
+from ..contract.paths import PathLike
 
 
 _LOSS_KEYS = (("train_loss", "train loss"), ("val_loss", "val loss"), ("loss", "loss"))
@@ -226,8 +226,8 @@ def show_predictions(model: Any, classes: Optional[Sequence[str]], samples: Unio
     """
     import matplotlib.pyplot as plt
 
-    from ..data import load_rgb
-    from ..inference import load_model, predict
+    from ..tasks.classification.data import load_rgb
+    from ..kernel.inference import load_model, predict
 
     if isinstance(model, (str, Path)):
         model, loaded = load_model(model)

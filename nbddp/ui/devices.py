@@ -7,9 +7,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import ipywidgets as W
 
-from ..errors import ConfigError
-from ..gpus import IDLE, IDLE_RULE, GPUInfo, gpu_setup_problem, preselected_gpus
-from ..system import cpu_cores
+from ..contract.errors import ConfigError
+from ..contract.gpus import IDLE, IDLE_RULE, GPUInfo, gpu_setup_problem, preselected_gpus
+from ..contract.system import cpu_cores
 from .layout import GREY, LABEL
 
 

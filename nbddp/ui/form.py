@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Optional
 
 import ipywidgets as W
 
-from ..config import FREEZE_REASON, TrainConfig
-from ..errors import ConfigError
-from ..fieldspec import Widget, specs
+from ..contract.config import FREEZE_REASON, TrainConfig
+from ..contract.errors import ConfigError
+from ..contract.fieldspec import Widget, specs
 from .layout import FULL, ROW, field, grid, note
 
 _ADVANCED_NOTE = ("Accumulate k: one optimizer step every k batches (k × the global batch). Early stop after n: every "

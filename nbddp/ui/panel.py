@@ -22,12 +22,12 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import ipywidgets as W
 
-from ..config import COMMON_MODELS, FREEZE_REASON, TrainConfig  # noqa: F401 - COMMON_MODELS, FREEZE_REASON: names of this module before
-from ..errors import ConfigError, NbddpError, TrainingInterrupted
-from ..forkserver import prewarm
-from ..gpus import list_gpus
-from ..handle import RunHandle, TrainResult
-from ..launch import spawn_train
+from ..contract.config import COMMON_MODELS, FREEZE_REASON, TrainConfig  # noqa: F401 - COMMON_MODELS, FREEZE_REASON: names of this module before
+from ..contract.errors import ConfigError, NbddpError, TrainingInterrupted
+from ..kernel.forkserver import prewarm
+from ..contract.gpus import list_gpus
+from ..kernel.handle import RunHandle, TrainResult
+from ..kernel.launch import spawn_train
 from .devices import DevicePicker, gpu_choice
 from .form import ConfigForm
 from .run_view import gpu_memory_text  # noqa: F401 - a name of this module before the split

@@ -18,8 +18,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import ipywidgets as W
 
-from ..errors import NbddpError, TrainingInterrupted, WorkerError
-from ..handle import RunHandle, TrainResult
+from ..contract.errors import NbddpError, TrainingInterrupted, WorkerError
+from ..kernel.handle import RunHandle, TrainResult
 from .charts import scalar_charts_png, scalar_series, training_curves_png
 from .layout import FULL
 from .worker_form import short as _short

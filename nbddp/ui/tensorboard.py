@@ -34,9 +34,9 @@ import warnings
 from pathlib import Path
 from typing import Dict, Optional
 
-from ..errors import NbddpError
-from ..paths import PathLike
-from ..rundir import RUNS_DIR
+from ..contract.errors import NbddpError
+from ..contract.paths import PathLike
+from ..contract.rundir import RUNS_DIR
 
 
 # Runs in the child before TensorBoard: argv[1] is the kernel's pid.

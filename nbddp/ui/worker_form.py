@@ -15,9 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import ipywidgets as W
 
-from ..errors import ConfigError
-from ..cells import is_cell_function
-from ..targets import WorkerSignature, signature_from_inspect, resolve_target, worker_signature
+from ..contract.errors import ConfigError
+from ..contract.cells import is_cell_function
+from ..contract.targets import WorkerSignature, signature_from_inspect, resolve_target, worker_signature
 from .layout import GREY, field, grid
 
 _EDITABLE = (bool, int, float, str)

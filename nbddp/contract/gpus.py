@@ -492,7 +492,7 @@ def _warn_at_caller(message: str, category: type) -> None:
     so a second launch on the same busy GPU would say nothing; without a registry it is shown
     each time, and the user's filters ("ignore", "error") still apply.
     """
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
     frame = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame = frame.f_back

@@ -34,8 +34,8 @@ from PIL import Image, ImageOps
 from torch.utils.data import Dataset, Sampler
 from torchvision import transforms as T
 
-from .errors import DataError
-from .paths import PathLike, pseudo_filesystem, special_file_kind
+from ...contract.errors import DataError
+from ...contract.paths import PathLike, pseudo_filesystem, special_file_kind
 
 Sample = tuple[str, int]
 
@@ -494,7 +494,7 @@ class DieWithParent:
         self.parent = os.getpid()  # the loader's process, recorded where the loader is built
 
     def __call__(self, worker_id: int) -> None:
-        from .runtime import set_parent_death_signal
+        from ...rank.runtime import set_parent_death_signal
 
         set_parent_death_signal(self.parent)
 
@@ -631,7 +631,7 @@ def resize_size(image_size: int) -> int:
 
 def loader_workers(world_size: int, at_least: int = 0) -> int:
     """Data-loading processes per rank: the rank's share of the cores, less the rank itself (at most 16)."""
-    from .system import cpu_cores
+    from ...contract.system import cpu_cores
 
     return max(at_least, min(16, cpu_cores() // max(world_size, 1) - 1))
 

@@ -15,8 +15,8 @@ import torch
 import torchvision
 from torch import nn
 
-from .checkpoint import PathLike, extract_state_dict, load_state_dict_file
-from .errors import ConfigError, WeightsError
+from ...contract.checkpoint import PathLike, extract_state_dict, load_state_dict_file
+from ...contract.errors import ConfigError, WeightsError
 
 #: Attributes that hold the classifier head of torchvision classification models, in the order
 #: they are looked for: ``fc`` (ResNet, ResNeXt, RegNet, ShuffleNet, GoogLeNet, Inception),

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-from .errors import WorkerError
-from . import rundir
-from .protocol import ErrorRecord, Heartbeat, read_error_records, read_heartbeats
+from ..contract.errors import WorkerError
+from ..contract import rundir
+from ..contract.protocol import ErrorRecord, Heartbeat, read_error_records, read_heartbeats
 from .stacks import Stacks, from_traceback, last_collectives
 
 

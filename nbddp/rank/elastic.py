@@ -23,12 +23,12 @@ from typing import Any, Callable, Optional, TextIO, Tuple
 import torch
 import torch.distributed as dist
 
-from . import rundir
+from ..contract import rundir
 from .dist import init_process_group
-from .errors import ConfigError
-from .system import cpu_cores, start_time
+from ..contract.errors import ConfigError
+from ..contract.system import cpu_cores, start_time
 from .runtime import Context, run_rank, run_rank_hook
-from .tasks import LaunchPlan
+from ..contract.plans import LaunchPlan
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import enum
 import signal
 from typing import Callable, Dict, Iterable
 
-from .protocol import Heartbeat
+from ..contract.protocol import Heartbeat
 
 # After a stop request (Stop or Interrupt), the longest a worker that saw it and still sends
 # heartbeats may take to finish (its last step, checkpoint, evaluation and export) before it is

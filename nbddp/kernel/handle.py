@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from .errors import NbddpError, RunAbandoned, TrainingInterrupted, WorkerError
+from ..contract.errors import NbddpError, RunAbandoned, TrainingInterrupted, WorkerError
 from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
-from . import rundir
-from .protocol import (Heartbeat, LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_checkpoint_note,
+from ..contract import rundir
+from ..contract.protocol import (Heartbeat, LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_checkpoint_note,
                        read_error_records, read_heartbeats, read_progress, read_result, write_stop_request)
 from .restarts import Restart, RestartPolicy
 from .stacks import Stacks, collect as collect_stacks
@@ -32,7 +32,7 @@ from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
 from .stall import QuietWatch, find_lagging_rank, where_all_are
 from .forkserver import server_death, server_pid
 from .procs import end_leftovers, orphaned_group
-from .system import kill_group_or_process, start_time
+from ..contract.system import kill_group_or_process, start_time
 
 
 @dataclass

@@ -22,25 +22,24 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.multiprocessing as mp
 
-from . import rundir, tasks
-from .config import MIN_TIMEOUT_S, TrainConfig
-from .rundir import NAME_RULE, name_problem
-from .errors import ConfigError, NbddpError, TrainingInterrupted
+from ..contract import plans, rundir
+from ..contract.config import MIN_TIMEOUT_S, TrainConfig
+from ..contract.rundir import NAME_RULE, name_problem
+from ..contract.errors import ConfigError, NbddpError, TrainingInterrupted
 from .forkserver import prepare as _prepare_forkserver, server_death, server_pid, start_server
 from .forkserver import start_method as _forkserver_start_method
-from .gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
+from ..contract.gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
 from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
-from .protocol import MAX_RESTARTS_ENV, RESTART_ENV
+from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV
 from .restarts import RestartPolicy, check_policy as check_restart_policy
-from .leases import LEASES_ENV, Leases, holders, try_lease, unusable_reason
+from ..contract.leases import LEASES_ENV, Leases, holders, try_lease, unusable_reason
 from .procs import MARKER_ENV, live_workers
-from .protocol import LaunchSpec
+from ..contract.protocol import LaunchSpec, start_rank
 from .rendezvous import Rendezvous, rendezvous_for
-from .runtime import entry
 from .shutdown import STOP_TIMEOUT_S
 from .stacks import flight_recorder_env
-from .system import cpu_cores, kill_group_or_process, start_time
-from .tasks import LaunchPlan
+from ..contract.system import cpu_cores, kill_group_or_process, start_time
+from ..contract.plans import LaunchPlan
 
 @contextlib.contextmanager
 def _patched_env(values: Dict[str, Optional[str]]):
@@ -202,7 +201,7 @@ def spawn_train(
         >>> result.value, result.run_dir
     """
     _check_launch_args(nprocs, timeout_s, name)
-    if tasks.is_task_config(target):
+    if plans.is_task_config(target):
         max_restarts = target.max_restarts if max_restarts is None else max_restarts
         oom = target.oom if oom is None else oom
     max_restarts = 0 if max_restarts is None else max_restarts
@@ -231,7 +230,7 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
             runs_dir, timeout_s, threads_per_proc, grace_s, stall_timeout_s, stop_timeout_s, echo, on_event,
             start_method, env, resume, all_values, call, argv, restarts) -> Union[TrainResult, RunHandle]:
     """:func:`spawn_train` once its GPUs are resolved and leased."""
-    plan = tasks.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
+    plan = plans.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
     world, backend = _world(plan)
     # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
@@ -326,7 +325,7 @@ class _Generations:
         try:
             _start_helpers(self.start_method)  # a launch server that died is started again
             with _patched_env(child_env), _bare_main(), _error_files_in(tmp_dir):
-                procs = mp.start_processes(entry, args=(spec,), nprocs=spec.world_size, join=False,
+                procs = mp.start_processes(start_rank, args=(spec,), nprocs=spec.world_size, join=False,
                                            start_method=self.start_method)
         except BaseException:
             meet.close()
@@ -372,7 +371,7 @@ def _resolve_gpus(target: Any, gpus: Union[str, Sequence[int], None]) -> Tuple[A
     A config comes back with its ``gpus`` resolved, so that its checks, its ``config.json`` and
     its workers see the GPUs it runs on. Chosen GPUs that are busy warn. The GPUs are leased.
     """
-    if tasks.is_task_config(target):
+    if plans.is_task_config(target):
         ids, leases = _leased(target.gpus)
         return (target.replace(gpus=tuple(ids)) if target.gpus == IDLE else target), gpus, leases
     if gpus is None:
@@ -491,7 +490,7 @@ def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[s
         _start_helpers(start_method)
         try:
             with _patched_env(child_env), _bare_main(), _error_files_in(watch["tmp_dir"]):
-                procs = mp.start_processes(entry, args=(spec,), nprocs=spec.world_size, join=False,
+                procs = mp.start_processes(start_rank, args=(spec,), nprocs=spec.world_size, join=False,
                                            start_method=start_method)
         except BaseException as exc:
             remove_private_tmp(watch["tmp_dir"])

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from .data import IMAGENET_MEAN, IMAGENET_STD, Sample, resize_size
-from .errors import DataError
+from ...contract.errors import DataError
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 

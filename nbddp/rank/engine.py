@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .dist import cpu_group, get_rank, get_world_size, is_dist
-from .errors import NonFiniteLossError, PeerError
+from ..contract.errors import NonFiniteLossError, PeerError
 
 
 def _flag_device(device: torch.device) -> torch.device:

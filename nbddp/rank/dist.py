@@ -135,7 +135,7 @@ def agree_on_error(error: Optional[BaseException], what: str) -> None:
     if error is not None:
         raise error
     if failed:
-        from .errors import PeerError
+        from ..contract.errors import PeerError
 
         raise PeerError(f"rank {failed[0]} failed while {what}; every rank stopped", rank=failed[0])
 
@@ -160,7 +160,7 @@ def main_first() -> Iterator[None]:
 def save_on_main(obj, path) -> None:
     """Save ``obj`` atomically from rank 0 only (see :func:`nbddp.checkpoint.atomic_save`)."""
     if is_main():
-        from .checkpoint import atomic_save
+        from ..contract.checkpoint import atomic_save
 
         atomic_save(obj, path)
 
@@ -180,7 +180,7 @@ def check_same(value, what: str) -> None:
     values = [None] * get_world_size()
     dist.all_gather_object(values, value, group=cpu_group())
     if any(v != values[0] for v in values):
-        from .errors import DataError
+        from ..contract.errors import DataError
 
         per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise DataError(f"ranks disagree on {what} ({per_rank}); each rank must do the same number of "

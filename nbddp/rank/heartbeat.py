@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .protocol import Heartbeat, HeartbeatWriter
+from ..contract.protocol import Heartbeat, HeartbeatWriter
 
 
 class HeartbeatThread(threading.Thread):
@@ -61,7 +61,7 @@ class HeartbeatThread(threading.Thread):
             self._wake.set()  # coalesce: the thread writes it in a moment
 
     def run(self) -> None:
-        from .system import is_same_process
+        from ..contract.system import is_same_process
 
         while True:
             self._wake.wait(self.interval)

@@ -46,8 +46,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from .errors import ConfigError, WorkerError
-from .protocol import MAX_RESTARTS_ENV, RESTART_ENV
+from ..contract.errors import ConfigError, WorkerError
+from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV
 
 #: ``oom=`` values: ``"fail"`` (an out-of-memory error ends the run) or ``"halve"``.
 OOM_POLICIES = ("fail", "halve")

@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from . import rundir
-from .paths import PathLike
-from .protocol import STACK_SIGNAL
+from ..contract import rundir
+from ..contract.paths import PathLike
+from ..contract.protocol import STACK_SIGNAL
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.+)", line (?P<line>\d+) in (?P<function>.+)$')
 
 # nbddp's own plumbing between the launcher and the worker: never "where the rank is".
-_PLUMBING = {"runtime.py", "calls.py", "heartbeat.py", "dist.py", "elastic.py", "cells.py"}
-_NBDDP_DIR = str(Path(__file__).resolve().parent)
+_PLUMBING = {"runtime.py", "calls.py", "heartbeat.py", "dist.py", "elastic.py", "cells.py", "protocol.py"}
+_NBDDP_DIR = str(Path(__file__).resolve().parent.parent)  # the package, every folder
 _LIBRARY_DIRS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths().get("stdlib"),
                                                    sysconfig.get_paths().get("platstdlib"),
                                                    sysconfig.get_paths().get("purelib"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .protocol import Heartbeat
+from ..contract.protocol import Heartbeat
 
 #: How many times the longest gap between two reports of progress a quiet spell must last to be told.
 QUIET_FACTOR = 3.0

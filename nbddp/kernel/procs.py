@@ -21,8 +21,8 @@ import warnings
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Union
 
-from . import rundir
-from .system import is_same_process, start_time
+from ..contract import rundir
+from ..contract.system import is_same_process, start_time
 
 
 #: Environment variable that marks a worker of a run: its value is the run folder.

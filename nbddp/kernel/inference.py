@@ -15,11 +15,11 @@ import torch
 if TYPE_CHECKING:
     import PIL.Image
 
-from . import rundir
-from .checkpoint import file_digest, load_state_dict_file
-from .paths import PathLike
-from .rundir import EXPORT_FILES, EXPORT_META, EXPORT_PTH, EXPORT_SAFETENSORS
-from .errors import WeightsError
+from ..contract import rundir
+from ..contract.checkpoint import file_digest, load_state_dict_file
+from ..contract.paths import PathLike
+from ..contract.rundir import EXPORT_FILES, EXPORT_META, EXPORT_PTH, EXPORT_SAFETENSORS
+from ..contract.errors import WeightsError
 
 
 
@@ -94,7 +94,7 @@ def load_model(source: PathLike, device: Union[str, torch.device] = "cpu"):
         >>> model, classes = load_model(result.run_dir)
         >>> predict(model, ["data/digits/3/0003.png"])[0].label
     """
-    from .models import build_model
+    from ..tasks.classification.models import build_model
 
     folder = _export_folder(Path(source))
     classes = rundir.read_class_indices(folder)
@@ -139,7 +139,7 @@ def predict(model, images: Union[PathLike, "PIL.Image.Image", Sequence], classes
     Returns:
         One :class:`Prediction` per image, in order.
     """
-    from .data import build_transforms, load_rgb
+    from ..tasks.classification.data import build_transforms, load_rgb
 
     meta = getattr(model, "nbddp_meta", {})
     classes = list(classes or meta.get("classes") or [])

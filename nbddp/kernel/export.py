@@ -19,10 +19,10 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from . import rundir
-from .checkpoint import export_weights, load_checkpoint
-from .errors import ConfigError, WeightsError
-from .paths import PathLike
+from ..contract import rundir
+from ..contract.checkpoint import export_weights, load_checkpoint
+from ..contract.errors import ConfigError, WeightsError
+from ..contract.paths import PathLike
 
 CHECKPOINTS = (rundir.BEST, rundir.LAST)
 

@@ -71,6 +71,23 @@ class LaunchSpec:
     store_path: Optional[str] = None  # the private FileStore nbddp's own group meets in (nbddp.rendezvous)
 
 
+#: A rank's entry, named (``module:function``) so that the launcher hands it to the ranks
+#: without importing the rank side into the kernel.
+RANK_ENTRY = "nbddp.rank.runtime:entry"
+
+
+def start_rank(local_rank: int, spec: LaunchSpec) -> None:
+    """The function each started process runs: imports :data:`RANK_ENTRY` there and calls it.
+
+    ``torch.multiprocessing`` pickles this function by name; the rank, not the kernel, imports
+    the rank side (already in memory when the process forked from the warm server).
+    """
+    import importlib
+
+    module, _, name = RANK_ENTRY.partition(":")
+    getattr(importlib.import_module(module), name)(local_rank, spec)
+
+
 def _from_json(cls, obj: Any, **defaults: Any):
     """An instance of dataclass ``cls`` from a JSON object: unknown keys ignored, missing ones defaulted."""
     if not isinstance(obj, dict):

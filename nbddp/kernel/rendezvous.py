@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .calls import MP_SPAWN, makes_own_group
+from ..contract.conventions import MP_SPAWN, makes_own_group
 
 #: The store file inside the launch's private folder.
 STORE_FILE = "store"

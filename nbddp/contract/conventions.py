@@ -18,15 +18,31 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from .calls import CTX, MP_SPAWN, TORCHRUN
 from .errors import ConfigError
 from .targets import find_def
+
+#: The conventions ``spawn_train(..., call=)`` accepts for a function.
+CTX, MP_SPAWN, TORCHRUN = "ctx", "mp.spawn", "torchrun"
+CALLS = (CTX, MP_SPAWN, TORCHRUN)
+
+#: Marks a module target in a spec string: ``"-m pkg.train"``.
+MODULE_PREFIX = "-m "
 
 #: First parameter names that say "I am called as fn(rank, ...)", as mp.spawn calls.
 RANK_NAMES = ("rank", "local_rank", "gpu", "gpu_id", "device_id", "world_size", "proc_id", "process_id")
 
 _WHAT_CALL_PASSES = {CTX: "ctx", MP_SPAWN: "rank"}
 _NO_DEFAULT = inspect.Parameter.empty
+
+
+def is_script(spec: str) -> bool:
+    """True for a whole program: ``"path/train.py"`` (no ``:function``) or ``"-m pkg.train"``."""
+    return spec.startswith(MODULE_PREFIX) or (spec.endswith(".py") and ":" not in spec.rpartition("/")[2])
+
+
+def makes_own_group(call: str, spec: str) -> bool:
+    """True when the user's code sets up the process group itself (nbddp must not)."""
+    return call != CTX or is_script(spec)
 
 
 class _Default:

@@ -34,7 +34,8 @@ from typing import Optional
 #: the distributed stack, DDP (whose constructor otherwise imports torch._dynamo, 1-2 s) and
 #: nbddp's worker side. Never torch.cuda initialisation: the server only imports.
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-           "torchvision", "torch.utils.tensorboard", "nbddp.runtime", "nbddp.tasks.classification"]
+           "torchvision", "torch.utils.tensorboard", "nbddp.rank.runtime",
+           "nbddp.tasks.classification.train"]
 
 #: ``NBDDP_PREWARM=0`` (or ``false``, ``no``, ``off``) turns the pre-warm off.
 ENV_VAR = "NBDDP_PREWARM"

@@ -26,15 +26,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Sequence
 
-from . import targets
-from .errors import ConfigError
+from ..contract import targets
+from ..contract.conventions import CALLS, CTX, MODULE_PREFIX, MP_SPAWN, TORCHRUN, is_script, makes_own_group  # noqa: F401
+from ..contract.errors import ConfigError
 
-#: The conventions ``spawn_train(..., call=)`` accepts for a function.
-CTX, MP_SPAWN, TORCHRUN = "ctx", "mp.spawn", "torchrun"
-CALLS = (CTX, MP_SPAWN, TORCHRUN)
-
-#: Marks a module target in a spec string: ``"-m pkg.train"``.
-MODULE_PREFIX = "-m "
 
 
 def torchrun_environment(rank: int, world_size: int, master_addr: str, master_port: int, run_id: str,
@@ -56,11 +51,6 @@ def torchrun_environment(rank: int, world_size: int, master_addr: str, master_po
     if agent_store:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     return env
-
-
-def is_script(spec: str) -> bool:
-    """True for a whole program: ``"path/train.py"`` (no ``:function``) or ``"-m pkg.train"``."""
-    return spec.startswith(MODULE_PREFIX) or (spec.endswith(".py") and ":" not in spec.rpartition("/")[2])
 
 
 def run_script(spec: str, argv: Sequence[str]) -> None:
@@ -136,11 +126,6 @@ def exit_code(exc: SystemExit) -> int:
     if code is None:
         return 0
     return code if isinstance(code, int) else 1
-
-
-def makes_own_group(call: str, spec: str) -> bool:
-    """True when the user's code sets up the process group itself (nbddp must not)."""
-    return call != CTX or is_script(spec)
 
 
 __all__ = ["CTX", "MP_SPAWN", "TORCHRUN", "CALLS", "MODULE_PREFIX", "torchrun_environment", "is_script",

@@ -36,9 +36,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import calls, cells, rundir, targets
+from . import calls
+from ..contract import cells, rundir, targets
 from .heartbeat import HeartbeatThread
-from .protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
+from ..contract.protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
                        MAX_RESTARTS_ENV, RESTART_ENV, STACK_SIGNAL, note_checkpoint, read_stop_request,
                        write_result)
 from .rank_errors import is_retryable, is_secondary
@@ -192,7 +193,7 @@ class Context:
         Returns:
             The path written (on every rank).
         """
-        from .checkpoint import atomic_save, to_plain
+        from ..contract.checkpoint import atomic_save, to_plain
         from .dist import agree_on_error, barrier
 
         path = rundir.checkpoint_path(self.run_dir, _checkpoint_name(name))
@@ -220,7 +221,7 @@ class Context:
             >>> state = ctx.load_checkpoint()
             >>> start = 0 if state is None else state["step"] + 1
         """
-        from .checkpoint import load_checkpoint
+        from ..contract.checkpoint import load_checkpoint
 
         path = rundir.checkpoint_path(self.run_dir, _checkpoint_name(name))
         if not path.is_file():
@@ -315,7 +316,7 @@ def to_cpu(obj: Any) -> Any:
 
 def _checkpoint_name(name: str) -> str:
     """A checkpoint name is a plain file name stem: ``last``, ``best``, ``step-1000``."""
-    from .rundir import name_problem
+    from ..contract.rundir import name_problem
 
     if name_problem(name):
         raise ValueError(f"checkpoint name {name!r}: {name_problem(name)}")

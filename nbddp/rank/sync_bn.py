@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .errors import ConfigError
+from ..contract.errors import ConfigError
 
 __all__ = ["CPUSyncBatchNorm", "convert_sync_batchnorm"]
 

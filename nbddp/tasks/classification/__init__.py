@@ -1,0 +1,28 @@
+"""The built-in worker: image classification with DDP (``TrainConfig``).
+
+==================  ======  =============================================================
+module              runs    what it does
+==================  ======  =============================================================
+``plan``            kernel  ``plan(cfg)``: every input checked before a process starts
+``train``           rank    ``train(ctx, cfg)``: the training loop, checkpoints, export
+``data``            both    class folders, samplers, transforms, image loading
+``tensor_data``     rank    the decoded tensor cache
+``decode_data``     rank    file bytes decoded and augmented batch by batch on the device
+``models``          both    torchvision models, weights files (training and prediction)
+==================  ======  =============================================================
+
+Importing this package loads none of them; a name of the module this folder was before
+(``nbddp.tasks.classification:train``, ``preflight``) is found in its new module on first use.
+"""
+
+_WHERE = ("plan", "train")
+
+
+def __getattr__(name):
+    import importlib
+
+    for sub in _WHERE:
+        module = importlib.import_module(f"{__name__}.{sub}")
+        if name != sub and hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
