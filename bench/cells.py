@@ -22,7 +22,7 @@ import torch  # noqa: E402 - a kernel that has been used has torch imported
 import torch.nn as nn  # noqa: E402
 
 from nbddp import spawn_train  # noqa: E402
-from nbddp.cells import ship  # noqa: E402
+from nbddp.contract.cells import ship  # noqa: E402
 
 SOURCE = '''
 import torch

@@ -31,8 +31,8 @@ def main(argv=None) -> dict:
     import torch
 
     from gpu import _flowers_like
-    from nbddp import data as D
-    from nbddp.decode_data import DeviceDecoder, FileBytes, collate
+    from nbddp.tasks.classification import data as D
+    from nbddp.tasks.classification.decode_data import DeviceDecoder, FileBytes, collate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", type=int, default=400)

@@ -52,10 +52,10 @@ def checks(result, epochs: int, model_name: str, min_accuracy: float) -> list:
     import torch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from nbddp.checkpoint import load_checkpoint, load_state_dict_file
-    from nbddp.inference import load_model, predict
-    from nbddp.models import build_model
-    from nbddp.procs import live_workers
+    from nbddp.contract.checkpoint import load_checkpoint, load_state_dict_file
+    from nbddp.kernel.inference import load_model, predict
+    from nbddp.tasks.classification.models import build_model
+    from nbddp.kernel.procs import live_workers
 
     out = []
     m, v = result.metrics, result.value

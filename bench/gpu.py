@@ -14,7 +14,7 @@ context or GPU memory with another:
    no DDP, no nbddp import; synthetic tensors already on the GPU; eager and, with
    ``--compile``, ``torch.compile`` of the model (compile time reported). The ceiling.
 2. **nbddp's training step**: one ``spawn_train`` launch (one rank per GPU, NCCL) running
-   ``nbddp.engine.train_one_epoch`` -- the built-in worker's step, with DDP, the run context's
+   ``nbddp.rank.engine.train_one_epoch`` -- the built-in worker's step, with DDP, the run context's
    heartbeats and progress, the per-step agreement all-reduce -- over an in-memory batch
    source on the GPU, the model built as the built-in worker builds it. Rows: today's DDP
    options, the DDP option variants (``gradient_as_bucket_view``, ``static_graph``,
@@ -59,7 +59,7 @@ GFLOP_224 = 21.8
 
 PLAIN_COMPILED, PLAIN_EAGER = "plain PyTorch, torch.compile", "plain PyTorch, eager"
 STEP_EAGER, STEP_COMPILED = "nbddp step, eager", "nbddp step, torch.compile"
-#: nbddp's step as the built-in worker builds it (``nbddp.dist.data_parallel``: the bare model
+#: nbddp's step as the built-in worker builds it (``nbddp.rank.dist.data_parallel``: the bare model
 #: on one GPU), then DDP option variants: name -> (DDP keyword arguments or None, cudnn.benchmark).
 STEP_VARIANTS = {
     STEP_EAGER: (None, True),
@@ -253,9 +253,9 @@ def step_worker(ctx, model_name, image_size, batch, steps, repeats, warmup, do_c
     """Part 2, in every rank of a ``spawn_train`` launch: nbddp's training step and its variants."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nbddp.dist import data_parallel, no_forward_buffer_sync
-    from nbddp.engine import autocast_dtype, grad_scaler, train_one_epoch
-    from nbddp.models import build_model
+    from nbddp.rank.dist import data_parallel, no_forward_buffer_sync
+    from nbddp.rank.engine import autocast_dtype, grad_scaler, train_one_epoch
+    from nbddp.tasks.classification.models import build_model
 
     dev, world = ctx.device, ctx.world_size
     cuda = dev.type == "cuda"

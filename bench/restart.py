@@ -37,7 +37,7 @@ def main() -> None:
 
     import torch
     from nbddp import TrainConfig, spawn_train
-    from nbddp.checkpoint import load_state_dict_file as load_weights_file
+    from nbddp.contract.checkpoint import load_state_dict_file as load_weights_file
 
     runs = Path(tempfile.mkdtemp(prefix="bench-restart-"))
     cfg = TrainConfig(data_path=str(ROOT / "data" / "digits"), model=a.model, image_size=32, epochs=a.epochs,

@@ -40,7 +40,7 @@ def checkpoint_dict(world: int = 2) -> dict:
     import torch
 
     from nbddp import TrainConfig
-    from nbddp.models import build_model
+    from nbddp.tasks.classification.models import build_model
 
     model = build_model("resnet34", 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-3)
@@ -55,7 +55,7 @@ def checkpoint_dict(world: int = 2) -> dict:
 
 
 def bench_save(repeats: int) -> dict:
-    from nbddp.checkpoint import atomic_save
+    from nbddp.contract.checkpoint import atomic_save
 
     ck = checkpoint_dict()
     times, size = [], 0
@@ -79,8 +79,8 @@ def bench_around(repeats: int) -> dict:
     against a step without one, side by side in one process (ResNet34, 64 px, batch 8, CPU)."""
     import torch
 
-    from nbddp.checkpoint import BackgroundSaver, atomic_save
-    from nbddp.models import build_model
+    from nbddp.contract.checkpoint import BackgroundSaver, atomic_save
+    from nbddp.tasks.classification.models import build_model
 
     model = build_model("resnet34", 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

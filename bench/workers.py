@@ -26,8 +26,8 @@ def nbddp_batches(data: str, image_size: int, batch_size: int, rank: int, world:
         return bench_models.batches(data, image_size, batch_size, rank, world, steps), None
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from nbddp import data as D
-    from nbddp import tensor_data as TD
+    from nbddp.tasks.classification import data as D
+    from nbddp.tasks.classification import tensor_data as TD
 
     _, samples = D.scan_class_folders(path)
     if pipeline == "tensor":

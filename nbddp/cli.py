@@ -34,7 +34,7 @@ def _field_parser(value_type):
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per ``TrainConfig`` field, from its declaration (:mod:`nbddp.fieldspec`).
+    """One flag per ``TrainConfig`` field, from its declaration (:mod:`nbddp.contract.fieldspec`).
 
     A bool gives ``--x``/``--no-x``, a choice its values, an int/float/str its type; a field of
     several types (``gpus``, ``resume``) takes words that :func:`build_config` reads.
@@ -186,7 +186,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments")
     r.add_argument("--run-dir", default=None, help="run folder (default: runs/<time>-<name>)")
     r.add_argument("--max-restarts", type=int, default=0,
-                   help="restarts after a failure a restart heals (a rank killed, a hang; see nbddp.restarts)")
+                   help="restarts after a failure a restart heals (a rank killed, a hang; see nbddp.kernel.restarts)")
     sub.add_parser("gpus", help="list the GPUs (without initialising CUDA)")
     argv = list(sys.argv[1:] if argv is None else argv)
     script_argv = _split_script_command(argv)

@@ -1,6 +1,6 @@
 """Make the kernel-side GPU listing see GPUs on a machine without any: a fake ``nvidia-smi`` or NVML.
 
-Only the listing in the test process is faked (``nbddp.gpus``); a worker launched on such a GPU
+Only the listing in the test process is faked (``nbddp.contract.gpus``); a worker launched on such a GPU
 meets the real CUDA of this machine, which is how a test sees CUDA's own start-up error.
 
 A GPU is ``(name, uuid, memory_total_mib, memory_free_mib, utilization_pct)``; a value may be a

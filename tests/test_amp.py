@@ -7,8 +7,8 @@ training step runs under CPU autocast (float16 there since torch 2.x; skipped wh
 import pytest
 import torch
 
-from nbddp import engine
-from nbddp.errors import NonFiniteLossError
+from nbddp.rank import engine
+from nbddp.contract.errors import NonFiniteLossError
 
 CUDA0 = torch.device("cuda", 0)  # a device object only: creating it does not start CUDA
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from nbddp.cells import is_cell_function, load, ship
-from nbddp.errors import ConfigError
+from nbddp.contract.cells import is_cell_function, load, ship
+from nbddp.contract.errors import ConfigError
 
 _cells = itertools.count()
 
@@ -42,7 +42,7 @@ def test_a_cell_function_with_its_classes_and_helpers_runs_in_a_fresh_interprete
         import sys, torch
         import torch.nn as nn
         from torch.utils.data import DataLoader, Dataset
-        from nbddp.cells import ship
+        from nbddp.contract.cells import ship
 
         SCALE = 3
 
@@ -74,7 +74,7 @@ def test_a_cell_function_with_its_classes_and_helpers_runs_in_a_fresh_interprete
     """))
     payload = subprocess.run([sys.executable, str(script)], capture_output=True, check=True, timeout=120).stdout
     # A fresh interpreter that never saw the script's __main__ loads and runs it.
-    code = "import sys; from nbddp.cells import load; print(load(sys.stdin.buffer.read())(None))"
+    code = "import sys; from nbddp.contract.cells import load; print(load(sys.stdin.buffer.read())(None))"
     out = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, check=True, timeout=120)
     assert out.stdout.decode().strip() == "(1.5, 8)"
 

@@ -1,4 +1,4 @@
-"""nbddp.checkpoint: atomic writes, weights-only loads, exports (single process, CPU)."""
+"""nbddp.contract.checkpoint: atomic writes, weights-only loads, exports (single process, CPU)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torchvision
 from safetensors.torch import load_file, save_file
 
-from nbddp.checkpoint import (
+from nbddp.contract.checkpoint import (
     atomic_save,
     cleanup_temp_files,
     export_weights,
@@ -25,8 +25,8 @@ from nbddp.checkpoint import (
     load_state_dict_file,
     to_plain,
 )
-from nbddp.config import TrainConfig
-from nbddp.errors import WeightsError
+from nbddp.contract.config import TrainConfig
+from nbddp.contract.errors import WeightsError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def test_crash_between_write_and_rename_leaves_old_file_and_cleanable_temp(tmp_p
     script = textwrap.dedent(
         f"""
         import os, torch
-        from nbddp.checkpoint import atomic_save
+        from nbddp.contract.checkpoint import atomic_save
         os.replace = lambda *a, **k: os._exit(3)
         atomic_save({{"epoch": 2}}, {str(ckpt)!r})
         """
@@ -233,7 +233,7 @@ def test_load_state_dict_file_accepts_every_layout(tmp_path):
 
 
 def test_a_background_save_writes_a_snapshot_and_reports_its_error_later(tmp_path):
-    from nbddp.checkpoint import BackgroundSaver
+    from nbddp.contract.checkpoint import BackgroundSaver
 
     saver, path = BackgroundSaver(), tmp_path / "last.pt"
     w = torch.zeros(1000)
@@ -259,7 +259,7 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(tmp_pa
     code = textwrap.dedent(f"""
         import os, sys, time, torch
         sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-        from nbddp.checkpoint import BackgroundSaver, atomic_save
+        from nbddp.contract.checkpoint import BackgroundSaver, atomic_save
         atomic_save({{"step": 1, "w": torch.ones(3)}}, {str(path)!r})
         def slow_save(obj, f, *a, **k):
             f.write(b"partial")

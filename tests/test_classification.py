@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from nbddp import ConfigError, DataError, TrainConfig, WorkerError, spawn_train
-from nbddp.checkpoint import load_checkpoint, load_state_dict_file
-from nbddp.engine import evaluate
-from nbddp.inference import load_model, predict
-from nbddp.models import build_model
+from nbddp.contract.checkpoint import load_checkpoint, load_state_dict_file
+from nbddp.rank.engine import evaluate
+from nbddp.kernel.inference import load_model, predict
+from nbddp.tasks.classification.models import build_model
 from conftest import WORKERS, fault_env, make_tree, small_cfg, worker_children
 
 def test_a_run_leaves_its_metrics_export_checkpoint_and_tensorboard(small_run):
     """What a run leaves, on the small tree. That ResNet34 really learns the digits (the Quickstart
     run, minutes on 2 CPU cores) is checked by bench/digits.py, with these same checks."""
-    from nbddp.data import scan_class_folders, split_samples
+    from nbddp.tasks.classification.data import scan_class_folders, split_samples
 
     cfg, result = small_run
     n_val = len(split_samples(scan_class_folders(cfg.data_path)[1], 0.2, 0)[1])

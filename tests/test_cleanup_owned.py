@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from nbddp import cleanup, spawn_train
-from nbddp.procs import carries_marker, live_workers
-from nbddp.system import is_same_process, start_time
+from nbddp.kernel.procs import carries_marker, live_workers
+from nbddp.contract.system import is_same_process, start_time
 from conftest import WORKERS, proc_state, wait_for
 
 FAULTY = str(WORKERS / "faulty.py")
@@ -85,8 +85,8 @@ def test_cleanup_never_signals_the_calling_process(tmp_path):
     code = textwrap.dedent("""
         import json, os, sys
         from pathlib import Path
-        from nbddp.procs import cleanup
-        from nbddp.system import start_time
+        from nbddp.kernel.procs import cleanup
+        from nbddp.contract.system import start_time
         run = Path(sys.argv[1])
         (run / ".nbddp").mkdir(parents=True)
         (run / ".nbddp" / "launch.json").write_text(

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nbddp import spawn_train
-from nbddp.checkpoint import load_checkpoint
-from nbddp.cluster import cli_flags
-from nbddp.elastic import first_host
+from nbddp.contract.checkpoint import load_checkpoint
+from nbddp.contract.cluster import cli_flags
+from nbddp.rank.elastic import first_host
 from conftest import WORKERS, fault_env, free_port, launcher_env, small_cfg
 
 PY = sys.executable

@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from nbddp import WorkerError, spawn_train
-from nbddp.forkserver import server_pid
+from nbddp.kernel.forkserver import server_pid
 from conftest import ROOT, WORKERS, wait_for
 from test_shared_server import launch_workers
 
@@ -25,7 +25,7 @@ FAULTY = f"{WORKERS / 'faulty.py'}"
 _COLD_LAUNCH = """
 import sys, time
 sys.path.insert(0, {root!r})
-import nbddp, nbddp.launch  # torch is imported: the interrupt falls on the launch itself
+import nbddp, nbddp.kernel.launch  # torch is imported: the interrupt falls on the launch itself
 print("launching", flush=True)
 try:
     nbddp.spawn_train({target!r}, {go!r}, nprocs=2, runs_dir={runs!r}, echo=False, grace_s=1)

@@ -6,7 +6,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nbddp import ConfigError, TrainConfig, spawn_train
-from nbddp import rundir
+from nbddp.contract import rundir
 from conftest import WORKERS
 
 RESUMABLE = str(WORKERS / "resumable.py")

@@ -1,4 +1,4 @@
-"""Tests of nbddp.data: scanning, splitting, image decoding, transforms and samplers; data and
+"""Tests of nbddp.tasks.classification.data: scanning, splitting, image decoding, transforms and samplers; data and
 weights paths (links cannot loop or duplicate, special files and /proc are refused).
 
 Fast and process-free: trees are built in ``tmp_path`` with PIL.
@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from nbddp.data import (
+from nbddp.tasks.classification.data import (
     IMAGE_EXTENSIONS,
     ImageListDataset,
     ShardSampler,
@@ -29,9 +29,9 @@ from nbddp.data import (
     scan_class_folders,
     split_samples,
 )
-from nbddp.checkpoint import load_state_dict_file
-from nbddp.errors import DataError, WeightsError
-from nbddp.models import check_weights_file
+from nbddp.contract.checkpoint import load_state_dict_file
+from nbddp.contract.errors import DataError, WeightsError
+from nbddp.tasks.classification.models import check_weights_file
 from conftest import make_tree
 
 DIGITS = Path(__file__).resolve().parents[1] / "data" / "digits"
@@ -288,7 +288,7 @@ def test_rank_share_and_batch_fit():
 
 # ---------------------------------------------------------------------------- class names, summary
 def test_class_indices_format(tmp_path):
-    from nbddp import rundir
+    from nbddp.contract import rundir
 
     assert rundir.class_indices(["daisy", "roses"]) == {"0": "daisy", "1": "roses"}
     path = rundir.write_class_indices(tmp_path / "run", ["daisy", "roses"])
@@ -334,7 +334,7 @@ def test_make_digits_is_byte_identical(tmp_path):
 
 
 def test_cached_dataset_decodes_once_and_still_augments(tmp_path, monkeypatch):
-    import nbddp.data as D
+    import nbddp.tasks.classification.data as D
     from PIL import Image
 
     for c in ("a", "b"):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from nbddp import DataError, spawn_train
-from nbddp.data import SeededSampler, item_seed
-from nbddp.decode_data import DeviceDecoder, FileBytes, centre_box, collate, crop_box, is_jpeg
+from nbddp.tasks.classification.data import SeededSampler, item_seed
+from nbddp.tasks.classification.decode_data import DeviceDecoder, FileBytes, centre_box, collate, crop_box, is_jpeg
 from conftest import make_tree, small_cfg
 
 
@@ -29,7 +29,7 @@ def jpeg_and_png_tree(root: Path) -> Path:
 
 
 def test_a_mixed_batch_decodes_and_augments_the_same_for_the_same_seeds(tmp_path):
-    from nbddp.data import scan_class_folders
+    from nbddp.tasks.classification.data import scan_class_folders
 
     _, samples = scan_class_folders(jpeg_and_png_tree(tmp_path / "data"))
     assert {Path(p).suffix for p, _ in samples} == {".jpg", ".png"}
@@ -66,7 +66,7 @@ def test_a_file_that_does_not_decode_is_named(tmp_path):
     root = jpeg_and_png_tree(tmp_path / "data")
     bad = next(root.rglob("*.jpg"))
     bad.write_bytes(bad.read_bytes()[:40])  # a JPEG cut short
-    from nbddp.data import scan_class_folders
+    from nbddp.tasks.classification.data import scan_class_folders
 
     _, samples = scan_class_folders(root)
     index = next(i for i, (p, _) in enumerate(samples) if Path(p) == bad)

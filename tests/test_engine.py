@@ -54,7 +54,7 @@ def test_stop_before_the_first_step_trains_nothing(runs_dir):
 def test_single_process_and_empty_epochs_need_no_process_group():
     import torch
 
-    from nbddp.engine import train_one_epoch
+    from nbddp.rank.engine import train_one_epoch
 
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -73,7 +73,7 @@ def test_ddp_buffer_option_is_accepted_without_deprecation_warnings():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nbddp.dist import no_forward_buffer_sync
+    from nbddp.rank.dist import no_forward_buffer_sync
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -89,7 +89,7 @@ def test_ddp_buffer_option_is_accepted_without_deprecation_warnings():
 def test_checkpoints_in_the_middle_of_an_epoch_and_a_resumed_epoch_continue_its_steps():
     import torch
 
-    from nbddp.engine import EpochStats, train_one_epoch
+    from nbddp.rank.engine import EpochStats, train_one_epoch
 
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)

@@ -16,12 +16,12 @@ import torch
 import torchvision
 
 from nbddp import ConfigError, TrainConfig, WeightsError
-from nbddp.checkpoint import atomic_save, export_weights, load_state_dict_file
-from nbddp.data import scan_class_folders, split_samples
-from nbddp.rundir import write_class_indices
-from nbddp.export import confusion_matrix, export_run, load_val_predictions, per_class_accuracy
-from nbddp.inference import load_model, predict
-from nbddp.models import build_model
+from nbddp.contract.checkpoint import atomic_save, export_weights, load_state_dict_file
+from nbddp.tasks.classification.data import scan_class_folders, split_samples
+from nbddp.contract.rundir import write_class_indices
+from nbddp.kernel.export import confusion_matrix, export_run, load_val_predictions, per_class_accuracy
+from nbddp.kernel.inference import load_model, predict
+from nbddp.tasks.classification.models import build_model
 from nbddp.ui import plot_confusion_matrix, show_predictions
 from conftest import make_tree
 
@@ -41,7 +41,7 @@ def fake_run(tmp_path):
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3)
     history = [{"epoch": 0, "val_accuracy": 0.5}, {"epoch": 1, "val_accuracy": 0.25}]
-    # Same layout as tasks/classification.py: best.pt is small, last.pt carries the history.
+    # Same layout as tasks/classification/train.py: best.pt is small, last.pt carries the history.
     atomic_save({"model": model.state_dict(), "epoch": 0, "accuracy": 0.5, "classes": classes,
                  "config": cfg.to_dict()}, run / "checkpoints" / "best.pt")
     atomic_save({"model": model.state_dict(), "epoch": 1, "best_accuracy": 0.5, "best_epoch": 0,
@@ -148,7 +148,7 @@ def test_export_of_a_real_run_predicts_like_the_workers(tmp_path, small_run):
 
 
 def test_import_nbddp_pulls_in_no_plotting_or_widgets():
-    code = ("import sys, nbddp, nbddp.export, nbddp.ui; from nbddp.ui import show_tensorboard; "
+    code = ("import sys, nbddp, nbddp.kernel.export, nbddp.ui; from nbddp.ui import show_tensorboard; "
             "print(sorted(m for m in ('matplotlib', 'ipywidgets', 'IPython') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout

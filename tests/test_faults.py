@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from nbddp import ConfigError, TrainConfig, WeightsError, WorkerError, cleanup, spawn_train
-from nbddp.checkpoint import load_checkpoint
+from nbddp.contract.checkpoint import load_checkpoint
 from conftest import WORKERS, fault_env, make_tree, small_cfg, survivors, wait_for, worker_children
 
 FAULTY = str(WORKERS / "faulty.py")
@@ -89,7 +89,7 @@ def test_external_sigterm_to_a_worker(runs_dir):
 
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_corrupt_image_found_at_run_time_stops_every_rank_at_one_step(tmp_path, runs_dir, split):
-    from nbddp.data import scan_class_folders, split_samples
+    from nbddp.tasks.classification.data import scan_class_folders, split_samples
 
     tree = make_tree(tmp_path / "data", per_class=12)
     cfg = small_cfg(tree, runs_dir, name="fault", check_images=False, epochs=1)
@@ -135,7 +135,7 @@ def test_stale_workers_are_refused_and_cleanup_ends_only_them(tree, runs_dir, tm
     try:
         rec_path = first.run_dir / ".nbddp" / "launch.json"
         rec = json.loads(rec_path.read_text())
-        from nbddp.system import start_time
+        from nbddp.contract.system import start_time
 
         rec.update(pids=[stale.pid], start_times=[start_time(stale.pid)])
         rec_path.write_text(json.dumps(rec))

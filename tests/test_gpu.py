@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nbddp import TrainConfig, WorkerError, spawn_train
-from nbddp.gpus import list_gpus
+from nbddp.contract.gpus import list_gpus
 from conftest import EXAMPLES, WORKERS, free_port, make_tree, survivors, wait_for
 
 pytestmark = pytest.mark.gpu
@@ -68,7 +68,7 @@ def test_gpu_listing_without_cuda_in_this_process_matches_torch():
 def test_amp_is_bf16_on_this_gpu_only_if_it_has_bf16_units():
     import torch
 
-    from nbddp.engine import autocast_dtype
+    from nbddp.rank.engine import autocast_dtype
 
     major, _ = torch.cuda.get_device_capability(0)
     assert autocast_dtype(torch.device("cuda", 0)) == (torch.bfloat16 if major >= 8 else torch.float16)
@@ -157,7 +157,7 @@ def test_stop_on_gpu_keeps_the_result_and_the_weights(tmp_path, runs_dir):
 def test_batch_augment_on_the_gpu_matches_the_cpu():
     import torch
 
-    from nbddp.tensor_data import BatchAugment
+    from nbddp.tasks.classification.tensor_data import BatchAugment
 
     x = torch.randint(0, 256, (8, 3, 36, 36), dtype=torch.uint8)
     cpu = BatchAugment(32, crop_scale=0.2, generator=torch.Generator().manual_seed(3))(x)
@@ -242,8 +242,8 @@ def test_a_collective_timeout_on_gpus_shows_stacks_and_the_flight_recorder(runs_
 @needs_gpu
 def test_the_decode_pipeline_decodes_jpegs_on_the_gpu_as_the_cpu_does(tmp_path, runs_dir):
     """nvJPEG and the CPU decoder agree to within rounding; the built-in worker trains on it."""
-    from nbddp.data import item_seed, scan_class_folders
-    from nbddp.decode_data import DeviceDecoder, FileBytes, collate
+    from nbddp.tasks.classification.data import item_seed, scan_class_folders
+    from nbddp.tasks.classification.decode_data import DeviceDecoder, FileBytes, collate
 
     import sys
 

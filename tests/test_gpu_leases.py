@@ -1,4 +1,4 @@
-"""GPUs shared fairly between kernels: an advisory lease per GPU (``nbddp.leases``), with the GPU
+"""GPUs shared fairly between kernels: an advisory lease per GPU (``nbddp.contract.leases``), with the GPU
 listing faked (``tests/fake_gpu.py``). Two kernels launching with ``gpus="idle"`` at the same
 moment never get the same GPU; a lease dies with its kernel, however it ends; the listing and the
 panel's picker name the holder. Each kernel here is a process of its own; none starts a worker."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from nbddp import leases
-from nbddp.gpus import list_gpus, resolve_gpus
+from nbddp.contract import leases
+from nbddp.contract.gpus import list_gpus, resolve_gpus
 from conftest import WORKERS, wait_for
 from fake_gpu import install_fake_nvml
 
@@ -34,7 +34,7 @@ from fake_gpu import fake_nvml
 sys.modules["pynvml"] = fake_nvml(json.loads({gpus!r}))
 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 import nbddp
-import nbddp.launch as launch
+import nbddp.kernel.launch as launch
 go, done, out = sys.argv[1:4]
 
 def start_processes(fn, args, nprocs, **kwargs):
@@ -129,7 +129,7 @@ def test_the_listing_names_the_holder_and_a_killed_kernels_lease_is_reclaimed(tm
 
 
 def test_a_gpu_chosen_by_hand_that_another_kernel_leases_warns_and_is_shared(lease_dir, monkeypatch):
-    from nbddp.gpus import BusyGPUWarning
+    from nbddp.contract.gpus import BusyGPUWarning
 
     install_fake_nvml(monkeypatch, IDLE4)
     held = leases.try_lease(1, UUID[1], run="other")
@@ -149,7 +149,7 @@ def test_an_unusable_lease_folder_leases_nothing_and_launches_anyway(tmp_path, m
     assert leases.try_lease(0, UUID[0]) is None
     assert resolve_gpus("idle") == [0, 1, 2, 3]
     # The launch goes on, and says leases are off and why (another user could have planted the file).
-    from nbddp.launch import _leased
+    from nbddp.kernel.launch import _leased
 
     with pytest.warns(UserWarning, match=r"GPU leases are off: .*file.* is not a folder .*NBDDP_GPU_LEASES"):
         assert _leased([0, 1])[0] == [0, 1]

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from nbddp import WorkerError, spawn_train
-from nbddp.report import RankEnd, build_worker_error
-from nbddp.runtime import is_secondary, one_line_warning
+from nbddp.kernel.report import RankEnd, build_worker_error
+from nbddp.rank.runtime import is_secondary, one_line_warning
 from conftest import EXAMPLES, WORKERS, fault_env, make_tree, survivors
 from fake_gpu import install_fake_nvidia_smi
 
@@ -135,7 +135,7 @@ def test_one_line_warning_format():
 
 
 def test_process_group_is_bound_to_its_gpu_where_torch_accepts_device_id(monkeypatch):
-    import nbddp.dist as D
+    import nbddp.rank.dist as D
 
     seen = {}
 
@@ -156,7 +156,7 @@ def test_process_group_is_bound_to_its_gpu_where_torch_accepts_device_id(monkeyp
 
 
 def test_nbddps_own_gloo_group_waits_as_long_as_the_launch_timeout(monkeypatch):
-    import nbddp.dist as D
+    import nbddp.rank.dist as D
 
     made = {}
     monkeypatch.setattr(D, "is_dist", lambda: True)

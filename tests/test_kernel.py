@@ -174,7 +174,7 @@ def test_interrupt_during_training_keeps_the_checkpoint_and_resume_works(shared_
     km.interrupt_kernel()
     assert wait_reply(kc, msg_id) == "TrainingInterrupted"
     assert survivors(pids) == {}
-    from nbddp.checkpoint import load_checkpoint
+    from nbddp.contract.checkpoint import load_checkpoint
 
     epoch = load_checkpoint(run_dir / "checkpoints" / "last.pt")["epoch"]
     reply, out = execute(kc, f"r2 = spawn_train({cfg}.replace(epochs={epoch + 2}, resume={str(run_dir)!r})); "

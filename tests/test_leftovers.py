@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from nbddp import WorkerError, spawn_train
-from nbddp.procs import MARKER_ENV
+from nbddp.kernel.procs import MARKER_ENV
 from conftest import proc_state, wait_for
 
 _WORKER = """
@@ -101,7 +101,7 @@ def test_cleanup_ends_a_marked_process_in_a_session_of_its_own(tmp_path):
 
 def test_cleanup_removes_only_a_temp_folder_nbddp_made(tmp_path):
     """A launch record that names a link, another name or a folder elsewhere removes nothing."""
-    from nbddp.procs import remove_left_temp_folder
+    from nbddp.kernel.procs import remove_left_temp_folder
 
     run = tmp_path / "run"
     (run / ".nbddp").mkdir(parents=True)

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from nbddp import spawn_train
-from nbddp.data import SeededDataset, SeededSampler, item_seed
+from nbddp.tasks.classification.data import SeededDataset, SeededSampler, item_seed
 from conftest import WORKERS, make_tree, worker_children
 
 
@@ -73,7 +73,7 @@ def test_each_items_randomness_depends_on_seed_epoch_and_index_only():
 
 
 def test_skip_sampler_leaves_out_the_batches_done_for_one_pass_only():
-    from nbddp.data import SkipSampler
+    from nbddp.tasks.classification.data import SkipSampler
 
     def loader(sampler, workers):
         return DataLoader(SeededDataset(_Random()), batch_size=4, sampler=sampler, drop_last=True,

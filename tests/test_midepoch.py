@@ -7,8 +7,8 @@ import torch
 
 from nbddp import ConfigError, TrainConfig, WorkerError, rundir, spawn_train
 from nbddp import cli
-from nbddp.checkpoint import load_checkpoint
-from nbddp.cluster import cli_flags
+from nbddp.contract.checkpoint import load_checkpoint
+from nbddp.contract.cluster import cli_flags
 from conftest import fault_env
 from test_classification import small_cfg
 

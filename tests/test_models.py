@@ -1,4 +1,4 @@
-"""nbddp.models: building, head detection, freezing, shape-aware weight loading (CPU)."""
+"""nbddp.tasks.classification.models: building, head detection, freezing, shape-aware weight loading (CPU)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch.distributed as dist
 import torchvision
 from torch import nn
 
-from nbddp.checkpoint import atomic_save, export_weights
-from nbddp.errors import ConfigError, WeightsError
-from nbddp.models import (
+from nbddp.contract.checkpoint import atomic_save, export_weights
+from nbddp.contract.errors import ConfigError, WeightsError
+from nbddp.tasks.classification.models import (
     build_model,
     check_weights_file,
     classification_model_names,

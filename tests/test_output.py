@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nbddp import spawn_train
-from nbddp.output import LINE, UPDATE, CellEcho, OutputTail
+from nbddp.kernel.output import LINE, UPDATE, CellEcho, OutputTail
 
 WORKERS = Path(__file__).parent / "workers"
 

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import free_port
 from nbddp import spawn_train
-from nbddp.errors import ConfigError, TrainingInterrupted, WorkerError
+from nbddp.contract.errors import ConfigError, TrainingInterrupted, WorkerError
 
 OWN = Path(__file__).parent / "workers" / "own_code"
 
@@ -158,7 +158,7 @@ def test_a_module_that_spawns_its_own_processes_is_refused_as_a_script_is(projec
         assert f"spawn_train({launch!r}, *args, nprocs=..., call='mp.spawn')" in msg, msg
     assert not runs.exists()
     # A module that does not spawn passes the same reading (and pkg/__init__.py is not run for it).
-    from nbddp.tasks import _module_source
+    from nbddp.contract.plans import _module_source
 
     assert _module_source("pkg.train") == project / "pkg" / "train.py"
     assert _module_source("app") == app / "__main__.py" and _module_source("app.nothing") is None
@@ -187,7 +187,7 @@ if __name__ == "__main__":
 def test_a_spawn_every_run_reaches_is_read_from_the_source(source, refused):
     import ast
 
-    from nbddp.conventions import check_script
+    from nbddp.contract.conventions import check_script
 
     if refused is None:
         check_script("s.py", ast.parse(source))

@@ -12,7 +12,7 @@ import pytest
 
 import nbddp.ui.panel as panel_mod
 from nbddp import ConfigError, DataError, TrainingInterrupted, TrainResult, WorkerError
-from nbddp.gpus import GPUInfo
+from nbddp.contract.gpus import GPUInfo
 from nbddp.ui import TrainingPanel
 from conftest import fault_env, small_cfg, survivors, text_of, wait_for, worker_children
 

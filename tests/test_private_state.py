@@ -7,8 +7,9 @@ import stat
 
 import pytest
 
-from nbddp import rundir, spawn_train
-from nbddp.protocol import read_result, write_result
+from nbddp.contract import rundir
+from nbddp import spawn_train
+from nbddp.contract.protocol import read_result, write_result
 from conftest import WORKERS
 
 PRIVATE = WORKERS / "private.py"
@@ -128,7 +129,7 @@ def test_a_resumed_launch_echoes_only_its_own_output(tmp_path, capsys):
 
 
 def test_a_linked_torch_error_file_is_not_read(tmp_path):
-    from nbddp.protocol import read_torch_traceback
+    from nbddp.contract.protocol import read_torch_traceback
 
     real = tmp_path / "real.pickle"
     real.write_bytes(pickle.dumps("Traceback:\nValueError: x\n"))

@@ -3,8 +3,8 @@
 import json
 import pickle
 
-from nbddp import protocol, rundir
-from nbddp.protocol import ErrorRecord, Heartbeat, Progress
+from nbddp.contract import protocol, rundir
+from nbddp.contract.protocol import ErrorRecord, Heartbeat, Progress
 
 
 def test_heartbeat_round_trip_and_position(tmp_path):

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from nbddp import ConfigError, TrainConfig, cli
-from nbddp.cluster import cli_flags
-from nbddp.engine import cosine_lambda, warmup_cosine_lambda
+from nbddp.contract.cluster import cli_flags
+from nbddp.rank.engine import cosine_lambda, warmup_cosine_lambda
 from conftest import small_cfg
 
 RECIPE = dict(optimizer="adamw", grad_accum_steps=3, warmup_epochs=2, label_smoothing=0.1, compile=True,
@@ -108,7 +108,7 @@ def test_panel_shows_the_epochs_gpu_memory_peaks(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     import nbddp.ui.panel as panel_mod
-    from nbddp.handle import TrainResult
+    from nbddp.kernel.handle import TrainResult
     from nbddp.ui import TrainingPanel
 
     assert panel_mod.gpu_memory_text(GPU_RECORDS[0]) == "GPU memory 3.2 GiB peak, 4.0 reserved"
@@ -136,7 +136,7 @@ def test_panel_shows_the_epochs_gpu_memory_peaks(monkeypatch, tmp_path):
 def test_gpu_memory_peaks_read_and_reset_torch_cuda_counters_on_gpu_devices_only(monkeypatch):
     import torch
 
-    from nbddp import engine
+    from nbddp.rank import engine
 
     calls = []
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: calls.append(device) or 3 * 2**29)
@@ -167,7 +167,7 @@ def test_accumulated_steps_on_two_ranks_equal_one_process_with_the_whole_batch(r
     import torch
 
     from nbddp import spawn_train
-    from nbddp.engine import train_one_epoch
+    from nbddp.rank.engine import train_one_epoch
     from conftest import WORKERS
 
     sys.path.insert(0, str(WORKERS))
@@ -194,7 +194,7 @@ def test_resume_with_the_recipe_ends_as_an_uninterrupted_run(tree, runs_dir):
     import torch
 
     from nbddp import WorkerError, spawn_train
-    from nbddp.checkpoint import load_checkpoint
+    from nbddp.contract.checkpoint import load_checkpoint
     from conftest import fault_env
 
     # 3 batches an epoch in groups of 2: a full group and a last, shorter one.
@@ -251,7 +251,7 @@ def test_compile_trains_the_same_weights_and_reports_its_time(tree, runs_dir):
     import torch
 
     from nbddp import spawn_train
-    from nbddp.checkpoint import load_checkpoint
+    from nbddp.contract.checkpoint import load_checkpoint
 
     cfg = small_cfg(tree, runs_dir, epochs=1, grad_accum_steps=2)
     plain = spawn_train(cfg.replace(name="plain"), echo=False)

@@ -3,7 +3,7 @@
 import json
 import os
 
-from nbddp.rundir import RecordFile
+from nbddp.contract.rundir import RecordFile
 
 
 def test_records_rewrite_in_place_and_always_parse(tmp_path):

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from nbddp import ConfigError, Retryable, WorkerError, rundir, spawn_train
-from nbddp.errors import NonFiniteLossError
-from nbddp.rank_errors import is_retryable
-from nbddp.restarts import backoff, check_policy, decide, split_batch
+from nbddp.contract.errors import NonFiniteLossError
+from nbddp.rank.rank_errors import is_retryable
+from nbddp.kernel.restarts import backoff, check_policy, decide, split_batch
 from conftest import WORKERS, wait_for
 
 HEALING = WORKERS / "healing.py"

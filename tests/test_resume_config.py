@@ -7,9 +7,9 @@ import re
 import pytest
 
 from nbddp import ConfigError, TrainConfig, spawn_train
-from nbddp.engine import warmup_cosine_lambda
-from nbddp.fieldspec import RESUME_FREE, RESUME_MORE, spec_of, specs
-from nbddp.tasks.classification import resume_changes
+from nbddp.rank.engine import warmup_cosine_lambda
+from nbddp.contract.fieldspec import RESUME_FREE, RESUME_MORE, spec_of, specs
+from nbddp.tasks.classification.plan import resume_changes
 import conftest
 
 

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from nbddp import ConfigError, TrainConfig
-from nbddp.checkpoint import atomic_save, load_checkpoint
-from nbddp.tasks.classification import find_resume_dir, preflight
+from nbddp.contract.checkpoint import atomic_save, load_checkpoint
+from nbddp.tasks.classification.plan import find_resume_dir, preflight
 from conftest import ROOT, free_port, launcher_env
 
 PY = sys.executable

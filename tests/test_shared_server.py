@@ -91,7 +91,7 @@ def test_a_background_run_whose_folder_vanishes_still_ends(tmp_path, runs_dir):
 
 def test_a_monitor_that_breaks_ends_the_run_and_its_workers(tmp_path, runs_dir, monkeypatch):
     from nbddp import RunAbandoned
-    from nbddp.handle import RunHandle
+    from nbddp.kernel.handle import RunHandle
 
     go = tmp_path / "go"
     h = spawn_train(f"{FAULTY}:barrier_then_wait_for_file", str(go), nprocs=2, runs_dir=runs_dir, block=False,

@@ -2,8 +2,8 @@
 
 import signal
 
-from nbddp.protocol import Heartbeat
-from nbddp.shutdown import Shutdown, Stage, ranks_finishing
+from nbddp.contract.protocol import Heartbeat
+from nbddp.kernel.shutdown import Shutdown, Stage, ranks_finishing
 
 GRACE, PATIENCE = 1.0, 300.0
 

@@ -23,7 +23,10 @@ from nbddp import spawn_train
 
 PACKAGE = Path(nbddp.__file__).parent
 WORKERS = Path(__file__).parent / "workers"
-RANK_SIDES = ("worker", "shared")
+RANK_SIDES = ("rank", "contract", "task")
+#: What each side's modules may import (the package's own face, "entry", may import any side).
+MAY_IMPORT = {"contract": {"contract"}, "rank": {"rank", "contract"}, "task": {"task", "rank", "contract"},
+              "kernel": {"kernel", "contract", "task"}}
 
 
 def package_modules() -> dict:
@@ -51,7 +54,7 @@ def imported_modules(name: str, path: Path, modules: dict) -> set:
                 where = node.module[len("nbddp."):] if node.module != "nbddp" else ""
             else:
                 continue
-            for alias in node.names:  # `from . import rundir` imports the module nbddp.rundir
+            for alias in node.names:  # `from . import rundir` imports the module nbddp.contract.rundir
                 sub = f"{where}.{alias.name}" if where else alias.name
                 found.add(sub if sub in modules else where)
         elif isinstance(node, ast.Import):
@@ -76,19 +79,64 @@ def test_every_module_has_a_side():
 
 
 def test_the_readme_layout_names_every_module_on_its_side():
-    """README's Layout lists each module in the row of its side (``ui/`` and ``tasks/`` as folders)."""
+    """README's Layout lists each module in the row of its side (``ui/`` as a folder)."""
     from conftest import ROOT
 
     text = (ROOT / "README.md").read_text()
     layout = text[text.index("## Layout"):text.index("## Development")]
     rows = {side: next(row for row in layout.splitlines() if f"**{label}**" in row)
-            for side, label in (("shared", "shared"), ("kernel", "kernel side"), ("worker", "worker side"),
-                                ("entry", "entry"))}
+            for side, label in (("contract", "contract"), ("kernel", "kernel side"), ("rank", "rank side"),
+                                ("task", "built-in task"), ("entry", "entry"))}
+    modules = package_modules()
     for module, side in nbddp.SIDES.items():
-        names = ("`ui/`",) if module.startswith("ui") else (f"`{module.replace('.', '/')}.py`", f"`{module}/`")
-        if module == "tasks":
-            names = ("`tasks/__init__.py`",)
+        path = module.replace(".", "/")
+        names = ("`ui/`",) if module.startswith("ui") else (
+            f"`{path}/`" if modules[module].name == "__init__.py" else f"`{path}.py`",)
         assert any(n in rows[side] for n in names), f"README's Layout lacks {module} in its {side} row"
+
+
+def test_every_folder_holds_one_side_and_the_top_folder_only_the_face():
+    sides = nbddp.SIDES
+    for module in package_modules():
+        if not module:
+            continue
+        folder = module.partition(".")[0] if "." in module or module in nbddp.FOLDER_SIDES else ""
+        assert sides[module] == nbddp.FOLDER_SIDES[folder], \
+            f"{module} is {sides[module]}-side but lives in the {folder or 'top'} folder ({nbddp.FOLDER_SIDES[folder]})"
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 8 and "__init__.py" in top and "__main__.py" in top, top
+
+
+def test_each_side_imports_only_what_it_may(graph):
+    """The contract imports only the contract, the rank side no kernel module, the kernel no rank
+    module (it names the ranks' entry as text: ``protocol.RANK_ENTRY``), a task no kernel module."""
+    sides = nbddp.SIDES
+    bad = sorted(f"{m} ({sides[m]}) imports {d} ({sides[d]})" for m, deps in graph.items() if m in sides
+                 and sides[m] in MAY_IMPORT for d in deps if d and sides.get(d) not in MAY_IMPORT[sides[m]])
+    assert not bad, "\n".join(bad)
+
+
+def test_an_old_module_path_is_the_module_at_its_new_path_with_a_warning():
+    code = ("import json, sys, warnings\n"
+            "warnings.simplefilter('always')\n"
+            "import nbddp\n"
+            "torch_at_import = 'torch' in sys.modules\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import nbddp.config\n"
+            "    from nbddp.dist import any_rank\n"
+            "    from nbddp.tasks.classification import preflight\n"
+            "same = [nbddp.config is sys.modules['nbddp.contract.config'], any_rank.__module__,\n"
+            "        preflight.__module__, nbddp.rundir is sys.modules['nbddp.contract.rundir'],\n"
+            "        nbddp.config.__spec__.name]\n"
+            "print(json.dumps([torch_at_import, same, [str(w.message) for w in caught]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    torch_at_import, same, messages = json.loads(out.stdout.splitlines()[-1])
+    assert torch_at_import is False
+    assert same == [True, "nbddp.rank.dist", "nbddp.tasks.classification.plan", True, "nbddp.contract.config"]
+    assert any("nbddp.config moved to nbddp.contract.config" in m for m in messages), messages
+    assert any("nbddp.dist moved to nbddp.rank.dist" in m for m in messages), messages
+    assert set(nbddp.MOVED.values()) <= set(nbddp.SIDES)
 
 
 def test_no_import_circle_at_any_level(graph):
@@ -126,7 +174,7 @@ def test_rank_side_modules_never_import_the_kernel_side_even_in_functions(graph)
     bad = {m: sorted(d for d in closure(m) if sides.get(d) == "kernel")
            for m in graph if sides.get(m) in RANK_SIDES}
     bad = {m: ds for m, ds in bad.items() if ds}
-    assert not bad, f"worker/shared modules that reach kernel-side modules: {bad}"
+    assert not bad, f"rank, contract and task modules that reach kernel-side modules: {bad}"
 
 
 def loaded_kernel_modules(names) -> list:
@@ -141,7 +189,7 @@ def test_importing_every_rank_side_module_loads_no_kernel_module():
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('nbddp'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     loaded = json.loads(out.stdout.splitlines()[-1])
-    assert "nbddp.runtime" in loaded and "nbddp.tasks.classification" in loaded
+    assert "nbddp.rank.runtime" in loaded and "nbddp.tasks.classification.train" in loaded
     assert loaded_kernel_modules(loaded) == []
 
 
@@ -161,7 +209,7 @@ def test_a_real_rank_holds_no_kernel_module(tmp_path, start_method):
     result = spawn_train(f"{WORKERS / 'sides.py'}:loaded_modules", nprocs=2, start_method=start_method,
                          runs_dir=tmp_path, echo=False, all_values=True)
     for rank, loaded in enumerate(result.values):
-        assert "nbddp.runtime" in loaded, rank
+        assert "nbddp.rank.runtime" in loaded, rank
         assert loaded_kernel_modules(loaded) == [], f"rank {rank} ({start_method}) loaded kernel-side modules"
 
 
@@ -175,5 +223,5 @@ def test_a_rank_under_a_launcher_holds_no_kernel_module(tmp_path):
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("result: "))
     loaded = ast.literal_eval(line[len("result: "):])
-    assert "nbddp.elastic" in loaded
+    assert "nbddp.rank.elastic" in loaded
     assert loaded_kernel_modules(loaded) == []

@@ -6,7 +6,7 @@ import types
 import pytest
 
 from nbddp import WorkerError, spawn_train
-from nbddp.stacks import Frame, from_traceback, parse
+from nbddp.kernel.stacks import Frame, from_traceback, parse
 from conftest import WORKERS, survivors, wait_for
 
 STUCK = WORKERS / "stuck.py"
@@ -56,7 +56,7 @@ def test_a_collective_timeout_in_a_worker_without_heartbeats_names_the_rank_it_w
 
 def test_a_traceback_reads_as_a_stack():
     text = ('Traceback (most recent call last):\n'
-            '  File "/x/nbddp/runtime.py", line 581, in run_rank\n    value = call()\n'
+            '  File "/x/nbddp/rank/runtime.py", line 581, in run_rank\n    value = call()\n'
             '  File "/home/me/train.py", line 33, in train\n    dist.all_reduce(t)\n'
             '  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3913, in all_reduce\n'
             '    work.wait()\nRuntimeError: Timed out waiting 5000ms\n')
@@ -126,9 +126,9 @@ def test_the_flight_recorder_dump_is_summarised_and_never_builds_objects(tmp_pat
     import os
     import pickle
 
-    from nbddp import rundir
-    from nbddp.report import build_worker_error
-    from nbddp.stacks import FLIGHT_RECORDER_PREFIX, flight_recorder_env, last_collectives
+    from nbddp.contract import rundir
+    from nbddp.kernel.report import build_worker_error
+    from nbddp.kernel.stacks import FLIGHT_RECORDER_PREFIX, flight_recorder_env, last_collectives
 
     run = tmp_path / "run"
     rundir.prepare_launch(run, 2)

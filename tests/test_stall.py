@@ -5,8 +5,8 @@ import re
 import time
 
 from nbddp import spawn_train
-from nbddp.protocol import Heartbeat
-from nbddp.stall import QuietWatch, find_lagging_rank, where_all_are
+from nbddp.contract.protocol import Heartbeat
+from nbddp.kernel.stall import QuietWatch, find_lagging_rank, where_all_are
 from conftest import WORKERS, survivors, wait_for
 
 

@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from nbddp.errors import ConfigError
-from nbddp.sync_bn import CPUSyncBatchNorm, convert_sync_batchnorm
+from nbddp.contract.errors import ConfigError
+from nbddp.rank.sync_bn import CPUSyncBatchNorm, convert_sync_batchnorm
 
 WORLD = 2
 PER_RANK = 4  # samples per rank; the single-process reference sees WORLD * PER_RANK

@@ -1,4 +1,4 @@
-"""The tensor data path: decode once, batches augmented on the device (nbddp.tensor_data)."""
+"""The tensor data path: decode once, batches augmented on the device (nbddp.tasks.classification.tensor_data)."""
 
 
 import pytest
@@ -7,8 +7,8 @@ import torchvision.transforms as T
 from PIL import Image
 
 from nbddp import ConfigError, DataError, TrainConfig, spawn_train
-from nbddp import data as D
-from nbddp.tensor_data import (BatchAugment, CenterCropNormalize, TensorBatches, TensorCache, cache_bytes,
+from nbddp.tasks.classification import data as D
+from nbddp.tasks.classification.tensor_data import (BatchAugment, CenterCropNormalize, TensorBatches, TensorCache, cache_bytes,
                                load_size)
 
 
@@ -112,7 +112,7 @@ def test_config_names_an_unknown_pipeline():
 
 
 def test_a_cache_that_does_not_fit_is_refused_before_any_process(tree, runs_dir, monkeypatch):
-    from nbddp.tasks import classification
+    from nbddp.tasks.classification import plan as classification
 
     monkeypatch.setattr(classification, "_available_memory", lambda: 1_000_000)
     cfg = TrainConfig(data_path=str(tree), model="resnet18", image_size=224, epochs=1, batch_size=4, nprocs=2,

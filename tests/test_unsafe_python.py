@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from nbddp import forkserver
+from nbddp.kernel import forkserver
 from conftest import ROOT
 
 UNSAFE = [(3, 10, 0), (3, 10, 8), (3, 11, 0)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from nbddp import TrainingInterrupted, WorkerError, spawn_train
-from nbddp.procs import live_workers
+from nbddp.kernel.procs import live_workers
 from conftest import EXAMPLES, ROOT, WORKERS, children_of, kernel_pid, survivors, wait_for, worker_children
 
 FAULTY = str(WORKERS / "faulty.py")
@@ -165,7 +165,7 @@ def test_import_in_a_kernel_starts_the_server_and_the_first_launch_uses_it(kerne
         f"no forkserver with torch under the kernel: {[cmdline(c) for c in children_of(pid)]}"
     server = servers_of(pid)[0]
     assert b"ipykernel" not in cmdline(server) and b"__main__" not in cmdline(server)
-    assert last_json(run_cell(kc, "print(json.dumps(nbddp.forkserver.server_pid()))")) == server
+    assert last_json(run_cell(kc, "print(json.dumps(nbddp.kernel.forkserver.server_pid()))")) == server
 
     check_worker(last_json(run_cell(kc, launch_cell(tmp_path / "runs"))), server)
     assert servers_of(pid) == [server]
@@ -219,7 +219,7 @@ def test_no_pre_warm_with_nbddp_prewarm_0(tmp_path, monkeypatch):
         run_cell(kc, IMPORT)
         time.sleep(3)
         assert servers_of(kernel_pid(km)) == []
-        out = run_cell(kc, "import threading; print(json.dumps([nbddp.forkserver.server_pid(), "
+        out = run_cell(kc, "import threading; print(json.dumps([nbddp.kernel.forkserver.server_pid(), "
                            "[t.name for t in threading.enumerate() if t.name == 'nbddp-prewarm']]))")
         assert last_json(out) == [None, []]
     finally:
@@ -232,8 +232,8 @@ import sys, json, threading, time
 sys.path.insert(0, {root!r})
 import nbddp
 time.sleep(2)
-import nbddp.forkserver  # asks the server's pid, starts nothing
-print(json.dumps([nbddp.forkserver.server_pid(), [t.name for t in threading.enumerate()]]))
+import nbddp.kernel.forkserver  # asks the server's pid, starts nothing
+print(json.dumps([nbddp.kernel.forkserver.server_pid(), [t.name for t in threading.enumerate()]]))
 """
 
 
@@ -254,7 +254,7 @@ import sys, json, multiprocessing
 from multiprocessing import spawn
 sys.path.insert(0, {root!r})
 import nbddp
-from nbddp import forkserver
+from nbddp.kernel import forkserver
 original = spawn.get_preparation_data
 if {panel!r}:
     from nbddp.ui import TrainingPanel

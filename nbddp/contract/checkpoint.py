@@ -245,7 +245,7 @@ def _load_weights_only(path: PathLike, what: str = "checkpoint") -> Any:
             f"plain containers{' (' + blocked + ')' if blocked else ''}. nbddp never unpickles "
             "such files because that can run arbitrary code. If the file was saved with "
             "torch.save(model), re-save model.state_dict(); if it holds numpy arrays, Path or "
-            "Namespace objects, re-save it through nbddp.checkpoint.to_plain. Do that only in a "
+            "Namespace objects, re-save it through nbddp.contract.checkpoint.to_plain. Do that only in a "
             "separate Python, and only if you trust where the file came from."
         ) from None
     except Exception as e:  # RuntimeError (zip), EOFError (empty), KeyError (garbage)...

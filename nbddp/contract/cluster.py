@@ -2,8 +2,8 @@
 
 Shared, text only: nothing here starts a process. ``TrainConfig.torchrun_command`` and
 ``sbatch_script`` import it at the call; it reads the config through its fields' declarations
-(:mod:`nbddp.fieldspec`) and never imports :mod:`nbddp.config`. The commands run
-``python -m nbddp``, which reads the launcher's environment (:mod:`nbddp.elastic`), so the
+(:mod:`nbddp.contract.fieldspec`) and never imports :mod:`nbddp.contract.config`. The commands run
+``python -m nbddp``, which reads the launcher's environment (:mod:`nbddp.rank.elastic`), so the
 worker, the config and the run folder layout stay the same as under ``spawn_train``.
 
 The text is meant to be pasted into a shell or submitted to Slurm, so every value in it is
@@ -24,8 +24,8 @@ from .errors import ConfigError
 from .fieldspec import flag_name, specs
 from .rundir import NAME_RULE, name_problem
 
-# ``cfg`` below is a ``TrainConfig``, read through its fields' declarations (nbddp.fieldspec):
-# this module never imports nbddp.config, whose methods call it.
+# ``cfg`` below is a ``TrainConfig``, read through its fields' declarations (nbddp.contract.fieldspec):
+# this module never imports nbddp.contract.config, whose methods call it.
 
 
 def cli_flags(cfg: Any) -> List[str]:

@@ -107,7 +107,7 @@ class TrainConfig:
         gpus: GPU ids as ``list_gpus()`` and ``nvidia-smi`` show them, one process each (rank r runs
             on ``gpus[r]``; workers get ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and the kernel's own
             ``CUDA_VISIBLE_DEVICES`` words for these GPUs), or ``"idle"``: the GPUs idle at
-            launch (:data:`nbddp.gpus.IDLE_RULE`), picked in the kernel before any worker starts
+            launch (:data:`nbddp.contract.gpus.IDLE_RULE`), picked in the kernel before any worker starts
             (the run's ``config.json`` then records the ids it ran on).
         runs_dir: folder that holds one sub-folder per run.
         name: short name appended to the run folder.
@@ -124,19 +124,19 @@ class TrainConfig:
             random augmentation still runs every epoch). For ``data_pipeline="pil"``.
         data_pipeline: ``"decode"``: loader workers read the files' bytes, and each batch is
             decoded (nvJPEG on GPUs, PNG per image on the CPU) and augmented on the rank's
-            device (:mod:`nbddp.decode_data`): for photo folders too large to keep decoded.
+            device (:mod:`nbddp.tasks.classification.decode_data`): for photo folders too large to keep decoded.
             ``"pil"`` (the reference: per-image PIL transforms in DataLoader
             workers, random crops of the full image) or ``"tensor"`` (decode once into a uint8
             tensor on the rank's device, then crop, flip and normalise whole batches there: GPU-side
             augmentation, no loader processes; for datasets that fit in memory, see
-            :mod:`nbddp.tensor_data`).
+            :mod:`nbddp.tasks.classification.tensor_data`).
         persistent_workers: keep DataLoader workers alive between epochs (``num_workers > 0``),
             so no epoch pays for starting them again. Resumed runs stay exact either way: each
             image's augmentation is seeded by (seed, epoch, image), not by the worker.
         timeout_s: process-group timeout in seconds (a hung collective fails after this).
         max_restarts: restart a run that failed in a way a restart heals (a rank killed or
             crashed, a hang, a collective timeout, a GPU/NCCL error) up to this many times, from
-            its last checkpoint in the same run folder (:mod:`nbddp.restarts` has the rule).
+            its last checkpoint in the same run folder (:mod:`nbddp.kernel.restarts` has the rule).
         oom: ``"fail"`` (out of memory ends the run) or ``"halve"`` (restart with half the
             per-rank batch and twice ``grad_accum_steps``: the same global batch and schedule;
             the run's ``config.json`` keeps the new values).
@@ -280,8 +280,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Check every field's type and range; raises ``ConfigError`` naming the field.
 
-        Group by group (:data:`nbddp.fieldspec.GROUPS`): first each field's own
-        :class:`~nbddp.fieldspec.Check`, from its declaration, then the group's rules that no
+        Group by group (:data:`nbddp.contract.fieldspec.GROUPS`): first each field's own
+        :class:`~nbddp.contract.fieldspec.Check`, from its declaration, then the group's rules that no
         single field's check can say (a field against another, a special message).
         """
 
@@ -360,13 +360,13 @@ class TrainConfig:
     # ``cluster`` writes text from any config-like dataclass and imports nothing of this module, so
     # the arrow goes one way; imported here, at the call, so a rank never loads it.
     def torchrun_command(self, **kwargs: Any) -> str:
-        """The exact ``torchrun`` command for this run; see :func:`nbddp.cluster.torchrun_command`."""
+        """The exact ``torchrun`` command for this run; see :func:`nbddp.contract.cluster.torchrun_command`."""
         from . import cluster
 
         return cluster.torchrun_command(self, **kwargs)
 
     def sbatch_script(self, **kwargs: Any) -> str:
-        """An ``sbatch`` script for this run; see :func:`nbddp.cluster.sbatch_script`."""
+        """An ``sbatch`` script for this run; see :func:`nbddp.contract.cluster.sbatch_script`."""
         from . import cluster
 
         return cluster.sbatch_script(self, **kwargs)

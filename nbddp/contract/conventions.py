@@ -127,7 +127,7 @@ def check_script(path: str, tree: ast.Module, launch: Optional[str] = None) -> N
     as a script in each of nbddp's ranks, start ``world_size`` more processes per rank (and bind
     its hard-coded port twice). Only calls every run reaches are refused here, in the main block
     or in a function of the file it calls; a call behind a condition (``if args.spawn:``) is
-    refused when a rank reaches it (:func:`nbddp.calls.refuse_nested_spawn`).
+    refused when a rank reaches it (:func:`nbddp.rank.calls.refuse_nested_spawn`).
 
     Raises:
         ConfigError: naming the line, and the launch of the function it spawns.

@@ -48,7 +48,7 @@ class Retryable(Exception):
 
     A run launched with ``max_restarts=N`` restarts from its last checkpoint after a rank
     raised one; any other exception of the worker's own is taken to fail again the same way
-    (see :mod:`nbddp.restarts` for the whole rule). An exception class of your own can say the
+    (see :mod:`nbddp.kernel.restarts` for the whole rule). An exception class of your own can say the
     same with a class attribute ``retryable = True``.
 
     Example:
@@ -75,8 +75,8 @@ class WorkerError(NbddpError):
             ``"signal"``, ``"exit-code"`` (no Python exception), ``"hang"`` (no progress),
             ``"collective"`` (a collective failed or timed out), ``"watchdog"`` (NCCL's) or
             ``"server"`` (the launch server died).
-        retryable: the rank's exception said a restart can heal it (:mod:`nbddp.restarts`).
-        restarts: the restarts the run made before this failure (``nbddp.restarts.Restart``).
+        retryable: the rank's exception said a restart can heal it (:mod:`nbddp.kernel.restarts`).
+        restarts: the restarts the run made before this failure (``nbddp.kernel.restarts.Restart``).
     """
 
     def __init__(self, message: str, *, rank=None, exc_type=None, signal=None, exitcode=None,

@@ -1,15 +1,15 @@
 """What a ``TrainConfig`` field is, beside its type and default: declared once, read everywhere.
 
-Each field of :class:`nbddp.config.TrainConfig` carries a :class:`FieldSpec` in its
+Each field of :class:`nbddp.contract.config.TrainConfig` carries a :class:`FieldSpec` in its
 ``dataclasses.field(metadata=...)``. From it, and nothing else:
 
 * ``TrainConfig.validate`` runs the field's :class:`Check` in the field's validation group;
 * ``python -m nbddp train`` builds the field's flag (help, choices, ``--x``/``--no-x``, metavar);
-* :func:`nbddp.cluster.cli_flags` writes the field into generated commands (or leaves it to the
+* :func:`nbddp.contract.cluster.cli_flags` writes the field into generated commands (or leaves it to the
   launcher);
 * the training panel builds the field's :class:`Widget` (kind, label, range, section);
 * ``resume`` refuses or takes a changed value (:attr:`FieldSpec.resume`,
-  :func:`nbddp.tasks.classification.find_resume_dir`).
+  :func:`nbddp.tasks.classification.plan.find_resume_dir`).
 
 Shared, and standard library only: the config, the CLI, the cluster commands and the panel all
 import it, and it imports none of them.

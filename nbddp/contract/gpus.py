@@ -63,7 +63,7 @@ class GPUInfo:
         processes: compute processes on it now other than this kernel (NVML's
             ``nvmlDeviceGetComputeRunningProcesses``, or ``nvidia-smi --query-compute-apps``),
             of any user; ``None`` where the driver does not say.
-        lease: who holds the GPU's advisory lease (:mod:`nbddp.leases`), e.g. ``"leased by alice
+        lease: who holds the GPU's advisory lease (:mod:`nbddp.contract.leases`), e.g. ``"leased by alice
             (pid 4242, run 20250101-120000-mnist)"``; ``None`` when no kernel holds it.
     """
 

@@ -8,7 +8,7 @@ every user shares, ``/tmp/nbddp-gpu-leases`` (sticky and world-writable, like ``
 lifetime. The kernel releases it when the run ends; the operating system releases it when the
 kernel dies, killed or not, so a lease never outlives its holder: a file left by a dead kernel is
 simply free to lock again. ``gpus="idle"`` skips leased GPUs; GPUs chosen by hand are leased when
-free and warn when another kernel holds them. The listing (:func:`nbddp.gpus.list_gpus`, the
+free and warn when another kernel holds them. The listing (:func:`nbddp.contract.gpus.list_gpus`, the
 panel) names the holder: user, pid and run, as the holder wrote them into the file.
 
 Leases are advisory: code that ignores them (plain scripts, other tools) is not kept off a GPU,
@@ -210,7 +210,7 @@ def holders(gpus: Sequence) -> Dict[int, str]:
     """``{GPU index: "leased by alice (pid 4242, run 20250101-120000-mnist)"}`` for the leased GPUs.
 
     Args:
-        gpus: objects with ``index`` and ``uuid`` (:class:`nbddp.gpus.GPUInfo`).
+        gpus: objects with ``index`` and ``uuid`` (:class:`nbddp.contract.gpus.GPUInfo`).
     """
     folder = _folder(create=False)
     if folder is None or not gpus:

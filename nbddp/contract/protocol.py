@@ -1,6 +1,6 @@
 """What crosses between the kernel and the ranks: the launch contract and every record after it.
 
-Each record is a typed dataclass with exactly one writer and one reader; :mod:`nbddp.rundir`
+Each record is a typed dataclass with exactly one writer and one reader; :mod:`nbddp.contract.rundir`
 owns where the files are, this module what they hold::
 
     record          file (.nbddp/)       written by                        read by
@@ -12,14 +12,14 @@ owns where the files are, this module what they hold::
                                          (or the kernel, from torch's error file: adopt_torch_error_file)
     result          result[.rank<r>].pkl rank r: write_result              kernel: read_result
 
-``.nbddp/`` is the user's alone (0700, files 0600, see :func:`nbddp.rundir.make_state_dir`), and
+``.nbddp/`` is the user's alone (0700, files 0600, see :func:`nbddp.contract.rundir.make_state_dir`), and
 the one record that is unpickled, the result, is read only from there and only when it is
 provably the user's own file.
 
 The JSON records' readers never raise on a record that is missing, being rewritten or from an
 older nbddp: a missing record is ``None`` (or absent from the mapping) and a missing field takes
 its default. Not here: ``metrics.jsonl``, free-form lines the worker logs (``Context.log``) and
-the handle tails, and ``launch.json``, which only kernels read and write (:mod:`nbddp.rundir`).
+the handle tails, and ``launch.json``, which only kernels read and write (:mod:`nbddp.contract.rundir`).
 
 Shared by both sides: imports nothing of nbddp but ``rundir`` and ``paths``, and nothing of torch.
 """
@@ -63,12 +63,12 @@ class LaunchSpec:
                                              # inherit the kernel's environment of the moment
     kernel: Optional[tuple] = None  # (pid, start time) of the launching process, watched
     all_values: bool = False  # every rank stores its return value, not rank 0 alone
-    call: str = "ctx"  # how the rank calls the target (nbddp.calls): ctx, mp.spawn, torchrun
+    call: str = "ctx"  # how the rank calls the target (nbddp.rank.calls): ctx, mp.spawn, torchrun
     argv: tuple = ()  # a script's command-line arguments (sys.argv[1:])
     payload: Optional[bytes] = None  # a function from a notebook cell, pickled by value
     cwd: Optional[str] = None  # the kernel's working directory at the launch
     master_port: Optional[int] = None  # MASTER_PORT the ranks see (the TCP store's, or a free port)
-    store_path: Optional[str] = None  # the private FileStore nbddp's own group meets in (nbddp.rendezvous)
+    store_path: Optional[str] = None  # the private FileStore nbddp's own group meets in (nbddp.kernel.rendezvous)
 
 
 #: A rank's entry, named (``module:function``) so that the launcher hands it to the ranks
@@ -311,7 +311,7 @@ class ErrorRecord:
         epoch, step: where training was.
         secondary: a consequence of another rank's failure (its peer vanished, a timeout).
         root_rank: the rank the exception itself names as the cause (a NaN seen on another rank).
-        retryable: a restart may heal it (``nbddp.rank_errors.is_retryable``).
+        retryable: a restart may heal it (``nbddp.rank.rank_errors.is_retryable``).
     """
 
     rank: int
@@ -360,7 +360,7 @@ class _StringsOnly(pickle.Unpickler):
 def read_torch_traceback(path: str) -> Optional[str]:
     """The traceback string torch's spawn wrapper pickled, if the file is ours and holds one.
 
-    The file sits in the launch's private temp folder (``nbddp.launch.private_tmp``); even so,
+    The file sits in the launch's private temp folder (``nbddp.kernel.launch.private_tmp``); even so,
     only a regular file owned by this user is read (opened without following a link, checked on
     its descriptor), and nothing but a string is unpickled.
     """
@@ -425,9 +425,9 @@ def read_result(run_dir: PathLike, rank: int = 0) -> Any:
 
     Unpickling runs code, so the file is read only if it is provably the user's: a regular file
     (no link followed) owned by the user in the run's private ``.nbddp`` folder (0700, the
-    user's); see :func:`nbddp.rundir.read_private`.
+    user's); see :func:`nbddp.contract.rundir.read_private`.
 
     Raises:
-        nbddp.rundir.NotPrivate: the file or its folder is not provably the user's.
+        nbddp.contract.rundir.NotPrivate: the file or its folder is not provably the user's.
     """
     return pickle.loads(rundir.read_private(rundir.result_path(run_dir, rank)))

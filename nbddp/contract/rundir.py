@@ -27,7 +27,7 @@ reader sees the old file or the new one, never half of one. Files that must surv
 cut (checkpoints, exports, config, class names) are also fsynced; state records that are
 rewritten several times per step (heartbeats, progress) use :class:`RecordFile` instead.
 This module owns the names; what the ``.nbddp/`` records hold, and their one writer and one
-reader each, is :mod:`nbddp.protocol`'s.
+reader each, is :mod:`nbddp.contract.protocol`'s.
 
 This module imports nothing from torch and nothing from the rest of nbddp but ``paths``:
 both sides of a launch (the kernel and the workers) share it.
@@ -136,7 +136,7 @@ def log_sizes(run_dir: PathLike, world_size: int) -> Dict[int, int]:
 
 
 def stacks_log(run_dir: PathLike, rank: int) -> Path:
-    """Where rank ``rank`` writes its Python stacks when asked (``nbddp.stacks``)."""
+    """Where rank ``rank`` writes its Python stacks when asked (``nbddp.kernel.stacks``)."""
     return logs_dir(run_dir) / f"rank{rank}.stacks.log"
 
 

@@ -2,7 +2,7 @@
 
 A function from a file or a module travels to a spawned child by name: this module turns
 whatever the user passed into a spec string that every child can load by itself (a function
-defined in a notebook cell travels by value instead, :mod:`nbddp.cells`). The kernel checks the spec (file exists, function defined) without
+defined in a notebook cell travels by value instead, :mod:`nbddp.contract.cells`). The kernel checks the spec (file exists, function defined) without
 running the user's file; the child loads it fresh, so edits to the file count at every launch.
 :func:`worker_signature` reads a worker's keyword parameters the same way (``ast`` on the file),
 for the panel's form.
@@ -28,7 +28,7 @@ from .errors import ConfigError
 
 _NOTEBOOK_FIX = (
     "A function of __main__ travels to the ranks by value when spawn_train or TrainingPanel is "
-    "given the function itself (nbddp.cells); by name, it must live in a file. Put it in its own "
+    "given the function itself (nbddp.contract.cells); by name, it must live in a file. Put it in its own "
     "cell that starts with\n"
     "    %%writefile my_worker.py\n"
     "run that cell, then launch with\n"

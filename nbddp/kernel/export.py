@@ -6,7 +6,7 @@ the CPU, so exporting never unpickles code and never initialises CUDA in the ker
 
 Example:
     >>> paths = export_run(result.run_dir, "exported/digits")      # best epoch
-    >>> model, classes = nbddp.inference.load_model("exported/digits")
+    >>> model, classes = nbddp.kernel.inference.load_model("exported/digits")
     >>> recs = load_val_predictions(result.run_dir)
     >>> per_class_accuracy([r["label"] for r in recs], [r["pred"] for r in recs], classes)
 """
@@ -55,11 +55,11 @@ def export_run(run_dir: PathLike, out_dir: PathLike, which: str = "best") -> Dic
     """Write a run's weights where you want them, ready for inference or fine-tuning.
 
     Files written in ``out_dir`` (as one whole folder that replaces any earlier export there, see
-    :func:`nbddp.checkpoint.export_weights`):
+    :func:`nbddp.contract.checkpoint.export_weights`):
     ``model.pth`` (plain torchvision state_dict: no ``module.`` prefix, loads with
     ``strict=True``), ``model.safetensors`` (the same tensors), ``class_indices.json``
     (``{"0": "name", ...}``) and ``meta.json`` (model, num_classes, image_size, epoch (0-based),
-    accuracy, which checkpoint). :func:`nbddp.inference.load_model` reads the folder back.
+    accuracy, which checkpoint). :func:`nbddp.kernel.inference.load_model` reads the folder back.
 
     Args:
         run_dir: the run's folder (``TrainResult.run_dir``).

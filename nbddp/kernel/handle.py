@@ -49,7 +49,7 @@ class TrainResult:
         stopped: True when the run ended early because ``stop()`` was asked and the worker obeyed.
         values: every rank's return value, in rank order (tensors on the CPU), when the run was
             launched with ``spawn_train(..., all_values=True)``.
-        restarts: the restarts the run made on its way (``max_restarts``; :class:`nbddp.restarts.Restart`).
+        restarts: the restarts the run made on its way (``max_restarts``; :class:`nbddp.kernel.restarts.Restart`).
     """
 
     value: Any
@@ -130,7 +130,7 @@ class _LineTail:
 
 
 def remove_private_tmp(path: Optional[str]) -> None:
-    """Remove the ranks' private temp folder (see :func:`nbddp.launch.private_tmp`); best effort."""
+    """Remove the ranks' private temp folder (see :func:`nbddp.kernel.launch.private_tmp`); best effort."""
     if path:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -151,7 +151,7 @@ _LEFTOVER_GRACE_S = 1.0
 
 def _end_group(pid: int) -> None:
     """SIGTERM to the process group of a rank that just exited (it led it): what it started
-    there goes with it (see :func:`nbddp.procs.orphaned_group`)."""
+    there goes with it (see :func:`nbddp.kernel.procs.orphaned_group`)."""
     if orphaned_group(pid):
         try:
             os.killpg(pid, signal.SIGTERM)
@@ -188,12 +188,12 @@ class RunHandle:
                  leases=None, log_starts: Optional[Dict[int, int]] = None, tmp_dir: Optional[str] = None,
                  restarts: Optional[RestartPolicy] = None):
         # torch's ProcessContext of the workers (not a worker's ctx: that lives in the workers).
-        # store: the launch's meeting point (nbddp.rendezvous.Rendezvous, or a bare TCPStore);
-        # leases: its GPU leases (nbddp.leases.Leases). Both are held until the run ends.
+        # store: the launch's meeting point (nbddp.kernel.rendezvous.Rendezvous, or a bare TCPStore);
+        # leases: its GPU leases (nbddp.contract.leases.Leases). Both are held until the run ends.
         # log_starts: each rank's log size before this launch (a resumed run appends to its logs):
         # the echo and the error quote only this launch's lines;
         # tmp_dir: the ranks' private TMPDIR, removed once the run has ended;
-        # restarts: max_restarts and the launcher that starts each restart (nbddp.restarts).
+        # restarts: max_restarts and the launcher that starts each restart (nbddp.kernel.restarts).
         self._procs, self.spec, self._store, self.echo, self.grace_s = procs, spec, store, echo, grace_s
         self._leases = leases
         self.stop_timeout_s = stop_timeout_s
@@ -267,8 +267,8 @@ class RunHandle:
     def subscribe(self, callback: Callable[[str, Any], None]) -> None:
         """Call ``callback(kind, payload)`` for ``"line"``, ``"update"`` (rank 0 rewrote its current line
         with ``\r``: a progress bar), ``"metrics"``, ``"progress"``, ``"restart"`` (a
-        :class:`nbddp.restarts.Restart`, before its back-off), ``"notice"`` (a line: no rank has made
-        progress for long, and where each one is; see :mod:`nbddp.stall`) and ``"end"``."""
+        :class:`nbddp.kernel.restarts.Restart`, before its back-off), ``"notice"`` (a line: no rank has made
+        progress for long, and where each one is; see :mod:`nbddp.kernel.stall`) and ``"end"``."""
         self._listeners.append(callback)
 
     def stop(self, wait: bool = True, timeout: Optional[float] = None) -> None:

@@ -2,7 +2,7 @@
 
 Everything before the first process starts happens here: the target and its arguments are
 checked, the GPUs leased, the run folder made, the ranks' meeting point made private to the
-user (:mod:`nbddp.rendezvous`), the environment set for the children (and restored). Watching the run is :class:`nbddp.handle.RunHandle`'s job.
+user (:mod:`nbddp.kernel.rendezvous`), the environment set for the children (and restored). Watching the run is :class:`nbddp.kernel.handle.RunHandle`'s job.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def spawn_train(
         *args: positional arguments for the worker function (must be picklable).
         nprocs: number of CPU processes (gloo). Defaults to 1 when ``gpus`` is not given.
         gpus: GPU ids (as in ``nvidia-smi``); rank r runs on ``gpus[r]`` with nccl. ``"idle"``
-            takes the GPUs idle now (``nbddp.gpus.IDLE_RULE``); a chosen GPU in use warns.
+            takes the GPUs idle now (``nbddp.contract.gpus.IDLE_RULE``); a chosen GPU in use warns.
         kwargs: keyword arguments for the worker function (must be picklable).
         block: wait for the end and return a ``TrainResult``; ``False`` returns a
             ``RunHandle`` at once and keeps the notebook usable.
@@ -154,7 +154,7 @@ def spawn_train(
             Progress is what the worker reports through ``ctx.heartbeat``/``ctx.log``/``ctx.progress``.
             When no rank makes progress and none lags (every rank stuck at the same point, e.g. in a
             data loader), the run goes on, but once that lasts ``stall_timeout_s`` and three times
-            the longest gap seen so far, the cell says where every rank is (:mod:`nbddp.stall`).
+            the longest gap seen so far, the cell says where every rank is (:mod:`nbddp.kernel.stall`).
         echo: print rank 0's output live, prefixed with ``[rank0]``.
         on_event: called as ``on_event(kind, payload)`` for every ``"line"``, ``"metrics"``,
             ``"progress"`` and ``"end"`` event (see :meth:`RunHandle.subscribe`).
@@ -181,7 +181,7 @@ def spawn_train(
             this many times, in the same run folder, from its last checkpoint (the built-in
             worker's ``last.pt``; ``ctx.load_checkpoint()`` in your own). Errors of the worker's
             code that would fail again the same way, a Stop and an Interrupt are never retried:
-            the rule is :mod:`nbddp.restarts`. Default 0 (a config's own ``max_restarts``).
+            the rule is :mod:`nbddp.kernel.restarts`. Default 0 (a config's own ``max_restarts``).
         oom: ``"halve"``: an out-of-memory error restarts the built-in worker with half the
             per-rank batch and twice the gradient accumulation (same global batch and schedule),
             as often as the batch can be split, whatever ``max_restarts``. ``"fail"``: it ends the run. Default: the config's own ``oom``,
@@ -262,7 +262,7 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
 class _Generations:
     """What every launch of one run shares, and how to start one: the first, then each restart.
 
-    A restart (:mod:`nbddp.restarts`) is a new launch in the same run folder, with a new meeting
+    A restart (:mod:`nbddp.kernel.restarts`) is a new launch in the same run folder, with a new meeting
     point and temp folder, its number in ``NBDDP_RESTART_COUNT``, and the built-in worker's config
     set to resume the folder (with ``changes``, the halved batch of an out-of-memory restart).
     """
@@ -366,7 +366,7 @@ def _error_files_in(folder: str):
 
 
 def _resolve_gpus(target: Any, gpus: Union[str, Sequence[int], None]) -> Tuple[Any, Optional[List[int]], Leases]:
-    """``(target, gpus, leases)`` with ``"idle"`` resolved to the GPUs idle now (:func:`nbddp.gpus.resolve_gpus`).
+    """``(target, gpus, leases)`` with ``"idle"`` resolved to the GPUs idle now (:func:`nbddp.contract.gpus.resolve_gpus`).
 
     A config comes back with its ``gpus`` resolved, so that its checks, its ``config.json`` and
     its workers see the GPUs it runs on. Chosen GPUs that are busy warn. The GPUs are leased.
@@ -381,7 +381,7 @@ def _resolve_gpus(target: Any, gpus: Union[str, Sequence[int], None]) -> Tuple[A
 
 
 def _leased(value: Union[str, Sequence[int], None]) -> Tuple[List[int], Leases]:
-    """The GPU ids of ``value`` and their leases (:mod:`nbddp.leases`), taken without waiting.
+    """The GPU ids of ``value`` and their leases (:mod:`nbddp.contract.leases`), taken without waiting.
 
     With ``"idle"``, a GPU another kernel leased between the listing and now is dropped (that
     kernel won it); none left is refused. A GPU chosen by hand is leased when free and warned

@@ -255,7 +255,7 @@ def remove_left_temp_folder(run_dir: Union[str, Path]) -> bool:
     ``FileStore``) that a kernel killed before the run's end left behind; True if removed.
 
     Only a folder the launch record names, called ``nbddp-*``, directly in the system temp
-    folder, a real folder (not a link) of this user: what :func:`nbddp.launch.private_tmp` made.
+    folder, a real folder (not a link) of this user: what :func:`nbddp.kernel.launch.private_tmp` made.
     """
     path = rundir.read_launch_record(run_dir).get("tmp_dir")
     if not isinstance(path, str) or not path:

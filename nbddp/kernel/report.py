@@ -78,7 +78,7 @@ def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord], b
     """Pick the rank that caused a failure (see the module docstring for the rules).
 
     ``consequences``: ranks whose death is known to be secondary (NCCL's watchdog abort).
-    ``stacks``: where the ranks were (:class:`nbddp.stacks.RankStack` by rank), to tell a rank
+    ``stacks``: where the ranks were (:class:`nbddp.kernel.stacks.RankStack` by rank), to tell a rank
     waiting in a collective from the one it waits for.
     """
     for rec in sorted(records.values(), key=lambda r: r.time):
@@ -190,7 +190,7 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
             is quoted (a resumed or restarted run appends to its logs).
         server_died: how the warm server the ranks forked from ended (``"signal 9"``), if it
             died during the run: every rank then ends with it, without a word of its own.
-        stacks: where the live ranks were when the failure was seen (:class:`nbddp.stacks.Stacks`).
+        stacks: where the live ranks were when the failure was seen (:class:`nbddp.kernel.stacks.Stacks`).
     """
     records, beats = read_error_records(run_dir, world_size), read_heartbeats(run_dir, world_size)
     logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}

@@ -16,7 +16,7 @@ Retried, up to ``max_restarts`` times:
   crash in native code, ``os._exit``);
 - a hang: a rank that stopped making progress for ``stall_timeout_s``, a collective that
   failed or timed out (``timeout_s``), NCCL's watchdog; the launch server's death;
-- an exception the rank classed as retryable (:func:`nbddp.rank_errors.is_retryable`):
+- an exception the rank classed as retryable (:func:`nbddp.rank.rank_errors.is_retryable`):
   :class:`nbddp.Retryable` (or ``retryable = True`` on the exception's class), the errors of
   ``torch.distributed``, errors of the GPU, its driver or NCCL;
 - ``torch.OutOfMemoryError`` with ``oom="halve"`` (the built-in worker): the restart splits

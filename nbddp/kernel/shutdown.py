@@ -2,7 +2,7 @@
 
 A :class:`Shutdown` knows only time and its own stage; what it asks of the processes goes
 through the two functions it is given (send a signal to every live rank; say whether the ranks
-are still finishing), so it can be driven by a fake clock in a test. :class:`nbddp.handle.RunHandle`
+are still finishing), so it can be driven by a fake clock in a test. :class:`nbddp.kernel.handle.RunHandle`
 starts one on a Stop, an Interrupt or a failure and calls :meth:`Shutdown.advance` on every poll;
 the run ends when every process has exited, whatever the stage.
 

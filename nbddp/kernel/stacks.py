@@ -1,6 +1,6 @@
 """Where is each rank? Every rank's Python stack, on demand and when a run hangs or fails.
 
-Each rank registers ``faulthandler`` on :data:`~nbddp.protocol.STACK_SIGNAL`, writing every
+Each rank registers ``faulthandler`` on :data:`~nbddp.contract.protocol.STACK_SIGNAL`, writing every
 thread's stack to ``logs/rank<r>.stacks.log`` (``runtime._stacks_on_signal``). The kernel sends
 the signal, reads what each file gained and names, per rank, the innermost frame of the code
 that trains (the worker's own, or nbddp's engine for the built-in worker) and the collective it
@@ -228,7 +228,7 @@ def last_collectives(run_dir: PathLike, world_size: int) -> Dict[int, str]:
     """Each rank's last collective as NCCL's flight recorder dumped it: ``"all_reduce #12 (started)"``.
 
     Only a dump in the run's private folder that is provably the user's is read
-    (:func:`nbddp.rundir.read_private`), and nothing but plain containers is unpickled.
+    (:func:`nbddp.contract.rundir.read_private`), and nothing but plain containers is unpickled.
     """
     found = {}
     for r in range(world_size):

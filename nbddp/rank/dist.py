@@ -158,7 +158,7 @@ def main_first() -> Iterator[None]:
 
 
 def save_on_main(obj, path) -> None:
-    """Save ``obj`` atomically from rank 0 only (see :func:`nbddp.checkpoint.atomic_save`)."""
+    """Save ``obj`` atomically from rank 0 only (see :func:`nbddp.contract.checkpoint.atomic_save`)."""
     if is_main():
         from ..contract.checkpoint import atomic_save
 

@@ -138,7 +138,7 @@ def run_under_launcher(le: LauncherEnv, plan: LaunchPlan, choose_run_dir: Callab
 
     Args:
         le: the launcher environment (:func:`detect`).
-        plan: what to run (:func:`nbddp.tasks.plan`, as ``spawn_train`` makes it).
+        plan: what to run (:func:`nbddp.contract.plans.plan`, as ``spawn_train`` makes it).
         choose_run_dir: called on global rank 0 only, after the process group is up.
     """
     run_rank_hook(le.rank)  # first, as in a spawned rank

@@ -2,7 +2,7 @@
 
 When one rank fails, its peers fail too, with communication errors (the peer vanished, a wait
 timed out). A rank marks such an error *secondary* in its error record, so the kernel looks
-past it for the root cause (:mod:`nbddp.report`).
+past it for the root cause (:mod:`nbddp.kernel.report`).
 
 Worker side.
 """
@@ -55,7 +55,7 @@ _CODE_MARKERS = ("device-side assert",)
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """True when a restart may heal ``exc`` (the rule is :mod:`nbddp.restarts`'s).
+    """True when a restart may heal ``exc`` (the rule is :mod:`nbddp.kernel.restarts`'s).
 
     The worker said so (``nbddp.Retryable``, or ``retryable = True`` on its class); a
     communication error of ``torch.distributed`` (a peer vanished, a collective timed out); an

@@ -132,7 +132,7 @@ class Context:
         """Record metrics: rank 0's go live to the notebook and to the run's ``metrics.jsonl``.
 
         Other ranks only update their heartbeat, so ``ctx.log`` can be called on every rank
-        (log values reduced over ranks, e.g. with :func:`nbddp.dist.reduce_value`).
+        (log values reduced over ranks, e.g. with :func:`nbddp.rank.dist.reduce_value`).
         """
         self.heartbeat(metrics.get("epoch"), metrics.get("step"))
         if not self.is_main:
@@ -205,7 +205,7 @@ class Context:
                 error = exc
         agree_on_error(error, f"saving checkpoint {path.name}")
         barrier()
-        if self.is_main:  # where a restart continues from (nbddp.restarts)
+        if self.is_main:  # where a restart continues from (nbddp.kernel.restarts)
             epoch, step = (state.get(k) if isinstance(state, dict) else None for k in ("epoch", "step"))
             note_checkpoint(self.run_dir, path, epoch if isinstance(epoch, int) else self.epoch,
                             step if isinstance(step, int) else self.step)
@@ -246,7 +246,7 @@ class Context:
 
         Cheap enough for every step: the request is looked for at most 5 times a second.
         Local to this rank: to leave a loop together, agree first, e.g.
-        ``if nbddp.dist.any_rank(ctx.should_stop()): break``.
+        ``if nbddp.rank.dist.any_rank(ctx.should_stop()): break``.
         """
         if self._stop_reason is None and time.time() - self._stop_checked >= 0.2:
             self._look_for_stop()
@@ -499,11 +499,11 @@ _stack_file = None  # kept open for faulthandler, for the rank's life
 
 
 def _stacks_on_signal(run_dir: Path, rank: int) -> None:
-    """On :data:`~nbddp.protocol.STACK_SIGNAL`, write every thread's Python stack to ``rank<r>.stacks.log``.
+    """On :data:`~nbddp.contract.protocol.STACK_SIGNAL`, write every thread's Python stack to ``rank<r>.stacks.log``.
 
     ``faulthandler`` writes from its C signal handler, so a rank stuck in a collective, in
     native code or holding the GIL in a loop still answers; the kernel reads what is appended
-    (:mod:`nbddp.stacks`). Its own file keeps rank 0's log, echoed into the cell, clean.
+    (:mod:`nbddp.kernel.stacks`). Its own file keeps rank 0's log, echoed into the cell, clean.
     """
     global _stack_file
     try:
@@ -521,7 +521,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     except OSError:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The warm server runs with SIGINT blocked (nbddp.forkserver.start_server): a rank must not,
+    # The warm server runs with SIGINT blocked (nbddp.kernel.forkserver.start_server): a rank must not,
     # or a stop request's SIGINT (_interrupt_on_stop) and its children's Ctrl-C would never arrive.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     fork_children()
@@ -559,7 +559,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
 
         if device.type == "cuda":
             torch.cuda.set_device(device)  # CUDA_VISIBLE_DEVICES holds exactly the chosen GPUs
-        if spec.store_path:  # a file in a folder only this user can open (nbddp.rendezvous)
+        if spec.store_path:  # a file in a folder only this user can open (nbddp.kernel.rendezvous)
             store = dist.FileStore(spec.store_path, spec.world_size)
             store.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
         else:

@@ -208,7 +208,7 @@ def show_predictions(model: Any, classes: Optional[Sequence[str]], samples: Unio
     """A grid of images with the predicted and the true class: green when right, red when wrong.
 
     Args:
-        model: a classifier from :func:`nbddp.inference.load_model`, a run or export folder to
+        model: a classifier from :func:`nbddp.kernel.inference.load_model`, a run or export folder to
             load one from, or ``None`` to show the predictions recorded in ``samples`` (the
             ``pred`` of ``val_predictions.json``).
         classes: class names in index order; ``None`` takes them from the model or the run.
@@ -277,7 +277,7 @@ def plot_confusion_matrix(source: Any, classes: Optional[Sequence[str]] = None, 
     Args:
         source: a run folder or a predictions JSON (``val_predictions.json``), a list of
             ``{"label", "pred"}`` records, or a square matrix from
-            :func:`nbddp.export.confusion_matrix`.
+            :func:`nbddp.kernel.export.confusion_matrix`.
         classes: class names in index order (default: the run's ``class_indices.json``, or
             ``0, 1, ...``).
         normalize: show each row as fractions of its true class (the diagonal is then the

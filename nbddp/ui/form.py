@@ -1,6 +1,6 @@
 """The built-in classifier's form: one widget per ``TrainConfig`` field that declares one.
 
-Every widget comes from its field's :class:`nbddp.fieldspec.Widget` (kind, label, range,
+Every widget comes from its field's :class:`nbddp.contract.fieldspec.Widget` (kind, label, range,
 section), so a new field shows up here by its declaration alone. The one rule written here is
 the one ``TrainConfig`` enforces between two fields: ticking *Freeze layers* unticks and greys
 out *SyncBN*, with the reason, and unticking it gives the earlier choice back.

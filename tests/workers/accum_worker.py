@@ -1,4 +1,4 @@
-"""Gradient accumulation through nbddp.engine.train_one_epoch under DDP (tests/test_recipe.py).
+"""Gradient accumulation through nbddp.rank.engine.train_one_epoch under DDP (tests/test_recipe.py).
 
 A small MLP (no BatchNorm, so a batch's gradient is the mean of its samples' gradients) on
 fixed data: rank r's batches of group g are its share of the group's samples.
@@ -7,8 +7,8 @@ fixed data: rank r's batches of group g are its share of the group's samples.
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from nbddp.dist import data_parallel
-from nbddp.engine import train_one_epoch
+from nbddp.rank.dist import data_parallel
+from nbddp.rank.engine import train_one_epoch
 
 B, K, FEATURES, CLASSES = 3, 2, 5, 4  # batch per rank, batches per optimizer step
 

@@ -3,8 +3,8 @@
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nbddp.engine import train_one_epoch
-from nbddp.errors import PeerError
+from nbddp.rank.engine import train_one_epoch
+from nbddp.contract.errors import PeerError
 
 
 class Batches:

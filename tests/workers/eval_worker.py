@@ -2,9 +2,9 @@
 
 import torch
 
-from nbddp import data as D
-from nbddp.engine import evaluate
-from nbddp.models import build_model
+from nbddp.tasks.classification import data as D
+from nbddp.rank.engine import evaluate
+from nbddp.tasks.classification.models import build_model
 
 
 def val_loader(root, rank, world, image_size=32, batch_size=4):
@@ -29,7 +29,7 @@ def exact_eval(ctx, root):
 
 def buffers_after_sync(ctx):
     """Each rank's BatchNorm statistics drift apart; after the sync all equal rank 0's."""
-    from nbddp.dist import sync_buffers_from_main
+    from nbddp.rank.dist import sync_buffers_from_main
 
     model = seeded_model(3)
     model.train()

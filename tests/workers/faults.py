@@ -1,7 +1,7 @@
 """The fault matrix, injected through nbddp's per-rank start-up hook (``NBDDP_RANK_HOOK``).
 
 ``NBDDP_FAULT`` lists ``"<where>:<rank>:<action>"`` items, comma-separated; :func:`install` runs
-first thing in every rank (``nbddp.runtime.run_rank_hook``) and arms the items of its own rank by
+first thing in every rank (``nbddp.rank.runtime.run_rank_hook``) and arms the items of its own rank by
 wrapping what the rank calls at that point. ``conftest.fault_env(spec)`` builds the environment
 that turns it on. Nothing here is in nbddp's own code paths.
 
@@ -56,7 +56,7 @@ def _act(action: str, rank: int) -> None:
         while True:
             time.sleep(1)
     if action == "stop":
-        from nbddp.protocol import write_stop_request
+        from nbddp.contract.protocol import write_stop_request
 
         write_stop_request(_rank_ctx.run_dir, "stop")  # what RunHandle.stop() writes
         _rank_ctx._stop_checked = 0.0  # looked at in this step's agreement, not up to 0.2 s later
@@ -99,7 +99,7 @@ def install(rank: int) -> None:
 
 
 def _record_context() -> None:
-    from nbddp import runtime
+    from nbddp.rank import runtime
 
     init = runtime.Context.__init__
 
@@ -113,10 +113,10 @@ def _record_context() -> None:
 
 def _wrap_run_rank(wrap) -> None:
     """Replace ``run_rank`` (spawn_train's and elastic's) by ``wrap(run_rank)``."""
-    from nbddp import runtime
+    from nbddp.rank import runtime
 
     faulty_run_rank = wrap(runtime.run_rank)
-    for module in (runtime, sys.modules.get("nbddp.elastic")):
+    for module in (runtime, sys.modules.get("nbddp.rank.elastic")):
         if module is not None:
             module.run_rank = faulty_run_rank
 
@@ -139,7 +139,7 @@ def _arm_start(rank: int, action: str) -> None:
 
 def _arm_run(rank: int, action: str) -> None:
     """Wrap the worker function ``run_rank`` runs: called after the process group is up."""
-    from nbddp.targets import load_target
+    from nbddp.contract.targets import load_target
 
     def wrap(run_rank):
         def faulty_run_rank(ctx, init_process_group, target, *args, **kwargs):
@@ -157,7 +157,7 @@ def _arm_run(rank: int, action: str) -> None:
 
 def _arm_step(rank: int, action: str, epoch: int, step: int) -> None:
     """The engine's first act of a step after its heartbeat is moving the batch to the device."""
-    from nbddp import engine
+    from nbddp.rank import engine
 
     prepare = engine._prepare
 
@@ -184,8 +184,8 @@ def _arm_nan(rank: int, action: str, epoch: int, step: int) -> None:
 
 def _arm_diskfull(rank: int, action: str, epoch: int) -> None:
     """Rank 0's save of epoch ``epoch``'s ``last.pt`` fails as on a full disk."""
-    from nbddp import rundir
-    from nbddp.tasks import classification
+    from nbddp.contract import rundir
+    from nbddp.tasks.classification import train as classification
 
     atomic_save = classification.atomic_save
 
@@ -200,7 +200,7 @@ def _arm_diskfull(rank: int, action: str, epoch: int) -> None:
 def _arm_epoch(rank: int, action: str, epoch: int) -> None:
     """After the ranks agreed on epoch ``epoch``'s checkpoint and it is on disk (rank 0 writes it in the
     background: the fault waits for the write), the next epoch not begun."""
-    from nbddp.tasks import classification
+    from nbddp.tasks.classification import train as classification
 
     agree_on_error = classification.agree_on_error
 

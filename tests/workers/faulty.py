@@ -74,7 +74,7 @@ def unpicklable_result(ctx):
 
 def uneven_batches(ctx):
     """Rank 1 has one batch more than rank 0: caught before the first step."""
-    from nbddp.dist import check_same
+    from nbddp.rank.dist import check_same
 
     batches = 3 + ctx.rank
     check_same(batches, "batches per epoch")

@@ -11,8 +11,8 @@ the highest over the ranks, not rank 0's.
 def install(rank):
     import torch
 
-    from nbddp import engine
-    from nbddp.tasks import classification
+    from nbddp.rank import engine
+    from nbddp.tasks.classification import train as classification
 
     resets = [0]
 

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nbddp.dist import any_rank, barrier, check_same, cpu_group, reduce_value, sync_buffers_from_main
+from nbddp.rank.dist import any_rank, barrier, check_same, cpu_group, reduce_value, sync_buffers_from_main
 
 
 def collectives(ctx):
@@ -47,7 +47,7 @@ def sgd_step(model, x, y, scale=1.0):
 
 def sync_bn_step(ctx):
     """One SGD step with SyncBatchNorm on this rank's share of the global batch."""
-    from nbddp.sync_bn import convert_sync_batchnorm
+    from nbddp.rank.sync_bn import convert_sync_batchnorm
 
     torch.backends.cudnn.allow_tf32 = False
     model = convert_sync_batchnorm(bn_model(), ctx.device).to(ctx.device)

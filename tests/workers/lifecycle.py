@@ -33,8 +33,8 @@ def _descendants(pid: int) -> list:
 def _builtin_loaders(ctx, data_path: str, num_workers: int):
     """nbddp's own PIL-pipeline loaders, as the built-in worker builds them."""
     from nbddp import TrainConfig
-    from nbddp import data as D
-    from nbddp.tasks.classification import _loaders
+    from nbddp.tasks.classification import data as D
+    from nbddp.tasks.classification.train import _loaders
 
     cfg = TrainConfig(data_path=data_path, image_size=16, batch_size=2, num_workers=num_workers,
                       nprocs=ctx.world_size, hflip=False)
@@ -108,7 +108,7 @@ def phase_hold(ctx, data_path: str, phase: str):
 
 def slow_stop(ctx, after_stop_s: float = 5.0):
     """Train until asked to stop, then keep working (with heartbeats) for ``after_stop_s`` and return."""
-    from nbddp.dist import any_rank
+    from nbddp.rank.dist import any_rank
 
     step = 0
     t = torch.ones(1)

@@ -542,7 +542,7 @@ class SkipSampler(Sampler):
     """Wraps a sampler so that one pass can leave out its first items: a resumed epoch's batches already done.
 
     ``skip(n)`` drops the first ``n`` items of the *next* pass only; ``len()`` is what remains of
-    it, so a ``DataLoader`` (or :class:`nbddp.tensor_data.TensorBatches`) over this sampler has
+    it, so a ``DataLoader`` (or :class:`nbddp.tasks.classification.tensor_data.TensorBatches`) over this sampler has
     exactly the remaining steps, and a ``drop_last`` loader that skips ``steps * batch_size``
     items yields the very batches an uninterrupted pass would have yielded after ``steps``. The
     pass ends at the next ``set_epoch`` or the next iteration, after which nothing is skipped.

@@ -9,7 +9,7 @@ CPU rank the same code decodes with torchvision's decoder, which is faster than 
 Augmentation is the reference's (random resized crop of scale ``(crop_scale, 1)`` and ratio
 3/4–4/3, horizontal flip; evaluation resizes the shorter side to ``resize_size`` and takes the
 centre), drawn for each image from a generator seeded by (seed, epoch, image) alone
-(:class:`nbddp.data.SeededSampler`): the same crops with any number of loader processes, and a
+(:class:`nbddp.tasks.classification.data.SeededSampler`): the same crops with any number of loader processes, and a
 run resumed in the middle of an epoch sees what an uninterrupted one sees.
 
 Worker side.
@@ -44,7 +44,7 @@ def _quiet():
 class FileBytes(Dataset):
     """A file's bytes (a 1-D ``uint8`` tensor), its label and its augmentation seed, per key.
 
-    Keys are ``(index, seed)`` from :class:`nbddp.data.SeededSampler` (training) or plain
+    Keys are ``(index, seed)`` from :class:`nbddp.tasks.classification.data.SeededSampler` (training) or plain
     indices (evaluation, seed 0). Reading bytes is all a loader process does.
     """
 

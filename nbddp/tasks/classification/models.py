@@ -49,7 +49,7 @@ def _unknown_model_error(name: str) -> ConfigError:
         hint = "e.g. 'resnet34', 'resnet18', 'mobilenet_v3_small'."
     return ConfigError(
         f"TrainConfig.model: {why}; {hint} "
-        f"nbddp.models.classification_model_names() lists all {len(names)} classification models."
+        f"nbddp.tasks.classification.models.classification_model_names() lists all {len(names)} classification models."
     )
 
 
@@ -106,7 +106,7 @@ def freeze_except_head(model: nn.Module) -> list[str]:
     Call it on the bare model, before ``DistributedDataParallel``. ``requires_grad=False``
     alone would let BatchNorm running statistics keep updating in ``train()`` mode (the
     reference script's behaviour); the training loop puts frozen BatchNorm layers in eval
-    mode (:func:`nbddp.engine.freeze_bn_statistics`), so they keep what was loaded.
+    mode (:func:`nbddp.rank.engine.freeze_bn_statistics`), so they keep what was loaded.
 
     Returns:
         The names of the parameters left trainable.
@@ -230,7 +230,7 @@ def load_pretrained(model: nn.Module, path_or_state_dict: Union[PathLike, Mappin
     Args:
         model: the model to fill in place.
         path_or_state_dict: a weights file or folder (see
-            :func:`nbddp.checkpoint.load_state_dict_file`), a state_dict, or a checkpoint dict
+            :func:`nbddp.contract.checkpoint.load_state_dict_file`), a state_dict, or a checkpoint dict
             holding it under ``"model"``.
 
     Returns:

@@ -214,7 +214,7 @@ def _same_value(name: str, was: Any, now: Any) -> bool:
 def resume_changes(recorded: dict, cfg: TrainConfig, done: Optional[int] = None) -> tuple:
     """``(refused, taken)``: the fields of ``cfg`` that differ from the ``recorded`` run's, as messages.
 
-    Each field's :attr:`~nbddp.fieldspec.FieldSpec.resume` says whether a change is refused
+    Each field's :attr:`~nbddp.contract.fieldspec.FieldSpec.resume` says whether a change is refused
     (``same``), taken as a length with some of it left to run (``more``: ``epochs``, larger than
     the recorded one or than ``done``, the epochs the checkpoint has trained) or taken (``free``).
     A field the recorded config lacks (an older nbddp) counts as its default.
@@ -291,7 +291,7 @@ def find_resume_dir(cfg: TrainConfig, classes: Optional[list] = None) -> Path:
 
     Args:
         cfg: the config; ``resume=True`` takes the newest run named exactly ``cfg.name`` in
-            ``cfg.runs_dir`` (by recorded start, see :func:`nbddp.rundir.run_started`), a path takes that run.
+            ``cfg.runs_dir`` (by recorded start, see :func:`nbddp.contract.rundir.run_started`), a path takes that run.
         classes: the class names found in ``cfg.data_path``; when given, a checkpoint trained on
             other classes is refused.
 

@@ -104,7 +104,7 @@ class TensorBatches:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __len__(self) -> int:
-        # The sampler's length: with nbddp.data.SkipSampler, what remains of a resumed epoch.
+        # The sampler's length: with nbddp.tasks.classification.data.SkipSampler, what remains of a resumed epoch.
         return self._batches(len(self.sampler))
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:

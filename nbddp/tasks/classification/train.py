@@ -148,7 +148,7 @@ def _loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
 
 def _decode_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
     """Loader processes read the files' bytes; each batch is decoded and augmented on the device
-    (:mod:`nbddp.decode_data`), every image seeded by (seed, epoch, image) as in the PIL pipeline."""
+    (:mod:`nbddp.tasks.classification.decode_data`), every image seeded by (seed, epoch, image) as in the PIL pipeline."""
     from . import decode_data as DD
 
     cuda = ctx.device.type == "cuda"
