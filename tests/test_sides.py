@@ -1,8 +1,10 @@
 """The sides hold as a fact: a rank loads no kernel-side module, and no module imports in a circle.
 
-``nbddp.SIDES`` says each module's side. The static checks read every ``import`` of the package
-with ``ast``, function-level ones included (they run too, just later); the run-time checks look
-at ``sys.modules`` in a fresh interpreter, in real ranks started by ``spawn_train`` (spawned and
+``nbddp.SIDES`` says each module's side and ``nbddp.FOLDER_SIDES`` each folder's: every module of
+a folder is of its side, and each side imports only what it may (the contract only the contract,
+the kernel no rank module). The static checks read every ``import`` of the package with ``ast``,
+function-level ones included (they run too, just later); the run-time checks look at
+``sys.modules`` in a fresh interpreter, in real ranks started by ``spawn_train`` (spawned and
 forked from the warm server, whose preload is part of it) and in a rank under a launcher.
 """
 

@@ -8,7 +8,6 @@ rank's runtime.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Optional
