@@ -58,8 +58,8 @@ rank      ``rank.elastic``                      the same rank under torchrun / s
 rank      ``rank.dist``                         process group and the collectives nbddp uses
 rank      ``rank.engine``                       training and evaluation loops that stop every rank together
 rank      ``rank.sync_bn``                      SyncBatchNorm that works on CPU (gloo) as on GPUs
-task      ``tasks.classification.plan``         the built-in worker's preflight and plan (run in the kernel)
-task      ``tasks.classification.train``        ``train(ctx, cfg)``: the built-in worker (run in each rank)
+task      ``tasks.classification.planning``         the built-in worker's preflight and plan (run in the kernel)
+task      ``tasks.classification.worker``        ``train(ctx, cfg)``: the built-in worker (run in each rank)
 task      ``tasks.classification.data``,        class folders, samplers, transforms; the decoded tensor cache;
           ``tasks.classification.tensor_data``, file bytes decoded and augmented batch by batch on the device
           ``tasks.classification.decode_data``
@@ -90,8 +90,8 @@ SIDES = {
     "rank": "rank", "rank.runtime": "rank", "rank.heartbeat": "rank", "rank.rank_errors": "rank",
     "rank.elastic": "rank", "rank.dist": "rank", "rank.engine": "rank", "rank.sync_bn": "rank",
     "rank.calls": "rank",
-    "tasks": "task", "tasks.classification": "task", "tasks.classification.plan": "task",
-    "tasks.classification.train": "task", "tasks.classification.data": "task",
+    "tasks": "task", "tasks.classification": "task", "tasks.classification.planning": "task",
+    "tasks.classification.worker": "task", "tasks.classification.data": "task",
     "tasks.classification.tensor_data": "task", "tasks.classification.decode_data": "task",
     "tasks.classification.models": "task",
 }

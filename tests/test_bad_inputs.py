@@ -94,7 +94,7 @@ def test_hidden_folders_and_notebook_checkpoints_are_not_classes(tree, runs_dir)
     (tree / ".ipynb_checkpoints" / "x-checkpoint.png").write_bytes((tree / "a" / "000.png").read_bytes())
     (tree / "a" / ".ipynb_checkpoints").mkdir()
     (tree / "notes.txt").write_text("not an image")
-    from nbddp.tasks.classification.plan import preflight
+    from nbddp.tasks.classification.planning import preflight
 
     assert preflight(small_cfg(tree, runs_dir, epochs=1, num_classes=3)) is None  # 3 classes, not 4
 
@@ -121,7 +121,7 @@ def test_timeout_below_the_minimum_refused(tree, runs_dir):
 
 
 def test_batch_of_one_image_under_batchnorm_refused(tree, runs_dir):
-    from nbddp.tasks.classification.plan import preflight
+    from nbddp.tasks.classification.planning import preflight
 
     # resnet18 at 32 px ends on a 1x1 map: one image gives BatchNorm one value per channel.
     with pytest.raises(ConfigError, match=r"(?s)batch_size=1.*BatchNorm.*batch_size >= 2"):

@@ -41,7 +41,7 @@ def fake_run(tmp_path):
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3)
     history = [{"epoch": 0, "val_accuracy": 0.5}, {"epoch": 1, "val_accuracy": 0.25}]
-    # Same layout as tasks/classification/train.py: best.pt is small, last.pt carries the history.
+    # Same layout as tasks/classification/worker.py: best.pt is small, last.pt carries the history.
     atomic_save({"model": model.state_dict(), "epoch": 0, "accuracy": 0.5, "classes": classes,
                  "config": cfg.to_dict()}, run / "checkpoints" / "best.pt")
     atomic_save({"model": model.state_dict(), "epoch": 1, "best_accuracy": 0.5, "best_epoch": 0,

@@ -18,7 +18,7 @@ from nbddp import ConfigError, TrainConfig, cli, spawn_train
 from nbddp.kernel import launch as launch_mod
 from nbddp.contract.gpus import (IDLE, IDLE_RULE, BusyGPUWarning, GPUInfo, _smi_process_counts, check_gpu_ids,
                         cuda_visible_devices, gpu_setup_problem, idle_gpus, list_gpus, preselected_gpus, resolve_gpus)
-from nbddp.tasks.classification import plan as classification
+from nbddp.tasks.classification import planning as classification
 from nbddp.tasks.classification.tensor_data import BatchAugment, cache_bytes
 from conftest import WORKERS, small_cfg
 from fake_gpu import H100, hide_nvidia_smi, install_fake_nvidia_smi, install_fake_nvml

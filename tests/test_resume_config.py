@@ -9,7 +9,7 @@ import pytest
 from nbddp import ConfigError, TrainConfig, spawn_train
 from nbddp.rank.engine import warmup_cosine_lambda
 from nbddp.contract.fieldspec import RESUME_FREE, RESUME_MORE, spec_of, specs
-from nbddp.tasks.classification.plan import resume_changes
+from nbddp.tasks.classification.planning import resume_changes
 import conftest
 
 

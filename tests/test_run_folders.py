@@ -15,7 +15,7 @@ import pytest
 
 from nbddp import ConfigError, TrainConfig
 from nbddp.contract.checkpoint import atomic_save, load_checkpoint
-from nbddp.tasks.classification.plan import find_resume_dir, preflight
+from nbddp.tasks.classification.planning import find_resume_dir, preflight
 from conftest import ROOT, free_port, launcher_env
 
 PY = sys.executable

@@ -131,11 +131,14 @@ def test_an_old_module_path_is_the_module_at_its_new_path_with_a_warning():
             "same = [nbddp.config is sys.modules['nbddp.contract.config'], any_rank.__module__,\n"
             "        preflight.__module__, nbddp.rundir is sys.modules['nbddp.contract.rundir'],\n"
             "        nbddp.config.__spec__.name]\n"
+            "from nbddp.contract.targets import resolve_target\n"
+            "same.append(resolve_target('nbddp.tasks.classification:train'))  # the built-in worker's old name\n"
             "print(json.dumps([torch_at_import, same, [str(w.message) for w in caught]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     torch_at_import, same, messages = json.loads(out.stdout.splitlines()[-1])
     assert torch_at_import is False
-    assert same == [True, "nbddp.rank.dist", "nbddp.tasks.classification.plan", True, "nbddp.contract.config"]
+    assert same == [True, "nbddp.rank.dist", "nbddp.tasks.classification.planning", True, "nbddp.contract.config",
+                    "nbddp.tasks.classification:train"]
     assert any("nbddp.config moved to nbddp.contract.config" in m for m in messages), messages
     assert any("nbddp.dist moved to nbddp.rank.dist" in m for m in messages), messages
     assert set(nbddp.MOVED.values()) <= set(nbddp.SIDES)
@@ -191,7 +194,7 @@ def test_importing_every_rank_side_module_loads_no_kernel_module():
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('nbddp'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     loaded = json.loads(out.stdout.splitlines()[-1])
-    assert "nbddp.rank.runtime" in loaded and "nbddp.tasks.classification.train" in loaded
+    assert "nbddp.rank.runtime" in loaded and "nbddp.tasks.classification.worker" in loaded
     assert loaded_kernel_modules(loaded) == []
 
 

@@ -112,7 +112,7 @@ def test_config_names_an_unknown_pipeline():
 
 
 def test_a_cache_that_does_not_fit_is_refused_before_any_process(tree, runs_dir, monkeypatch):
-    from nbddp.tasks.classification import plan as classification
+    from nbddp.tasks.classification import planning as classification
 
     monkeypatch.setattr(classification, "_available_memory", lambda: 1_000_000)
     cfg = TrainConfig(data_path=str(tree), model="resnet18", image_size=224, epochs=1, batch_size=4, nprocs=2,

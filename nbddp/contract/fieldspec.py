@@ -9,7 +9,7 @@ Each field of :class:`nbddp.contract.config.TrainConfig` carries a :class:`Field
   launcher);
 * the training panel builds the field's :class:`Widget` (kind, label, range, section);
 * ``resume`` refuses or takes a changed value (:attr:`FieldSpec.resume`,
-  :func:`nbddp.tasks.classification.plan.find_resume_dir`).
+  :func:`nbddp.tasks.classification.planning.find_resume_dir`).
 
 Shared, and standard library only: the config, the CLI, the cluster commands and the panel all
 import it, and it imports none of them.

@@ -11,7 +11,7 @@ one is a folder in ``nbddp/tasks/`` and one line in ``_TASKS``.
 ========================  ==============================================  ===================
 config type               task module                                     worker function
 ========================  ==============================================  ===================
-``TrainConfig``           ``nbddp.tasks.classification.plan``             ``train(ctx, cfg)``
+``TrainConfig``           ``nbddp.tasks.classification.planning``             ``train(ctx, cfg)``
 ========================  ==============================================  ===================
 """
 
@@ -63,7 +63,7 @@ class LaunchPlan:
         return float(self.timeout_s or DEFAULT_TIMEOUT_S["gpu" if on_gpu else "cpu"])
 
 
-_TASKS = {TrainConfig: "nbddp.tasks.classification.plan"}
+_TASKS = {TrainConfig: "nbddp.tasks.classification.planning"}
 
 
 def is_task_config(obj: Any) -> bool:

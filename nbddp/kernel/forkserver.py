@@ -35,7 +35,7 @@ from typing import Optional
 #: nbddp's worker side. Never torch.cuda initialisation: the server only imports.
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "torchvision", "torch.utils.tensorboard", "nbddp.rank.runtime",
-           "nbddp.tasks.classification.train"]
+           "nbddp.tasks.classification.worker"]
 
 #: ``NBDDP_PREWARM=0`` (or ``false``, ``no``, ``off``) turns the pre-warm off.
 ENV_VAR = "NBDDP_PREWARM"

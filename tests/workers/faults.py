@@ -185,7 +185,7 @@ def _arm_nan(rank: int, action: str, epoch: int, step: int) -> None:
 def _arm_diskfull(rank: int, action: str, epoch: int) -> None:
     """Rank 0's save of epoch ``epoch``'s ``last.pt`` fails as on a full disk."""
     from nbddp.contract import rundir
-    from nbddp.tasks.classification import train as classification
+    from nbddp.tasks.classification import worker as classification
 
     atomic_save = classification.atomic_save
 
@@ -200,7 +200,7 @@ def _arm_diskfull(rank: int, action: str, epoch: int) -> None:
 def _arm_epoch(rank: int, action: str, epoch: int) -> None:
     """After the ranks agreed on epoch ``epoch``'s checkpoint and it is on disk (rank 0 writes it in the
     background: the fault waits for the write), the next epoch not begun."""
-    from nbddp.tasks.classification import train as classification
+    from nbddp.tasks.classification import worker as classification
 
     agree_on_error = classification.agree_on_error
 

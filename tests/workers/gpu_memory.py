@@ -12,7 +12,7 @@ def install(rank):
     import torch
 
     from nbddp.rank import engine
-    from nbddp.tasks.classification import train as classification
+    from nbddp.tasks.classification import worker as classification
 
     resets = [0]
 

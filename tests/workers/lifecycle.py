@@ -34,7 +34,7 @@ def _builtin_loaders(ctx, data_path: str, num_workers: int):
     """nbddp's own PIL-pipeline loaders, as the built-in worker builds them."""
     from nbddp import TrainConfig
     from nbddp.tasks.classification import data as D
-    from nbddp.tasks.classification.train import _loaders
+    from nbddp.tasks.classification.worker import _loaders
 
     cfg = TrainConfig(data_path=data_path, image_size=16, batch_size=2, num_workers=num_workers,
                       nprocs=ctx.world_size, hflip=False)

@@ -3,8 +3,8 @@
 ==================  ======  =============================================================
 module              runs    what it does
 ==================  ======  =============================================================
-``plan``            kernel  ``plan(cfg)``: every input checked before a process starts
-``train``           rank    ``train(ctx, cfg)``: the training loop, checkpoints, export
+``planning``        kernel  ``plan(cfg)``: every input checked before a process starts
+``worker``          rank    ``train(ctx, cfg)``: the training loop, checkpoints, export
 ``data``            both    class folders, samplers, transforms, image loading
 ``tensor_data``     rank    the decoded tensor cache
 ``decode_data``     rank    file bytes decoded and augmented batch by batch on the device
@@ -12,17 +12,21 @@ module              runs    what it does
 ==================  ======  =============================================================
 
 Importing this package loads none of them; a name of the module this folder was before
-(``nbddp.tasks.classification:train``, ``preflight``) is found in its new module on first use.
+(``nbddp.tasks.classification:train``, ``preflight``, ``plan``) is found in its new module on first
+use.
 """
 
-_WHERE = ("plan", "train")
+_WHERE = ("planning", "worker")
 
 
 def __getattr__(name):
     import importlib
 
+    if name.startswith("__"):  # a probe (copy, inspect, doctest), not a name of the old module
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
     for sub in _WHERE:
         module = importlib.import_module(f"{__name__}.{sub}")
-        if name != sub and hasattr(module, name):
+        if hasattr(module, name):
             return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@ scripts without their bugs: booleans are real booleans, validation counts every 
 once (no sampler padding), and checkpoints hold plain values that load with
 ``weights_only=True``.
 
-``train`` runs in every rank; its plan and ``preflight`` (:mod:`.plan`) run in the kernel before any process starts.
+``train`` runs in every rank; its plan and ``preflight`` (:mod:`.planning`) run in the kernel before any process starts.
 """
 
 from __future__ import annotations

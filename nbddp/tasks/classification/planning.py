@@ -1,7 +1,7 @@
 """The built-in classification task's plan, run in the kernel before any process starts.
 
 ``plan(cfg)`` checks every input it can (data, weights, sizes, the run to resume) through
-:func:`preflight` and returns the ``LaunchPlan`` whose target is :mod:`.train`'s ``train``.
+:func:`preflight` and returns the ``LaunchPlan`` whose target is :mod:`.worker`'s ``train``.
 It reads the task's data and model code (shared by both sides) and the contract, never a
 rank's runtime.
 """
@@ -24,7 +24,7 @@ from .models import build_model, check_weights_file
 from ...contract.plans import LaunchPlan, run_to_resume
 
 # ------------------------------------------------------------------------------ kernel side
-TARGET = "nbddp.tasks.classification.train:train"
+TARGET = "nbddp.tasks.classification.worker:train"
 
 
 def plan(cfg: TrainConfig) -> LaunchPlan:
