@@ -58,8 +58,8 @@ rank      ``rank.elastic``                      the same rank under torchrun / s
 rank      ``rank.dist``                         process group and the collectives nbddp uses
 rank      ``rank.engine``                       training and evaluation loops that stop every rank together
 rank      ``rank.sync_bn``                      SyncBatchNorm that works on CPU (gloo) as on GPUs
-task      ``tasks.classification.planning``         the built-in worker's preflight and plan (run in the kernel)
-task      ``tasks.classification.worker``        ``train(ctx, cfg)``: the built-in worker (run in each rank)
+task      ``tasks.classification.planning``     the built-in worker's preflight and plan (run in the kernel)
+task      ``tasks.classification.worker``       ``train(ctx, cfg)``: the built-in worker (run in each rank)
 task      ``tasks.classification.data``,        class folders, samplers, transforms; the decoded tensor cache;
           ``tasks.classification.tensor_data``, file bytes decoded and augmented batch by batch on the device
           ``tasks.classification.decode_data``

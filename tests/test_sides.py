@@ -128,9 +128,10 @@ def test_an_old_module_path_is_the_module_at_its_new_path_with_a_warning():
             "    import nbddp.config\n"
             "    from nbddp.dist import any_rank\n"
             "    from nbddp.tasks.classification import preflight\n"
+            "    from nbddp.tasks import LaunchPlan\n"
             "same = [nbddp.config is sys.modules['nbddp.contract.config'], any_rank.__module__,\n"
             "        preflight.__module__, nbddp.rundir is sys.modules['nbddp.contract.rundir'],\n"
-            "        nbddp.config.__spec__.name]\n"
+            "        nbddp.config.__spec__.name, LaunchPlan.__module__]\n"
             "from nbddp.contract.targets import resolve_target\n"
             "same.append(resolve_target('nbddp.tasks.classification:train'))  # the built-in worker's old name\n"
             "print(json.dumps([torch_at_import, same, [str(w.message) for w in caught]]))")
@@ -138,9 +139,10 @@ def test_an_old_module_path_is_the_module_at_its_new_path_with_a_warning():
     torch_at_import, same, messages = json.loads(out.stdout.splitlines()[-1])
     assert torch_at_import is False
     assert same == [True, "nbddp.rank.dist", "nbddp.tasks.classification.planning", True, "nbddp.contract.config",
-                    "nbddp.tasks.classification:train"]
+                    "nbddp.contract.plans", "nbddp.tasks.classification:train"]
     assert any("nbddp.config moved to nbddp.contract.config" in m for m in messages), messages
     assert any("nbddp.dist moved to nbddp.rank.dist" in m for m in messages), messages
+    assert any("nbddp.tasks.LaunchPlan moved to nbddp.contract.plans.LaunchPlan" in m for m in messages), messages
     assert set(nbddp.MOVED.values()) <= set(nbddp.SIDES)
 
 
