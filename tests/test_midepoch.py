@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from nbddp import ConfigError, TrainConfig, WorkerError, rundir, spawn_train
+from nbddp import ConfigError, TrainConfig, WorkerError, spawn_train
+from nbddp.contract import rundir
 from nbddp import cli
 from nbddp.contract.checkpoint import load_checkpoint
 from nbddp.contract.cluster import cli_flags

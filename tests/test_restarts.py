@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from nbddp import ConfigError, Retryable, WorkerError, rundir, spawn_train
+from nbddp import ConfigError, Retryable, WorkerError, spawn_train
+from nbddp.contract import rundir
 from nbddp.contract.errors import NonFiniteLossError
 from nbddp.rank.rank_errors import is_retryable
 from nbddp.kernel.restarts import backoff, check_policy, decide, split_batch

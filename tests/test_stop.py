@@ -54,7 +54,8 @@ def test_workers_that_do_not_finish_are_ended(runs_dir, how):
 
 
 def test_an_interrupt_in_the_middle_of_an_epoch_checkpoints_it_before_any_sigterm(tmp_path, runs_dir):
-    from nbddp import TrainConfig, rundir
+    from nbddp import TrainConfig
+    from nbddp.contract import rundir
     from nbddp.contract.checkpoint import load_checkpoint
     from conftest import make_tree
 
