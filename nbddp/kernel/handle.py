@@ -215,7 +215,7 @@ class RunHandle:
         self._log_starts = dict(log_starts or {})
         self._log_tail = OutputTail(rundir.rank_log(self.run_dir, 0), start=self._log_starts.get(0, 0))
         self._tmp_dir = tmp_dir
-        self._echo = CellEcho("[rank0] ")
+        self._echo = CellEcho("[rank0] ", log=rundir.rank_log(self.run_dir, 0))
         self._metrics_tail = _LineTail(rundir.metrics_path(self.run_dir))
         self._listeners: List[Callable[[str, Any], None]] = []
         self._lock = threading.RLock()
@@ -382,6 +382,8 @@ class RunHandle:
         """
         with self._lock:
             self._begin_shutdown("interrupt")
+            if self.echo:
+                self._echo.close()  # what rank 0 printed before comes first
         print("nbddp: stopping the workers (they finish their step and checkpoint); interrupt again to end them "
               "at once", file=sys.stderr, flush=True)
         with interrupts_held() as again:
@@ -477,8 +479,8 @@ class RunHandle:
             if self.echo:
                 self._echo.show(kind, text)
             self._emit(kind, text)  # "line", or "update": the current line rewritten (\r)
-        if final and self.echo:
-            self._echo.close()
+        if self.echo:  # a few writes a second, each holding what arrived (Jupyter's rate limits)
+            self._echo.close() if final else self._echo.flush()
         for line in self._metrics_tail.read():
             try:
                 rec = json.loads(line)

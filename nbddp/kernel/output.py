@@ -1,28 +1,50 @@
-"""A rank's output as a terminal shows it, read from its log file while it runs.
+"""A rank's output as a terminal shows it, read from its log file while it runs, sent to the cell
+in a few messages a second, a flood shown by its first and last lines.
 
 People print progress the way terminals draw it: tqdm, Keras-style bars and
 ``print(..., end="\\r")`` rewrite one line with ``\\r``. Read line by line, that output arrives
 only when a newline finally comes, as one long line. :class:`OutputTail` splits what was appended
-since the last read into complete lines and rewrites of the current line; :class:`CellEcho`
-prints them into the cell, a rewrite in place (a notebook's output honours ``\\r`` as a terminal
-does). A line longer than :data:`MAX_LINE` characters is cut with a note (its whole text stays
-in the log), and a read takes at most :data:`MAX_READ` bytes, so one huge line never holds up the
-kernel. The last line, if the rank ended without a newline, is shown at the end.
+since the last read into complete lines and rewrites of the current line. A line longer than
+:data:`MAX_LINE` characters is cut with a note (its whole text stays in the log), and a read takes
+at most :data:`MAX_READ` bytes, so one huge line never holds up the kernel; at the end of a run
+everything left is read, and the last line, if the rank ended without a newline, is shown.
+
+:class:`CellEcho` prints the pieces into the cell. Jupyter sends every write to a cell as one
+message, and a Jupyter server drops a kernel's output above 1,000 messages or 1 MB a second
+(``iopub_msg_rate_limit``, ``iopub_data_rate_limit``) — later output too, the cell's own prints
+after the run included. So the echo writes at most every :data:`FLUSH_S` seconds, one message
+holding what arrived, a ``\\r`` bar collapsed to its latest state; and it shows at most
+:data:`BURST_BYTES` at once and :data:`RATE_BYTES` a second after that: the lines of a flood
+beyond it are skipped, and once the flood ends (or the run does) a notice says how many, with the
+log that holds them all, followed by the flood's last :data:`TAIL_LINES` lines.
 
 Kernel side.
 """
 
 from __future__ import annotations
 
+import re
+import sys
+import time
+from collections import deque
 from pathlib import Path
-from typing import List, Tuple
+from typing import Callable, Deque, List, Optional, TextIO, Tuple
 
 #: Characters of one line shown in the cell; the rest is cut with a note (the log keeps all).
 MAX_LINE = 4000
 #: Bytes read from the log per poll; what is left is read at the next poll.
 MAX_READ = 1 << 20
+#: Seconds between two writes into the cell (each write is one Jupyter message).
+FLUSH_S = 0.1
+#: Characters of rank output the cell shows at once (about 2,000 lines of 80), and the rate the
+#: allowance comes back at (about 200 such lines a second): far below a Jupyter server's limit.
+BURST_BYTES, RATE_BYTES = 160_000, 16_000
+#: The last lines of a flood shown after its skipped middle (at most this many characters).
+TAIL_LINES, TAIL_BYTES = 200, 32_000
 
 LINE, UPDATE = "line", "update"
+
+_BREAK = re.compile(r"[\r\n]")
 
 
 class OutputTail:
@@ -53,14 +75,14 @@ class OutputTail:
         text = self.partial + data.decode("utf-8", "replace").replace("\r\n", "\n")
         pieces: List[Tuple[str, str]] = []
         start = 0
-        for i, ch in enumerate(text):
-            if ch in "\n\r":
-                piece = text[start:i]
-                if ch == "\n" or piece:  # "\r" right after "\r" or "\n" rewrites nothing
-                    pieces.append((LINE if ch == "\n" else UPDATE, self._shown(piece)))
-                if ch == "\n":
-                    self.cut = 0
-                start = i + 1
+        for m in _BREAK.finditer(text):  # the regex finds the breaks at C speed: floods are long
+            i, ch = m.start(), m.group()
+            piece = text[start:i]
+            if ch == "\n" or piece:  # "\r" right after "\r" or "\n" rewrites nothing
+                pieces.append((LINE if ch == "\n" else UPDATE, self._shown(piece)))
+            if ch == "\n":
+                self.cut = 0
+            start = i + 1
         self.partial = text[start:]
         if len(self.partial) > self.max_line:
             # One line with no end in sight: show its start once, drop the rest until its end.
@@ -71,12 +93,24 @@ class OutputTail:
         return pieces
 
     def rest(self) -> List[Tuple[str, str]]:
-        """The last line if the file ended without a newline (call once the writer is gone)."""
-        pieces = self.read()
+        """Everything left, and the last line if the file ended without a newline (call once the
+        writer is gone): the end of the output is what a person looks for."""
+        pieces: List[Tuple[str, str]] = []
+        while self._unread():
+            before = self.offset
+            pieces += self.read()
+            if self.offset == before:  # unreadable now: what was read is all there is
+                break
         if self.partial and not self.cut:
             pieces.append((LINE, self._shown(self.partial)))
         self.partial = ""
         return pieces
+
+    def _unread(self) -> bool:
+        try:
+            return self.path.stat().st_size > self.offset
+        except OSError:
+            return False
 
     def _shown(self, line: str) -> str:
         if self.cut:
@@ -88,23 +122,103 @@ class OutputTail:
 
 
 class CellEcho:
-    """Prints a rank's pieces into the cell with a prefix; an ``UPDATE`` rewrites the line in place."""
+    """Prints a rank's pieces into the cell with a prefix, in batches; see the module docstring.
 
-    def __init__(self, prefix: str):
-        self.prefix, self.open_update = prefix, False
+    :meth:`show` takes each piece as it is read; :meth:`flush` writes what is due (call it at
+    every poll: it writes at most every ``flush_s`` seconds); :meth:`close` writes everything
+    now, the end of a skipped flood included, and ends a bar left mid-line (call it before other
+    output, and at the end of the run).
+
+    Args:
+        prefix: put before every line (``"[rank0] "``).
+        log: the file that holds the whole output, named by the notice of a skipped flood.
+        out: where to write (``None``: ``sys.stdout`` at each write, as Jupyter and pytest swap it).
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(self, prefix: str, log: Optional[Path] = None, out: Optional[TextIO] = None,
+                 clock: Callable[[], float] = time.monotonic, flush_s: float = FLUSH_S,
+                 burst: int = BURST_BYTES, rate: int = RATE_BYTES, tail_lines: int = TAIL_LINES,
+                 tail_bytes: int = TAIL_BYTES):
+        self.prefix, self.log, self._out, self._clock = prefix, log, out, clock
+        self.flush_s, self.burst, self.rate = flush_s, burst, rate
+        self.tail_lines, self.tail_bytes = tail_lines, tail_bytes
+        self.open_update = False  # the cell's last line is a bar: what comes next is written over it
+        self.skipped = 0  # lines of the current flood that will not be shown
+        self._lines: List[str] = []  # lines to write at the next flush
+        self._bar: Optional[str] = None  # the bar's latest state, to write at the next flush
+        self._tail: Deque[str] = deque()  # a flood's latest lines
+        self._tail_size = 0
+        self._allowance, self._refilled, self._written = float(burst), clock(), float("-inf")
+
+    @property
+    def cutting(self) -> bool:
+        """A flood is being cut: its lines go to the tail, and the notice comes when it ends."""
+        return bool(self._tail) or self.skipped > 0
 
     def show(self, kind: str, text: str) -> None:
         if kind == UPDATE:
-            print(f"\r{self.prefix}{text}", end="", flush=True)
-            self.open_update = True
-        else:
-            print(f"{chr(13) if self.open_update else ''}{self.prefix}{text}", flush=True)
-            self.open_update = False
+            self._bar = text  # only the latest state of a bar is worth a message
+            return
+        self._bar = None  # a line is written over the bar, as a terminal does after "\r"
+        line = self.prefix + text
+        self._refill()
+        if not self.cutting and self._allowance >= len(line) + 1:
+            self._allowance -= len(line) + 1
+            self._lines.append(line)
+            return
+        self._tail.append(line)
+        self._tail_size += len(line) + 1
+        while len(self._tail) > 1 and (len(self._tail) > self.tail_lines or self._tail_size > self.tail_bytes):
+            self._tail_size -= len(self._tail.popleft()) + 1
+            self.skipped += 1
+
+    def flush(self) -> None:
+        """Write what arrived since the last write, if the last write is ``flush_s`` old."""
+        if self._clock() - self._written >= self.flush_s:
+            self._write(final=False)
 
     def close(self) -> None:
-        if self.open_update:  # a bar left mid-line: end it, so what follows starts a new line
-            print(flush=True)
+        """Write everything now; end a bar left mid-line, so what follows starts a new line."""
+        self._write(final=True)
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._allowance = min(float(self.burst), self._allowance + (now - self._refilled) * self.rate)
+        self._refilled = now
+
+    def _write(self, final: bool) -> None:
+        self._refill()
+        lines, self._lines = self._lines, []
+        if self.cutting and (final or self._allowance >= self._tail_size + 200):
+            # The flood is over (its end fits the allowance again), or the run is: its end is shown.
+            lines += self._notice()
+            lines += self._tail
+            self._allowance -= self._tail_size
+            self._tail.clear()
+            self._tail_size, self.skipped = 0, 0
+        text = ""
+        if lines:
+            text = ("\r" if self.open_update else "") + "\n".join(lines) + "\n"
             self.open_update = False
+        if self._bar is not None:
+            text += f"\r{self.prefix}{self._bar}"
+            self._allowance -= len(self._bar)
+            self._bar, self.open_update = None, True
+        if final and self.open_update:
+            text += "\n"
+            self.open_update = False
+        self._written = self._clock()
+        if text:
+            out = self._out or sys.stdout
+            out.write(text)  # one write, one flush: one message in a Jupyter kernel
+            out.flush()
+
+    def _notice(self) -> List[str]:
+        if not self.skipped:
+            return []
+        where = f" (the whole output is in {self.log})" if self.log else ""
+        return [f"{self.prefix}... {self.skipped:,} lines skipped{where} ..."]
 
 
 def _incomplete_utf8_tail(data: bytes) -> int:
@@ -117,4 +231,5 @@ def _incomplete_utf8_tail(data: bytes) -> int:
     return 0
 
 
-__all__ = ["MAX_LINE", "MAX_READ", "LINE", "UPDATE", "OutputTail", "CellEcho"]
+__all__ = ["MAX_LINE", "MAX_READ", "FLUSH_S", "BURST_BYTES", "RATE_BYTES", "TAIL_LINES", "TAIL_BYTES", "LINE",
+           "UPDATE", "OutputTail", "CellEcho"]

@@ -20,3 +20,16 @@ def bars(ctx, steps: int = 5, long_line: int = 0):
         print("x" * long_line, flush=True)
     print("the end, no newline", end="", flush=True)
     return ctx.rank
+
+
+def flood(ctx, lines: int = 40_000, width: int = 80, bars: int = 0):
+    """Rank 0 prints ``lines`` lines of ``width`` characters as fast as it can (after ``bars``
+    rewrites of a \\r progress bar), then ``FINAL LINE``; the other ranks print nothing."""
+    if ctx.rank == 0:
+        for i in range(bars):
+            print(f"bar {i + 1}/{bars}", end="\r")
+        row = "x" * (width - 12)
+        for i in range(lines):
+            print(f"line {i:06d} {row}")
+        print("FINAL LINE", flush=True)
+    return ctx.rank
