@@ -6,6 +6,7 @@ server included. A server that took it while importing torch died, and the cell 
 exception". The server now starts with SIGINT blocked, and its death is named.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -81,3 +82,21 @@ def test_a_server_killed_mid_run_is_named(runs_dir, tmp_path):
             handle.stop()
     # The next launch starts a new server and runs.
     assert spawn_train(f"{FAULTY}:info", nprocs=1, runs_dir=runs_dir, echo=False).value is not None
+
+
+def test_where_a_rank_was_says_only_what_it_reported(tmp_path):
+    """A worker of one's own may report a step and no epoch: never "at epoch None"."""
+    from nbddp.report import RankEnd, build_worker_error
+    from nbddp.restarts import Restart
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / ".nbddp").mkdir()
+    now = time.time()
+    for r in (0, 1):
+        (run / ".nbddp" / f"rank{r}.json").write_text(json.dumps(
+            {"rank": r, "pid": 10 + r, "state": "running", "step": 7, "progress_time": now}))
+    ends = {r: RankEnd(r, 10 + r, -signal.SIGKILL, now, False) for r in (0, 1)}
+    text = str(build_worker_error(run, ends, 2, server_died="signal 9"))
+    assert "the launch server died (signal 9)" in text and "at step 7 ·" in text and "None" not in text
+    assert "at step 7;" in Restart(1, "a cause", 0, None, 7).line(3)

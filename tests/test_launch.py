@@ -62,13 +62,15 @@ def test_exception_on_rank_1_names_rank_1_and_leaves_nothing(runs_dir):
     assert not worker_children()
 
 
-@pytest.mark.parametrize("fn, expected", [
-    ("exit_code", "exited with code 3"),
-    ("kill_self", "killed by SIGKILL"),
+@pytest.mark.parametrize("fn, kwargs, expected", [
+    ("exit_code", {}, "exited with code 3"),
+    ("kill_self", {}, "killed by SIGKILL"),
+    # os._exit(0) mid-run: rank 0 then fails in the barrier ("Connection reset by peer"), secondary.
+    ("exit_code", {"code": 0}, "rank 1 left without finishing: its process ended with exit code 0 before"),
 ])
-def test_rank_dying_without_exception_is_named(runs_dir, fn, expected):
+def test_rank_dying_without_exception_is_named(runs_dir, fn, kwargs, expected):
     with pytest.raises(WorkerError) as info:
-        spawn_train(f"{FAULTY}:{fn}", nprocs=2, runs_dir=runs_dir, echo=False)
+        spawn_train(f"{FAULTY}:{fn}", nprocs=2, runs_dir=runs_dir, echo=False, kwargs=kwargs)
     assert info.value.rank == 1
     assert expected in str(info.value)
     assert not worker_children()

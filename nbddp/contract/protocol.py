@@ -144,6 +144,12 @@ class Heartbeat:
                 self.step if self.step is not None else -1, bool(self.waiting))
 
 
+def where_words(epoch: Optional[int], step: Optional[int]) -> str:
+    """``"epoch 2, step 5"``, ``"step 5"``, ``"epoch 2"`` or ``""``: what a rank reported of where it is
+    (a worker of one's own may report a step and no epoch)."""
+    return ", ".join(f"{name} {value}" for name, value in (("epoch", epoch), ("step", step)) if value is not None)
+
+
 class HeartbeatWriter:
     """Rank ``rank``'s heartbeat file (the one writer of :class:`Heartbeat`)."""
 

@@ -6,7 +6,9 @@ often wrong. The rules, in order:
 
 1. an error that knows its cause (``exc.rank``, e.g. a NaN seen on another rank);
 2. a primary exception (not a communication error), earliest first;
-3. a rank that died on its own (signal or exit code) without an error record;
+3. a rank that died on its own (signal or exit code) without an error record; then a rank whose
+   process ended with exit code 0 before its function returned (``os._exit(0)`` in a worker):
+   its peers lost it in a collective;
 4. a rank that stopped making progress, for hangs: among the ranks without an error of their
    own (a rank whose collective failed or timed out was waiting for another), the one whose
    stack is not in a collective, then the stalest heartbeat;
@@ -23,7 +25,7 @@ from typing import Dict, Optional
 
 from ..contract.errors import WorkerError
 from ..contract import rundir
-from ..contract.protocol import ErrorRecord, Heartbeat, read_error_records, read_heartbeats
+from ..contract.protocol import ErrorRecord, Heartbeat, read_error_records, read_heartbeats, where_words
 from .stacks import Stacks, from_traceback, last_collectives
 
 
@@ -73,6 +75,16 @@ def aborted_by_watchdog(end: Optional[RankEnd], log_path: Path, start: int = 0) 
     return any(m in text for m in _WATCHDOG_MARKERS)
 
 
+def left_unfinished(end: Optional[RankEnd], rec: Optional[ErrorRecord], beat: Optional[Heartbeat]) -> bool:
+    """True if the rank's process ended on its own with exit code 0 before its function returned.
+
+    A rank that returns says so in its last heartbeat (``finishing``, then ``done``) before it
+    exits; one that calls ``os._exit(0)`` mid-run leaves its peers waiting for it, and exits "fine".
+    """
+    return (end is not None and end.exitcode == 0 and not end.by_launcher and rec is None
+            and (beat is None or beat.state not in ("finishing", "done")))
+
+
 def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord], beats: Dict[int, Heartbeat],
                     consequences: frozenset = frozenset(), stacks: Optional[Dict] = None) -> int:
     """Pick the rank that caused a failure (see the module docstring for the rules).
@@ -91,6 +103,9 @@ def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord], b
             and e.rank not in records and e.rank not in consequences]
     if died:
         return min(died, key=lambda e: e.seen_at).rank
+    left = [e for e in ends.values() if left_unfinished(e, records.get(e.rank), beats.get(e.rank))]
+    if left:
+        return min(left, key=lambda e: e.seen_at).rank
     if beats:
         def staleness(b: Heartbeat):
             # A rank waiting in a collective is behind the one it waits for; then least progress
@@ -135,12 +150,14 @@ def how_ranks_stopped(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord],
     return "; ".join(parts)
 
 
-def _ended(rank: int, end: Optional[RankEnd], rec: Optional[ErrorRecord]) -> str:
+def _ended(rank: int, end: Optional[RankEnd], rec: Optional[ErrorRecord], beat: Optional[Heartbeat] = None) -> str:
     """How a rank's process ended, in a few words, for the ranks' table."""
     if rec is not None:
         return rec.type + (" (after a peer)" if rec.secondary else "")
     if end is None or end.exitcode is None:
         return "running"
+    if left_unfinished(end, rec, beat):
+        return "exit code 0 before returning"
     if end.by_launcher:
         return "stopped by nbddp"
     return signal_name(end.exitcode) or f"exit code {end.exitcode}"
@@ -166,7 +183,7 @@ def ranks_table(run_dir: Path, ends: Dict[int, RankEnd], records: Dict[int, Erro
     rows = [("rank", "ended", "last heartbeat", "where")]
     for r in range(world_size):
         where = stacks[r].where().partition(" is in ")[2] or stacks[r].where() if stacks and r in stacks else ""
-        rows.append((str(r), _ended(r, ends.get(r), records.get(r)), _heartbeat_words(beats.get(r), now), where))
+        rows.append((str(r), _ended(r, ends.get(r), records.get(r), beats.get(r)), _heartbeat_words(beats.get(r), now), where))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     table = ["  " + "  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + ("  " + row[3] if row[3] else "")
              for row in rows]
@@ -206,7 +223,7 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     epoch = where_from.epoch if where_from else None
     step = where_from.step if where_from else None
     if epoch is not None or step is not None:
-        where = f"at epoch {epoch}, step {step}"
+        where = f"at {where_words(epoch, step)}"
     elif rec is None and beat is not None and beat.state == "running":
         where = "no epoch or step reported yet (ctx.heartbeat says where a worker is)"
     else:
@@ -236,6 +253,11 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     elif rec:
         kind = "collective"
         headline = f"rank {root} failed in a collective: {rec.type}: {rec.message}"
+    elif left_unfinished(end, rec, beat):
+        kind = "left"
+        headline = (f"rank {root} left without finishing: its process ended with exit code 0 before its function "
+                    "returned (os._exit(0), or code that ends the process, in the worker), and the other ranks "
+                    "lost it in a collective. Let every rank return from the function.")
     elif end and not end.by_launcher and sig:
         hint = " — possibly out of memory (check `dmesg`, lower batch_size)" if sig == "SIGKILL" else ""
         kind = "signal"
@@ -273,7 +295,7 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
         elif o_end and o_end.by_launcher:
             others.append(f"rank {r}: stopped by nbddp after rank {root} failed")
         elif o_end:
-            others.append(f"rank {r}: exit code {o_end.exitcode}")
+            others.append(f"rank {r}: {_ended(r, o_end, None, beats.get(r))}")
     if others:
         parts.append("Other ranks: " + "; ".join(others))
     if rec and rec.traceback:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from ..contract.errors import ConfigError, WorkerError
-from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV
+from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV, where_words
 
 #: ``oom=`` values: ``"fail"`` (an out-of-memory error ends the run) or ``"halve"``.
 OOM_POLICIES = ("fail", "halve")
@@ -96,7 +96,8 @@ class Restart:
 
     def line(self, max_restarts: int) -> str:
         """The cell's one line: cause, rank, where the restart resumes from."""
-        where = f" at epoch {self.epoch}, step {self.step}" if self.epoch is not None or self.step is not None else ""
+        where = where_words(self.epoch, self.step)
+        where = f" at {where}" if where else ""
         changed = "".join(f"; {k} {v[0]} -> {v[1]}" for k, v in self.changes.items())
         start = f"from {self.resumed_from}" if self.resumed_from else "from the start (no checkpoint yet)"
         # Out-of-memory restarts (oom="halve") are bounded by the batch, not by max_restarts.
