@@ -10,7 +10,7 @@ owns where the files are, this module what they hold::
     stop request    stop                 kernel: write_stop_request        ranks: read_stop_request
     ErrorRecord     error.rank<r>.json   rank r: ErrorRecord.write         kernel: read_error_records
                                          (or the kernel, from torch's error file: adopt_torch_error_file)
-    result          result[.rank<r>].pkl rank r: write_result              kernel: read_result
+    result          result[.rank<r>].pkl rank r: write_result              kernel: take_result (read, removed)
 
 ``.nbddp/`` is the user's alone (0700, files 0600, see :func:`nbddp.contract.rundir.make_state_dir`), and
 the one record that is unpickled, the result, is read only from there and only when it is
@@ -437,3 +437,13 @@ def read_result(run_dir: PathLike, rank: int = 0) -> Any:
         nbddp.contract.rundir.NotPrivate: the file or its folder is not provably the user's.
     """
     return pickle.loads(rundir.read_private(rundir.result_path(run_dir, rank)))
+
+
+def take_result(run_dir: PathLike, rank: int = 0) -> Any:
+    """:func:`read_result`, then the file removed: the value lives on in the kernel, and a large
+    one (a model's weights, a dataset's predictions) would otherwise fill the run folder for good.
+    A file that could not be read stays, for the user to look at."""
+    value = read_result(run_dir, rank)
+    with contextlib.suppress(FileNotFoundError):
+        rundir.result_path(run_dir, rank).unlink()
+    return value

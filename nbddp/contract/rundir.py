@@ -18,7 +18,7 @@ module spells a file name of it. What is in a run folder, and who writes it::
         rank<r>.json         heartbeat: state, epoch, step, progress    rank r, every second and per step
         error.rank<r>.json   rank r's error: type, message, traceback   rank r (or the kernel, from torch's error file)
         progress.json        live progress for the notebook             rank 0, at most 5 times a second
-        result.pkl           rank 0's return value                      rank 0
+        result.pkl           rank 0's return value (removed once read)  rank 0
         result.rank<r>.pkl   rank r's, with spawn_train(all_values=True) rank r
         stop                 the stop request                           the kernel (Stop, handle.stop())
 

@@ -25,7 +25,7 @@ from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
 from ..contract import rundir
 from ..contract.protocol import (Heartbeat, LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_checkpoint_note,
-                       read_error_records, read_heartbeats, read_progress, read_result, write_stop_request)
+                       read_error_records, read_heartbeats, read_progress, take_result, write_stop_request)
 from .restarts import Restart, RestartPolicy
 from .stacks import Stacks, collect as collect_stacks
 from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
@@ -635,7 +635,7 @@ class RunHandle:
             # Every rank exited 0 unasked: a success, with or without a value. Code that ends its
             # process itself (``os._exit(0)`` after training, common in scripts) returned nothing.
             try:
-                values = [read_result(self.run_dir, r) if has_result(self.run_dir, r) else None
+                values = [take_result(self.run_dir, r) if has_result(self.run_dir, r) else None
                           for r in range(self.world_size if self.spec.all_values else 1)]
                 value = values[0]
                 values = values if self.spec.all_values else None
