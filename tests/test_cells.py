@@ -168,6 +168,23 @@ def test_captured_data_over_the_limit_is_refused_with_its_size_and_the_biggest_v
     assert load(ship(fn).payload)(None) == 300_003  # under the default limit it goes
 
 
+def test_a_huge_capture_is_refused_by_its_size_before_anything_is_pickled(monkeypatch):
+    import numpy as np
+
+    frames = np.zeros(2**30, dtype=np.uint8)  # 1 GiB that is never touched: calloc'd pages cost nothing
+    fn = in_main("def train(ctx):\n    return len(frames) + len(cfg)\n", "train",
+                 frames=frames, cfg={"name": "x", "init": torch.empty(2**24)})
+
+    def pickled(*args, **kwargs):
+        raise AssertionError("pickled: seconds and gigabytes of the kernel's memory")
+
+    monkeypatch.setattr("cloudpickle.dumps", pickled)
+    with pytest.raises(ConfigError, match=r"captures 1088\.\d MiB of data, over the 64 MiB limit \(largest: `frames` "
+                                          r"\(a global that train uses\) \(1024\.0 MiB\), `cfg` \(a global that "
+                                          r"train uses\) \(64\.0 MiB\)\)"):
+        ship(fn)
+
+
 def test_in_a_real_kernel_cell_functions_train_block_or_not_and_keep_their_source(kernel, tmp_path):
     from conftest import ROOT, execute
 

@@ -17,8 +17,10 @@ Shared side: :func:`ship` runs in the kernel, :func:`load` in a rank.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
+import itertools
 import pickle
 import socket
 import textwrap
@@ -35,6 +37,9 @@ MAX_CAPTURED_BYTES = 64 * 2**20
 
 #: Modules whose objects a shipped function may capture by value ("__main__": the notebook).
 _BY_VALUE_MODULES = ("__main__", "__mp_main__")
+
+#: Items of a container looked at to estimate its size.
+_SAMPLE = 100
 
 _LOCK_TYPES = tuple({type(threading.Lock()), type(threading.RLock()), threading.Condition, threading.Semaphore,
                      threading.Event})
@@ -78,6 +83,10 @@ def ship(fn: Callable[..., Any], max_bytes: int = MAX_CAPTURED_BYTES) -> Shipped
         problem = _problem(value)
         if problem:
             raise ConfigError(f"spawn_train({name}): {label} is {problem}")
+    # Sized before pickling: pickling 1 GiB takes seconds and several GiB of the kernel's memory.
+    sizes = _estimated_sizes(captured)
+    if sum(sizes.values()) > max_bytes:
+        raise _too_large(name, sum(sizes.values()), max_bytes, sizes)
     try:
         payload = cloudpickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - name the variable that fails, not cloudpickle's frame
@@ -85,13 +94,60 @@ def ship(fn: Callable[..., Any], max_bytes: int = MAX_CAPTURED_BYTES) -> Shipped
                           f"worker processes ({type(exc).__name__}: {exc}). Create it inside the function, "
                           "or pass plain values as arguments.") from exc
     if len(payload) > max_bytes:
-        sizes = sorted(((_size(v), label) for label, v in captured), reverse=True)[:3]
-        biggest = ", ".join(f"{label} ({size / 2**20:.1f} MiB)" for size, label in sizes if size)
-        raise ConfigError(
-            f"spawn_train({name}): the function captures {len(payload) / 2**20:.1f} MiB of data, over the "
-            f"{max_bytes / 2**20:.0f} MiB limit (largest: {biggest or 'unknown'}). It would be copied to every "
-            "rank at every launch: load the data or model inside the function (from a file), or pass a path.")
+        raise _too_large(name, len(payload), max_bytes, sizes)
     return ShippedFunction(name=name, payload=payload, source=source_of(fn, captured))
+
+
+def _too_large(name: str, size: int, max_bytes: int, sizes: Dict[str, int]) -> ConfigError:
+    biggest = ", ".join(f"{label} ({n / 2**20:.1f} MiB)" for label, n in
+                        sorted(sizes.items(), key=lambda item: -item[1])[:3] if n)
+    return ConfigError(
+        f"spawn_train({name}): the function captures {size / 2**20:.1f} MiB of data, over the "
+        f"{max_bytes / 2**20:.0f} MiB limit (largest: {biggest or 'unknown'}). It would be copied to every "
+        "rank at every launch: load the data or model inside the function (from a file), or pass a path.")
+
+
+def _estimated_sizes(captured: List[Tuple[str, Any]]) -> Dict[str, int]:
+    """Roughly the pickled bytes of each captured value, by label, read without pickling (an
+    object captured twice counts once)."""
+    seen: set = set()
+    return {label: _estimate(value, seen) for label, value in captured}
+
+
+def _estimate(value: Any, seen: set, depth: int = 0) -> int:
+    """The bytes ``value`` holds as far as a quick look tells: arrays, tensors and modules by their
+    buffers, bytes and strings by length, containers and plain objects by a sample of their items."""
+    if id(value) in seen or depth > 4 or isinstance(value, (type, types.ModuleType, types.FunctionType)):
+        return 0
+    seen.add(id(value))
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    if isinstance(value, memoryview):
+        return value.nbytes
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        with contextlib.suppress(Exception):  # a view pickles its whole storage
+            return value.untyped_storage().nbytes()
+        return value.element_size() * value.nelement()
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return sum(_estimate(t, seen, depth + 1) for t in itertools.chain(value.parameters(), value.buffers()))
+    nbytes = getattr(value, "nbytes", None)  # numpy arrays, pandas Series, and their kin
+    if isinstance(nbytes, int) and not isinstance(value, type):
+        return nbytes
+    if isinstance(value, dict):
+        items = list(itertools.chain.from_iterable(itertools.islice(value.items(), _SAMPLE)))
+        count = 2 * len(value)
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items, count = list(itertools.islice(value, _SAMPLE)), len(value)
+    elif depth < 2 and isinstance(getattr(value, "__dict__", None), dict):
+        items, count = list(vars(value).values()), len(vars(value))
+    else:
+        return 8
+    if not items:
+        return 8
+    # The sample stands for every item (one object held twice pickles once: it counts once).
+    sampled = sum(max(2, _estimate(item, seen, depth + 1)) for item in items)
+    return sampled * count // len(items)
 
 
 def load(payload: bytes) -> Callable[..., Any]:
@@ -223,15 +279,6 @@ def _unpicklable(captured: List[Tuple[str, Any]]) -> Optional[str]:
         except Exception:  # noqa: BLE001
             return label
     return None
-
-
-def _size(value: Any) -> int:
-    import cloudpickle
-
-    try:
-        return len(cloudpickle.dumps(value))
-    except Exception:  # noqa: BLE001
-        return 0
 
 
 # ------------------------------------------------------------------------------ its source
