@@ -43,6 +43,8 @@ BURST_BYTES, RATE_BYTES = 160_000, 16_000
 TAIL_LINES, TAIL_BYTES = 200, 32_000
 
 LINE, UPDATE = "line", "update"
+#: Room kept for the notice of a skipped flood when its end is shown.
+_NOTICE_BYTES = 200
 
 _BREAK = re.compile(r"[\r\n]")
 
@@ -157,6 +159,7 @@ class CellEcho:
         return bool(self._tail) or self.skipped > 0
 
     def show(self, kind: str, text: str) -> None:
+        """Take one piece of :class:`OutputTail`: kept for the next write, or, in a flood, for its end."""
         if kind == UPDATE:
             self._bar = text  # only the latest state of a bar is worth a message
             return
@@ -190,7 +193,7 @@ class CellEcho:
     def _write(self, final: bool) -> None:
         self._refill()
         lines, self._lines = self._lines, []
-        if self.cutting and (final or self._allowance >= self._tail_size + 200):
+        if self.cutting and (final or self._allowance >= self._tail_size + _NOTICE_BYTES):
             # The flood is over (its end fits the allowance again), or the run is: its end is shown.
             lines += self._notice()
             lines += self._tail
