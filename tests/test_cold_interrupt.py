@@ -86,8 +86,8 @@ def test_a_server_killed_mid_run_is_named(runs_dir, tmp_path):
 
 def test_where_a_rank_was_says_only_what_it_reported(tmp_path):
     """A worker of one's own may report a step and no epoch: never "at epoch None"."""
-    from nbddp.report import RankEnd, build_worker_error
-    from nbddp.restarts import Restart
+    from nbddp.kernel.report import RankEnd, build_worker_error
+    from nbddp.kernel.restarts import Restart
 
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
