@@ -3,8 +3,11 @@ listing faked (``tests/fake_gpu.py``). Two kernels launching with ``gpus="idle"`
 moment never get the same GPU; a lease dies with its kernel, however it ends; the listing and the
 panel's picker name the holder. Each kernel here is a process of its own; none starts a worker."""
 
+import contextlib
+import functools
 import json
 import os
+import pwd
 import signal
 import stat
 import subprocess
@@ -156,3 +159,187 @@ def test_an_unusable_lease_folder_leases_nothing_and_launches_anyway(tmp_path, m
     assert leases.unusable_reason() is not None
     monkeypatch.setenv(leases.LEASES_ENV, str(tmp_path / "leases"))
     assert leases.unusable_reason() is None
+
+
+# ------------------------------------------------------------------------------ other users
+# The tests below play other users of a shared server: as root they plant files owned by other uids
+# and run the victim (or the attacker) as another uid; elsewhere they are skipped, and the one
+# ownership seam (``leases._my_uid``) is tested by pretending.
+ROOT = os.geteuid() == 0
+VICTIM, ATTACKER = 65534, 4242
+needs_root = pytest.mark.skipif(not ROOT, reason="plays other users' uids: needs root")
+
+
+@pytest.fixture
+def shared_dir(monkeypatch):
+    """A lease folder every uid can reach (pytest's tmp_path is private to its user)."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="nbddp-leases-test-"))
+    base.chmod(0o755)
+    monkeypatch.setenv(leases.LEASES_ENV, str(base / "leases"))
+    yield base / "leases"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def python_for(uid: int) -> str:
+    """A Python the other uid may run (a virtual environment in a private home may not be one):
+    ``nbddp.leases`` needs only the standard library."""
+    import shutil
+
+    for exe in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            if exe and subprocess.run([exe, "-c", "pass"], user=uid, group=uid, extra_groups=[], cwd="/",
+                                      timeout=30).returncode == 0:
+                return exe
+    pytest.skip(f"no Python that uid {uid} may run")
+
+
+def as_user(uid: int, code: str, folder: Path):
+    """Run ``code`` (which prints one JSON value) as ``uid``; a hang fails the test instead of the suite."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), **{leases.LEASES_ENV: str(folder)})
+    try:
+        done = subprocess.run([python_for(uid), "-c", code], user=uid, group=uid, extra_groups=[], env=env,
+                              cwd=folder.parent, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"uid {uid} hung on a file another user planted")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+LEASE_ALL = ("import json; from nbddp import leases\n"
+             "got = [leases.try_lease(i, u) for i, u in enumerate({uuids!r})]\n"
+             "print(json.dumps([g is not None for g in got]))")
+
+
+@contextlib.contextmanager
+def holding_as(uid: int, uuids, folder: Path):
+    """``uid`` leases ``uuids`` and holds them (a lease lives as long as its holder) until the block ends;
+    yields which it got."""
+    import select
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), **{leases.LEASES_ENV: str(folder)})
+    code = LEASE_ALL.format(uuids=list(uuids)) + "\nimport sys; sys.stdout.flush(); sys.stdin.read()"
+    proc = subprocess.Popen([python_for(uid), "-c", code], user=uid, group=uid, extra_groups=[], env=env,
+                            cwd=folder.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        if not select.select([proc.stdout], [], [], 60)[0]:
+            pytest.fail(f"uid {uid} hung on a file another user planted")
+        yield json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def view(uuids=UUID):
+    return leases.holders([type("G", (), {"index": i, "uuid": u})() for i, u in enumerate(uuids)])
+
+
+def plant(path: Path, kind: str, owner: int = ATTACKER) -> None:
+    if kind == "fifo":
+        os.mkfifo(path, 0o444)  # readable: a plain open for reading waits for a writer that never comes
+    elif kind == "link":
+        (path.parent / f"{path.name}.target").mkdir(mode=0o777)
+        path.symlink_to(path.parent / f"{path.name}.target")
+    elif kind == "folder":
+        path.mkdir(mode=0o777)
+    else:
+        path.write_text("mine")
+        path.chmod(0o600)
+    os.chown(path, owner, owner, follow_symlinks=False)
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["fifo", "link", "folder", "private"])
+def test_nothing_another_user_plants_in_the_lease_folder_blocks_or_silences_a_lease(shared_dir, kind):
+    shared_dir.mkdir()
+    shared_dir.chmod(0o1777)
+    # Where older versions kept one lock file per GPU, and where the victim's own folder goes.
+    for i, u in enumerate(UUID[:2]):
+        plant(shared_dir / f"{u}.lock", kind)
+    plant(shared_dir / f"u{VICTIM}", kind)
+    with holding_as(VICTIM, UUID[:2], shared_dir) as got:
+        assert got == [True, True]
+        held = view(UUID[:2])  # every other user sees them leased, by the victim's uid (not what a file says)
+        assert sorted(held) == [0, 1] and all(h.startswith(f"leased by {pwd.getpwuid(VICTIM).pw_name} (pid ")
+                                              for h in held.values()), held
+        assert as_user(ATTACKER, LEASE_ALL.format(uuids=UUID[:2]), shared_dir) == [False, False]
+
+
+@needs_root
+def test_the_lease_folders_owner_can_neither_remove_nor_hide_another_users_lease(shared_dir):
+    shared_dir.mkdir()
+    shared_dir.chmod(0o1777)
+    os.chown(shared_dir, ATTACKER, ATTACKER)  # the attacker ran nbddp first
+    mine = leases.try_lease(0, UUID[0], run="mine")
+    try:
+        assert mine is not None
+        wrecked = as_user(ATTACKER, r"""
+import json, os, shutil
+done, names = [], os.listdir("leases")
+os.mkdir("leases/trap")
+for name in names:
+    path = os.path.join("leases", name)
+    for how, act in (("unlink", os.unlink), ("rmtree", shutil.rmtree), ("truncate", lambda p: open(p, "w").close()),
+                     ("move", lambda p: os.rename(p, "leases/trap/" + name)),
+                     ("hide", lambda p: os.rename(p, "leases/.gone-" + name))):
+        try:
+            act(path)
+            done.append(how + " " + name)
+            break
+        except OSError:
+            pass
+print(json.dumps(done))""", shared_dir)
+        assert wrecked in ([f"hide u{os.geteuid()}"], [])  # renaming within the folder is all its owner may do
+        assert "leased by root (pid" in view()[0] and "run mine" in view()[0]
+        assert as_user(VICTIM, LEASE_ALL.format(uuids=UUID[:1]), shared_dir) == [False]
+    finally:
+        mine.release()
+    assert view() == {}
+    assert as_user(VICTIM, LEASE_ALL.format(uuids=UUID[:1]), shared_dir) == [True]
+
+
+def claim(folder: Path, pid: int, start, ticket, key=None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{key or leases.lease_key(0, UUID[0])}@{pid}-test"
+    path.write_text(json.dumps({"pid": pid, "start": start, "ticket": ticket, "run": "theirs"}))
+    return path
+
+
+def test_a_claim_counts_while_its_process_lives_and_a_recycled_pid_does_not(shared_dir):
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        start = leases._proc_start(holder.pid)[1]
+        path = claim(shared_dir / "someone", holder.pid, start, 1)
+        assert f"pid {holder.pid}, run theirs" in view()[0]
+        assert leases.try_lease(0, UUID[0]) is None
+        path.write_text(json.dumps({"pid": holder.pid, "start": start + 1, "ticket": 1}))  # same pid, another process
+        assert view() == {}
+        path.write_text(json.dumps({"pid": holder.pid, "start": start, "ticket": 1}))
+        assert 0 in view()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert view() == {}  # dead: the file stays, the lease is gone
+    lease = leases.try_lease(0, UUID[0])
+    assert lease is not None
+    lease.release()
+
+
+def test_a_rival_choosing_its_ticket_is_waited_for_and_never_shares_the_gpu(shared_dir, monkeypatch):
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        start = leases._proc_start(holder.pid)[1]
+        path = claim(shared_dir / "someone", holder.pid, start, None)  # made its claim, no ticket yet
+        monkeypatch.setattr(leases, "CHOOSING_S", 0.05)
+        got = leases.attempt(0, UUID[0])
+        assert got.lease is None and f"pid {holder.pid}" in got.held_by  # undecided for too long: it wins
+        path.write_text(json.dumps({"pid": holder.pid, "start": start, "ticket": time.monotonic_ns() + 10**12}))
+        got = leases.attempt(0, UUID[0])  # its ticket is later than ours: ours wins, it withdraws
+        assert got.lease is not None
+        got.lease.release()
+    finally:
+        holder.kill()
+        holder.wait()

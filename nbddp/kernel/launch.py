@@ -32,7 +32,7 @@ from ..contract.gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
 from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
 from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV
 from .restarts import RestartPolicy, check_policy as check_restart_policy
-from ..contract.leases import LEASES_ENV, Leases, holders, try_lease, unusable_reason
+from ..contract.leases import LEASES_ENV, Leases, attempt
 from .procs import MARKER_ENV, live_workers
 from ..contract.protocol import LaunchSpec, start_rank
 from .rendezvous import Rendezvous, rendezvous_for
@@ -385,21 +385,23 @@ def _leased(value: Union[str, Sequence[int], None]) -> Tuple[List[int], Leases]:
 
     With ``"idle"``, a GPU another kernel leased between the listing and now is dropped (that
     kernel won it); none left is refused. A GPU chosen by hand is leased when free and warned
-    about when leased (:func:`resolve_gpus`); a folder where no lease can be taken leases nothing.
+    about when leased (:func:`resolve_gpus`); a GPU that cannot be leased (the folder unusable) is
+    used without a lease, with a warning that says why.
     """
     ids = resolve_gpus(value)
     if not ids:
         return ids, Leases()
     listed = {g.index: g for g in list_gpus()}
-    taken = [lease for lease in (try_lease(i, listed[i].uuid) for i in ids if i in listed) if lease is not None]
-    off = unusable_reason() if not taken else None
+    tries = {i: attempt(i, listed[i].uuid) for i in ids if i in listed}
+    taken = [a.lease for a in tries.values() if a.lease is not None]
+    off = {i: a.off for i, a in tries.items() if a.off}
     if off:
-        warnings.warn(f"GPU leases are off: {off}. Other kernels cannot see that this launch uses GPUs {ids}, "
+        why = "; ".join(dict.fromkeys(off.values()))
+        warnings.warn(f"GPU leases are off: {why}. Other kernels cannot see that this launch uses GPUs {sorted(off)}, "
                       f"nor this one theirs; set {LEASES_ENV} to a folder your kernels share.", stacklevel=3)
     if not isinstance(value, str):
         return ids, Leases(taken)
-    won = {lease.index for lease in taken}
-    lost = holders([listed[i] for i in ids if i in listed and i not in won])
+    lost = {i: a.held_by for i, a in tries.items() if a.held_by}
     ids = [i for i in ids if i not in lost]
     if not ids:
         raise ConfigError(f"gpus={IDLE!r}: the idle GPUs were just leased by other launches: "
