@@ -343,3 +343,11 @@ def test_a_rival_choosing_its_ticket_is_waited_for_and_never_shares_the_gpu(shar
     finally:
         holder.kill()
         holder.wait()
+
+
+@needs_root
+def test_a_gpu_that_cannot_be_leased_says_why(shared_dir):
+    shared_dir.mkdir(mode=0o755)  # another user (root here) made it, and only they may write in it
+    got = as_user(VICTIM, "import json; from nbddp import leases\n"
+                          f"print(json.dumps(leases.attempt(0, {UUID[0]!r}).off))", shared_dir)
+    assert f"{shared_dir} is not writable by you (owner uid 0, mode 755" in got

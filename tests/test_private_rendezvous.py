@@ -83,3 +83,62 @@ def test_a_resumed_run_makes_its_older_logs_private(runs_dir, umask_022):
     os.chmod(logs / "rank0.log", 0o644)  # as an older nbddp left them
     spawn_train(f"{FAULTY}:info", nprocs=1, runs_dir=runs_dir, echo=False, resume=first.run_dir)
     assert mode(logs) == 0o700 and mode(logs / "rank0.log") == 0o600
+
+
+def test_an_env_store_listens_only_once_the_ranks_are_about_to_start():
+    import socket
+
+    from nbddp.rendezvous import Rendezvous
+
+    meet = Rendezvous("tcp", 30)
+    try:
+        assert meet.store_port and meet.master_port == meet.store_port
+        with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+            probe.connect(("127.0.0.1", meet.store_port))  # the port is the launch's, and nobody can dial it yet
+        meet.open()
+        assert reachable_by_tcp(meet.store_port)
+    finally:
+        meet.close()
+    assert not reachable_by_tcp(meet.store_port)
+
+
+POISONED_SCRIPT = """
+import os, time
+import torch.distributed as dist
+if os.environ["RANK"] == "1":
+    time.sleep(600)  # never arrives: another local user answers in its place
+dist.init_process_group("gloo")
+"""
+
+
+def listening_ports() -> set:
+    """The loopback TCP ports that listen, as any local user reads them from /proc/net/tcp."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return {int(f[1].split(":")[1], 16) for f in (line.split() for line in lines) if f[3] == "0A"}
+
+
+def test_a_key_another_user_forged_in_an_env_store_is_named_in_the_error_not_taken_for_out_of_memory(tmp_path,
+                                                                                                        runs_dir):
+    import nbddp
+
+    if not hasattr(dist.TCPStore, "list_keys"):
+        pytest.skip("this torch's TCPStore cannot list keys")
+    script = tmp_path / "meets_by_env.py"
+    script.write_text(POISONED_SCRIPT)
+    h = spawn_train(str(script), nprocs=2, runs_dir=runs_dir, block=False, echo=False)
+    try:
+        port = h.spec.store_port
+        assert port in listening_ports()  # what the other user sees
+        intruder = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
+        assert wait_for(lambda: any(k.endswith("/0") for k in intruder.list_keys()), 90), "rank 0 did not arrive"
+        mine = next(k for k in intruder.list_keys() if k.endswith("/0"))
+        # Rank 0 now waits for rank 1's address: a length field read as gigabytes.
+        intruder.set(mine[:-1] + "1", bytes.fromhex("0000000000000010ffffffff"))
+        with pytest.raises(nbddp.WorkerError) as failed:
+            h.wait(timeout=120)
+    finally:
+        h.stop() if h.running else None
+    message = str(failed.value)
+    assert "rank 0 raised MemoryError: std::bad_alloc" in message
+    assert f"127.0.0.1:{port} that every local user can read and write" in message
+    assert "not a lack of memory" in message and "fn(ctx)" in message

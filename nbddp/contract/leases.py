@@ -131,7 +131,7 @@ def _my_folder(shared: int) -> Tuple[Optional[int], Optional[str]]:
     """
     uid = _my_uid()
     name = f"u{uid}"
-    for attempt in range(8):
+    for tried in range(8):
         try:
             os.mkdir(name, 0o700, dir_fd=shared)
         except FileExistsError:
@@ -143,7 +143,7 @@ def _my_folder(shared: int) -> Tuple[Optional[int], Optional[str]]:
         fd = _own_folder(shared, name)
         if fd is not None:
             return fd, None
-        if attempt == 0:
+        if tried == 0:
             for other in _entries(shared):
                 if other.startswith(f"u{uid}-") and (fd := _own_folder(shared, other)) is not None:
                     return fd, None

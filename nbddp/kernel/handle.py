@@ -556,7 +556,8 @@ class RunHandle:
             self._finish()
             return
         error = build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._server),
-                                   stacks=self._failure_stacks, log_starts=self._log_starts)
+                                   stacks=self._failure_stacks, log_starts=self._log_starts,
+                                   store_port=self.spec.store_port)
         restart, why = (self._policy.next_restart(error, self.restarts, self._resumes_from())
                         if self._policy is not None else (None, ""))
         if restart is None:
@@ -628,7 +629,7 @@ class RunHandle:
         if error is not None or reason == "failure" or (not all_ok and reason is None):
             outcome: Union[TrainResult, BaseException] = error or build_worker_error(
                 self.run_dir, self._ends, self.world_size, server_died=server_death(self._server),
-                stacks=self._failure_stacks, log_starts=self._log_starts)
+                stacks=self._failure_stacks, log_starts=self._log_starts, store_port=self.spec.store_port)
             if isinstance(outcome, WorkerError):
                 _note_restarts(outcome, self.restarts, not_restarted)
         elif all_ok and reason != "interrupt" and (has_result(self.run_dir) or reason is None):

@@ -324,6 +324,7 @@ class _Generations:
         spec, meet, child_env, tmp_dir = self.prepare(restart)
         try:
             _start_helpers(self.start_method)  # a launch server that died is started again
+            meet.open()
             with _patched_env(child_env), _bare_main(), _error_files_in(tmp_dir):
                 procs = mp.start_processes(start_rank, args=(spec,), nprocs=spec.world_size, join=False,
                                            start_method=self.start_method)
@@ -491,6 +492,7 @@ def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[s
     with interrupts_held() as interrupted:
         _start_helpers(start_method)
         try:
+            meet.open()  # env://'s store listens from here on: after a warm server's cold start, not during it
             with _patched_env(child_env), _bare_main(), _error_files_in(watch["tmp_dir"]):
                 procs = mp.start_processes(start_rank, args=(spec,), nprocs=spec.world_size, join=False,
                                            start_method=start_method)

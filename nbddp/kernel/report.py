@@ -197,9 +197,37 @@ def ranks_table(run_dir: Path, ends: Dict[int, RankEnd], records: Dict[int, Erro
     return "\n".join(parts)
 
 
+# A rank's rendezvous read a value it cannot parse: what a key forged by someone else gives (a
+# length field read as gigabytes: std::bad_alloc, std::length_error), not a lack of memory.
+_FOREIGN_KEY_TYPES = ("MemoryError", "ValueError", "OverflowError", "UnicodeDecodeError")
+_FOREIGN_KEY_WORDS = ("bad_alloc", "length_error", "basic_string", "unexpected key", "invalid key", "deserializ")
+
+
+def foreign_key_note(rec: Optional[ErrorRecord], store_port: Optional[int]) -> str:
+    """A note for an error that a key another local user wrote into the kernel's ``env://`` store
+    explains (``store_port``: that store's port, None when the ranks met privately), else ``""``.
+
+    The store (:mod:`nbddp.rendezvous`) answers every local user; what a forged key does to
+    ``init_process_group`` reads like out of memory (``MemoryError: std::bad_alloc``).
+    """
+    if rec is None or store_port is None:
+        return ""
+    text = f"{rec.message}\n{rec.traceback}".lower()
+    meeting = any(w in text for w in ("init_process_group", "rendezvous", "tcpstore", "_store_based_barrier"))
+    odd = rec.type in _FOREIGN_KEY_TYPES or any(w in text for w in _FOREIGN_KEY_WORDS)
+    if not (meeting and odd):
+        return ""
+    return (f"This rank failed while the ranks met (env://), reading what the launch's rendezvous store holds: "
+            f"a TCPStore on 127.0.0.1:{store_port} that every local user can read and write while the run lasts "
+            "(TCPStore has no authentication; /proc/net/tcp shows the port). A key another user wrote there fails "
+            f"init_process_group this way: {rec.type}: {rec.message[:80]} is then not a lack of memory. On a shared "
+            "server let nbddp make the process group: a function fn(ctx) (call='ctx'), whose ranks meet in a "
+            "FileStore only you can open, instead of a script or a function calling init_process_group itself.")
+
+
 def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
                        server_died: Optional[str] = None, stacks=None,
-                       log_starts: Optional[Dict[int, int]] = None) -> WorkerError:
+                       log_starts: Optional[Dict[int, int]] = None, store_port: Optional[int] = None) -> WorkerError:
     """Compose the one exception the notebook shows for a failed run.
 
     Args:
@@ -208,6 +236,8 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
         server_died: how the warm server the ranks forked from ended (``"signal 9"``), if it
             died during the run: every rank then ends with it, without a word of its own.
         stacks: where the live ranks were when the failure was seen (:class:`nbddp.kernel.stacks.Stacks`).
+        store_port: the kernel's ``env://`` store's port, when the ranks met there: a failed
+            rendezvous that a key of another user explains says so (:func:`foreign_key_note`).
     """
     records, beats = read_error_records(run_dir, world_size), read_heartbeats(run_dir, world_size)
     logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}
@@ -279,6 +309,9 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
 
     parts = [f"Training failed: {headline}",
              f"  {where} · pid {pid} · log: {log_path}"]
+    foreign = foreign_key_note(rec, store_port)
+    if foreign:
+        parts.append(foreign)
     if stacks:
         parts.append(f"Where the ranks were: {stacks.summary()}")
     nccl = last_collectives(run_dir, world_size)
