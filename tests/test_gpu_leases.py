@@ -166,7 +166,8 @@ def test_an_unusable_lease_folder_leases_nothing_and_launches_anyway(tmp_path, m
 # and run the victim (or the attacker) as another uid; elsewhere they are skipped, and the one
 # ownership seam (``leases._my_uid``) is tested by pretending.
 ROOT = os.geteuid() == 0
-VICTIM, ATTACKER = 65534, 4242
+# Without root the victim and the attacker are this user: what does not need another uid still runs.
+VICTIM, ATTACKER = (65534, 4242) if ROOT else (os.geteuid(), os.geteuid())
 needs_root = pytest.mark.skipif(not ROOT, reason="plays other users' uids: needs root")
 
 
@@ -183,6 +184,11 @@ def shared_dir(monkeypatch):
     shutil.rmtree(base, ignore_errors=True)
 
 
+def run_as(uid: int) -> dict:
+    """Popen's arguments that make a process ``uid`` (none for this user: dropping groups needs root)."""
+    return {} if uid == os.geteuid() else dict(user=uid, group=uid, extra_groups=[])
+
+
 @functools.lru_cache(maxsize=None)
 def python_for(uid: int) -> str:
     """A Python the other uid may run (a virtual environment in a private home may not be one):
@@ -191,7 +197,7 @@ def python_for(uid: int) -> str:
 
     for exe in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            if exe and subprocess.run([exe, "-c", "pass"], user=uid, group=uid, extra_groups=[], cwd="/",
+            if exe and subprocess.run([exe, "-c", "pass"], **run_as(uid), cwd="/",
                                       timeout=30).returncode == 0:
                 return exe
     pytest.skip(f"no Python that uid {uid} may run")
@@ -201,7 +207,7 @@ def as_user(uid: int, code: str, folder: Path):
     """Run ``code`` (which prints one JSON value) as ``uid``; a hang fails the test instead of the suite."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), **{leases.LEASES_ENV: str(folder)})
     try:
-        done = subprocess.run([python_for(uid), "-c", code], user=uid, group=uid, extra_groups=[], env=env,
+        done = subprocess.run([python_for(uid), "-c", code], **run_as(uid), env=env,
                               cwd=folder.parent, capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail(f"uid {uid} hung on a file another user planted")
@@ -222,7 +228,7 @@ def holding_as(uid: int, uuids, folder: Path):
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), **{leases.LEASES_ENV: str(folder)})
     code = LEASE_ALL.format(uuids=list(uuids)) + "\nimport sys; sys.stdout.flush(); sys.stdin.read()"
-    proc = subprocess.Popen([python_for(uid), "-c", code], user=uid, group=uid, extra_groups=[], env=env,
+    proc = subprocess.Popen([python_for(uid), "-c", code], **run_as(uid), env=env,
                             cwd=folder.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         if not select.select([proc.stdout], [], [], 60)[0]:
@@ -248,10 +254,10 @@ def plant(path: Path, kind: str, owner: int = ATTACKER) -> None:
     else:
         path.write_text("mine")
         path.chmod(0o600)
-    os.chown(path, owner, owner, follow_symlinks=False)
+    if ROOT:
+        os.chown(path, owner, owner, follow_symlinks=False)
 
 
-@needs_root
 @pytest.mark.parametrize("kind", ["fifo", "link", "folder", "private"])
 def test_nothing_another_user_plants_in_the_lease_folder_blocks_or_silences_a_lease(shared_dir, kind):
     shared_dir.mkdir()
@@ -351,3 +357,29 @@ def test_a_gpu_that_cannot_be_leased_says_why(shared_dir):
     got = as_user(VICTIM, "import json; from nbddp import leases\n"
                           f"print(json.dumps(leases.attempt(0, {UUID[0]!r}).off))", shared_dir)
     assert f"{shared_dir} is not writable by you (owner uid 0, mode 755" in got
+
+
+@needs_root
+def test_two_users_leasing_the_same_gpus_at_the_same_moment_never_share_one(shared_dir):
+    shared_dir.mkdir()
+    shared_dir.chmod(0o1777)
+    go = shared_dir.parent / "go"
+    code = ("import json, os, sys, time\nfrom nbddp import leases\n"
+            f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.001)\n"
+            f"got = [leases.try_lease(i, u) is not None for i, u in enumerate({UUID!r})]\n"
+            "print(json.dumps(got), flush=True)\nsys.stdin.read()")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), **{leases.LEASES_ENV: str(shared_dir)})
+    for _ in range(3):
+        users = [subprocess.Popen([python_for(uid), "-c", code], **run_as(uid), env=env,
+                                  cwd=shared_dir.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 for uid in (VICTIM, ATTACKER)]
+        try:
+            time.sleep(0.5)  # both wait at the line
+            go.write_text("go")
+            got = [json.loads(u.stdout.readline()) for u in users]
+        finally:
+            for u in users:
+                u.kill()
+                u.wait()
+            go.unlink()
+        assert not any(a and b for a, b in zip(*got)), got  # a GPU leased by both
