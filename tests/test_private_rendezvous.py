@@ -142,3 +142,19 @@ def test_a_key_another_user_forged_in_an_env_store_is_named_in_the_error_not_tak
     assert "rank 0 raised MemoryError: std::bad_alloc" in message
     assert f"127.0.0.1:{port} that every local user can read and write" in message
     assert "not a lack of memory" in message and "fn(ctx)" in message
+
+
+def test_only_a_failure_while_the_ranks_meet_on_an_open_store_is_put_down_to_a_foreign_key():
+    from nbddp.protocol import ErrorRecord
+    from nbddp.report import foreign_key_note
+
+    meeting = ('  File "train.py", line 6, in <module>\n    dist.init_process_group("gloo")\n'
+               '  File ".../torch/distributed/distributed_c10d.py", line 1700, in init_process_group\n')
+    forged = ErrorRecord(rank=0, type="MemoryError", message="std::bad_alloc", traceback=meeting + "MemoryError\n")
+    assert "127.0.0.1:29555 that every local user" in foreign_key_note(forged, 29555)
+    assert foreign_key_note(forged, None) == ""  # the ranks met in a private FileStore
+    training = ErrorRecord(rank=0, type="MemoryError", message="", traceback='  File "train.py", line 30, in step\n')
+    assert foreign_key_note(training, 29555) == ""  # out of memory in training is out of memory
+    backend = ErrorRecord(rank=0, type="DistBackendError", message="NCCL error: unhandled system error (/dev/shm)",
+                          traceback=meeting)
+    assert foreign_key_note(backend, 29555) == ""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..contract.errors import NbddpError, RunAbandoned, TrainingInterrupted, WorkerError
+from ..rank.calls import MP_SPAWN
 from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
 from ..contract import rundir
@@ -171,6 +172,13 @@ def _note_restarts(error: WorkerError, restarts: List[Restart], not_restarted: s
     if lines:  # under the headline and the rank's whereabouts, above the traceback
         text = str(error).split("\n")
         error.args = ("\n".join(text[:2] + ["  " + line for line in lines] + text[2:]),)
+
+
+
+def _open_store_port(spec: LaunchSpec) -> Optional[int]:
+    """The port of the TCP store every local user can reach where this launch's ranks meet: the
+    kernel's (``env://``), or the one an mp.spawn function's rank 0 hosts; None for a private store."""
+    return spec.store_port or (spec.master_port if spec.call == MP_SPAWN else None)
 
 
 class RunHandle:
@@ -557,7 +565,7 @@ class RunHandle:
             return
         error = build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._server),
                                    stacks=self._failure_stacks, log_starts=self._log_starts,
-                                   store_port=self.spec.store_port)
+                                   store_port=_open_store_port(self.spec))
         restart, why = (self._policy.next_restart(error, self.restarts, self._resumes_from())
                         if self._policy is not None else (None, ""))
         if restart is None:
@@ -629,7 +637,7 @@ class RunHandle:
         if error is not None or reason == "failure" or (not all_ok and reason is None):
             outcome: Union[TrainResult, BaseException] = error or build_worker_error(
                 self.run_dir, self._ends, self.world_size, server_died=server_death(self._server),
-                stacks=self._failure_stacks, log_starts=self._log_starts, store_port=self.spec.store_port)
+                stacks=self._failure_stacks, log_starts=self._log_starts, store_port=_open_store_port(self.spec))
             if isinstance(outcome, WorkerError):
                 _note_restarts(outcome, self.restarts, not_restarted)
         elif all_ok and reason != "interrupt" and (has_result(self.run_dir) or reason is None):
