@@ -192,7 +192,7 @@ def run_as(uid: int) -> dict:
 @functools.lru_cache(maxsize=None)
 def python_for(uid: int) -> str:
     """A Python the other uid may run (a virtual environment in a private home may not be one):
-    ``nbddp.leases`` needs only the standard library."""
+    ``nbddp.contract.leases`` needs only the standard library."""
     import shutil
 
     for exe in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):

@@ -88,7 +88,7 @@ def test_a_resumed_run_makes_its_older_logs_private(runs_dir, umask_022):
 def test_an_env_store_listens_only_once_the_ranks_are_about_to_start():
     import socket
 
-    from nbddp.rendezvous import Rendezvous
+    from nbddp.kernel.rendezvous import Rendezvous
 
     meet = Rendezvous("tcp", 30)
     try:
@@ -145,8 +145,8 @@ def test_a_key_another_user_forged_in_an_env_store_is_named_in_the_error_not_tak
 
 
 def test_only_a_failure_while_the_ranks_meet_on_an_open_store_is_put_down_to_a_foreign_key():
-    from nbddp.protocol import ErrorRecord
-    from nbddp.report import foreign_key_note
+    from nbddp.contract.protocol import ErrorRecord
+    from nbddp.kernel.report import foreign_key_note
 
     meeting = ('  File "train.py", line 6, in <module>\n    dist.init_process_group("gloo")\n'
                '  File ".../torch/distributed/distributed_c10d.py", line 1700, in init_process_group\n')

@@ -18,7 +18,7 @@ read what it holds or derail the start. Two kinds, by who makes the process grou
   start (:meth:`Rendezvous.open`), after a warm server's cold start. It cannot close once the ranks
   have joined: torch keeps using the store for the run (NCCL makes its communicators through it at
   the first collective, ``new_group`` and store barriers too). The kernel's error for a failed
-  rendezvous names this exposure when a foreign key explains it (:func:`nbddp.report.foreign_key_note`).
+  rendezvous names this exposure when a foreign key explains it (:func:`nbddp.kernel.report.foreign_key_note`).
 - ``call="mp.spawn"``: the function's rank 0 hosts its own store at ``MASTER_PORT``, as it does
   under ``torch.multiprocessing.spawn``; the kernel hosts none.
 

@@ -207,7 +207,7 @@ def foreign_key_note(rec: Optional[ErrorRecord], store_port: Optional[int]) -> s
     """A note for an error that a key another local user wrote into the kernel's ``env://`` store
     explains (``store_port``: that store's port, None when the ranks met privately), else ``""``.
 
-    The store (:mod:`nbddp.rendezvous`) answers every local user; what a forged key does to
+    The store (:mod:`nbddp.kernel.rendezvous`) answers every local user; what a forged key does to
     ``init_process_group`` reads like out of memory (``MemoryError: std::bad_alloc``).
     """
     if rec is None or store_port is None:
