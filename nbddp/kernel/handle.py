@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..contract.errors import NbddpError, RunAbandoned, TrainingInterrupted, WorkerError
-from ..rank.calls import MP_SPAWN
+from ..contract.conventions import MP_SPAWN
 from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
 from ..contract import rundir
