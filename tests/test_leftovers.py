@@ -83,7 +83,9 @@ def test_cleanup_ends_a_marked_process_in_a_session_of_its_own(tmp_path):
         # Its parent is this process here; a rank's child left behind has init as its parent.
         # Stand in for that: the record names a dead rank, and the caller is not its kernel.
         # The dead kernel also left the launch's private temp folder (the ranks' TMPDIR, its FileStore).
-        tmp = Path(tempfile.mkdtemp(prefix="nbddp-"))
+        from nbddp.kernel.launch import private_tmp
+
+        tmp = Path(private_tmp(run))  # as the launch made it: naming its run
         (tmp / "nbddp-rendezvous-x").mkdir()
         (tmp / "nbddp-rendezvous-x" / "store").write_bytes(b"")
         (run / ".nbddp" / "launch.json").write_text(json.dumps({"pids": [], "start_times": [], "tmp_dir": str(tmp)}))

@@ -114,9 +114,10 @@ def test_the_ranks_temp_folder_is_private_and_gone_after_the_run(tmp_path):
     # torch's per-rank error files are named there, not in the shared temp folder
     assert error_files and all(os.path.dirname(p) == folder for p in error_files)
     assert not os.path.exists(folder)
-    # torch.compile's cache stays where torch puts it, shared between runs
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    assert result.value["compile_cache"] == default_cache_dir()
+    # torch.compile's cache is the user's private one (never torch's default in the shared /tmp),
+    # shared between runs
+    from nbddp.contract.private import cache_home
+    assert result.value["compile_cache"] == str(cache_home() / "nbddp" / "compile" / "inductor")
 
 
 def test_a_resumed_launch_echoes_only_its_own_output(tmp_path, capsys):

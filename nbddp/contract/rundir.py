@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Union
 
 from .paths import PathLike
+from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, check, open_private_file, private_folder
 
 # ---------------------------------------------------------------------------- names
 CONFIG = "config.json"
@@ -83,6 +84,8 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
 NAME_RULE = (f"must be 1-{NAME_MAX} characters of ASCII letters, digits and ._- (not starting with "
              "'.' or '-'), since it names the run folder and goes into generated shell commands")
 
+#: What the logs folder holds, for messages about it.
+RUN_LOGS = "the run's logs (every rank's output)"
 _RANK_LOG = re.compile(r"rank\d+\.log")
 #: Folder names given to runs: ``<YYYYmmdd-HHMMSS>-<name>``, then ``-2``, ``-3``...
 _STAMPED_RUN = re.compile(r"(\d{8}-\d{6})-(.+?)(?:-(\d+))?\Z")
@@ -216,12 +219,8 @@ def checkpoint_note_path(run_dir: PathLike) -> Path:
 
 # ---------------------------------------------------------------------------- the private state folder
 #: ``.nbddp/`` and its files are the user's alone, whatever the umask: results are unpickled
-#: from there, and a run folder may sit in a group-writable project folder.
-PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
-
-
-class NotPrivate(PermissionError):
-    """A file nbddp would unpickle is not provably the user's own (another owner, a link, a shared folder)."""
+#: from there, and a run folder may sit in a group-writable project folder (see :mod:`nbddp.contract.private`).
+_STATE_IS_PRIVATE = "nbddp reads its launch state only from a private .nbddp folder of your own"
 
 
 def is_state_dir(folder: PathLike) -> bool:
@@ -234,28 +233,12 @@ def make_state_dir(run_dir: PathLike) -> Path:
     Raises:
         NotPrivate: ``.nbddp`` is a symbolic link, not a folder, or owned by another user.
     """
-    folder = state_dir(run_dir)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        folder.mkdir(mode=PRIVATE_DIR_MODE)  # the umask only takes bits away: 0700 stays 0700
-    st = os.lstat(folder)
-    _check_own(st, folder, "folder", shared_ok=True)
-    if stat.S_IMODE(st.st_mode) != PRIVATE_DIR_MODE:
-        os.chmod(folder, PRIVATE_DIR_MODE)  # made by an older nbddp, under the umask
-    return folder
+    return private_folder(state_dir(run_dir), "the launch's state (results are unpickled from there)")
 
 
-def _check_own(st: os.stat_result, path: Path, kind: str, shared_ok: bool = False) -> None:
-    """Refuse ``path`` unless it is a ``kind`` (``file``/``folder``) of this user that no one else may
-    write (``shared_ok``: a folder of the user's that is about to be made private)."""
-    is_kind = stat.S_ISDIR(st.st_mode) if kind == "folder" else stat.S_ISREG(st.st_mode)
-    shared = kind == "folder" and st.st_mode & 0o022 and not shared_ok
-    why = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else f"is not a regular {kind}" if not is_kind
-           else f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})" if st.st_uid != os.getuid()
-           else "may be written by other users" if shared else None)
-    if why:
-        raise NotPrivate(f"{path} {why}: nbddp reads its launch state only from a private .nbddp folder of "
-                         f"your own. Remove {path.parent if kind == 'file' else path} and launch again.")
+def _check_own(st: os.stat_result, path: Path, kind: str) -> None:
+    check(st, path, kind, _STATE_IS_PRIVATE)
 
 
 def read_private(path: PathLike) -> bytes:
@@ -289,6 +272,37 @@ def read_private(path: PathLike) -> bytes:
     with os.fdopen(fd, "rb") as f:
         _check_own(os.fstat(f.fileno()), path, "file")
         return f.read()
+
+
+# ---------------------------------------------------------------------------- the ranks' temp folder
+#: A launch's private temp folder is ``<system temp>/nbddp-XXXXXXXX`` (mkdtemp: 0700), holding a
+#: file that names the run folder it was made for: cleanup removes no other.
+TMP_PREFIX, TMP_OWNER = "nbddp-", ".nbddp-run"
+
+
+def claim_tmp(folder: PathLike, run_dir: PathLike) -> None:
+    """Write into a new temp folder which run folder it belongs to (0600, never through a link)."""
+    fd = os.open(Path(folder) / TMP_OWNER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(os.path.realpath(run_dir))
+
+
+def is_tmp_of(folder: PathLike, run_dir: PathLike) -> bool:
+    """True when ``folder`` is a temp folder a launch of ``run_dir`` made: ``nbddp-*`` directly in the
+    system temp folder, a private folder (0700) of the user's, whose own file names ``run_dir``."""
+    import tempfile  # here: the ranks import this module and never need it
+
+    folder = Path(folder)
+    if not folder.name.startswith(TMP_PREFIX) or \
+            os.path.realpath(folder.parent) != os.path.realpath(tempfile.gettempdir()):
+        return False
+    try:
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o777 != PRIVATE_DIR_MODE:
+            return False
+        return read_private(folder / TMP_OWNER).decode("utf-8", "replace") == os.path.realpath(run_dir)
+    except (OSError, NotPrivate):
+        return False
 
 
 # ---------------------------------------------------------------------------- atomic writes
@@ -451,9 +465,21 @@ class RecordFile:
 
 
 # ---------------------------------------------------------------------------- records
-def read_launch_record(run_dir: PathLike) -> Dict[str, Any]:
-    """The launch record (pids, start times, port, started/ended), or ``{}`` if there is none."""
-    record = read_json(launch_record_path(run_dir))
+def read_launch_record(run_dir: PathLike, strict: bool = False) -> Dict[str, Any]:
+    """The launch record (pids, start times, port, temp folder, started/ended), or ``{}`` if there is none.
+
+    Read only through :func:`read_private`: pids to signal and folders to remove are taken from
+    no one else's record. One that is not provably the user's counts as none, or, with
+    ``strict``, raises :class:`NotPrivate`.
+    """
+    try:
+        record = json.loads(read_private(launch_record_path(run_dir)))
+    except NotPrivate:
+        if strict:
+            raise
+        return {}
+    except (OSError, ValueError):
+        return {}
     return record if isinstance(record, dict) else {}
 
 
@@ -470,15 +496,18 @@ def prepare_launch(run_dir: PathLike, world_size: int) -> None:
     """Create the folders a launch writes into and remove the last launch's end state.
 
     The logs folder is the user's alone (``0700``, whatever the umask): ranks print paths,
-    hosts and whatever their libraries log there.
+    hosts and whatever their libraries log there. A logs folder or a rank's log that is not the
+    user's (another user replaced it in a group-writable run folder) is moved aside with a
+    warning and made anew, so the warning shows in the cell before any rank writes.
 
     Raises:
         NotPrivate: the run's ``.nbddp`` folder is not the user's (see :func:`make_state_dir`).
     """
-    logs_dir(run_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
-    with contextlib.suppress(OSError):
-        os.chmod(logs_dir(run_dir), 0o700)  # mkdir's mode loses to an existing folder (resume)
     make_state_dir(run_dir)
+    private_folder(logs_dir(run_dir), RUN_LOGS, replace=True)
+    for log in (p for r in range(world_size) for p in (rank_log(run_dir, r), stacks_log(run_dir, r))):
+        if os.path.lexists(log):  # a resumed run's: checked (and narrowed) before any rank appends
+            os.close(open_private_file(log, RUN_LOGS))
     stale = [stop_path(run_dir), progress_path(run_dir),
              *[p for r in range(world_size) for p in (error_record_path(run_dir, r), result_path(run_dir, r))]]
     for path in stale:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import getpass
 import os
-import re
 import socket
 import sys
 import tempfile
@@ -32,7 +30,8 @@ from ..contract.gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
 from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
 from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV
 from .restarts import RestartPolicy, check_policy as check_restart_policy
-from ..contract.leases import LEASES_ENV, Leases, attempt
+from ..contract.leases import LEASES_ENV, Leases, holders, try_lease, unusable_reason
+from ..contract.private import compile_cache_env
 from .procs import MARKER_ENV, live_workers
 from ..contract.protocol import LaunchSpec, start_rank
 from .rendezvous import Rendezvous, rendezvous_for
@@ -282,7 +281,7 @@ class _Generations:
         """The spec, meeting point, environment and private temp folder of launch number ``restart``."""
         plan = self.plan
         # nbddp's own group meets in a FileStore only this user can open; env:// needs a TCP store.
-        tmp_dir = private_tmp()
+        tmp_dir = private_tmp(self.run_dir)
         try:
             meet = rendezvous_for(plan.call, plan.target, self.timeout, within=tmp_dir)
         except BaseException:
@@ -335,16 +334,19 @@ class _Generations:
         return procs, spec, meet, tmp_dir
 
 
-def private_tmp() -> str:
+def private_tmp(run_dir: Path) -> str:
     """A new folder for the ranks' temporary files (``TMPDIR``), mode 0700, in the system temp folder.
 
     torch's ``start_processes`` names each rank's error file in the temp folder and deletes the
     file before the rank writes it, so in a shared ``/tmp`` another user could plant a link
     there; the ranks' own temporary files are theirs too. ``mkdtemp`` creates the folder
     atomically, 0700; it stays short (Unix socket paths are limited) and off network file
-    systems. The handle removes it when the run ends.
+    systems. The handle removes it when the run ends; it names its run (:data:`rundir.TMP_OWNER`)
+    so that ``cleanup`` of another run folder, whose record names this folder, leaves it alone.
     """
-    return tempfile.mkdtemp(prefix="nbddp-")
+    folder = tempfile.mkdtemp(prefix=rundir.TMP_PREFIX)
+    rundir.claim_tmp(folder, run_dir)
+    return folder
 
 
 @contextlib.contextmanager
@@ -447,10 +449,9 @@ def _child_env(run_dir: Path, port: int, threads: int, visible_devices: Optional
     }
     if tmp_dir is not None:
         child_env["TMPDIR"] = tmp_dir  # private to the run (see private_tmp)
-        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-            # torch.compile's cache lives under the temp folder: keep it where it was, shared
-            # between runs, or every launch would compile from scratch.
-            child_env["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir()
+        # Compiled code the ranks load (torch.compile, Triton, extensions): in the user's own
+        # private cache, shared between runs, never torch's default in the shared /tmp.
+        child_env.update(compile_cache_env(fallback=tmp_dir))
     if visible_devices is not None:
         child_env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=visible_devices)
         # NCCL's flight recorder: the last collectives of each rank, dumped into the run's private
@@ -471,16 +472,6 @@ def _child_env(run_dir: Path, port: int, threads: int, visible_devices: Optional
         # environment in /proc instead; their log on fd 1 marks them, see procs.carries_marker).
         child_env[MARKER_ENV] = str(Path(run_dir).absolute())
     return child_env
-
-
-def _inductor_cache_dir() -> str:
-    """Where torch.compile caches by default, ``<temp>/torchinductor_<user>``, named as torch names it
-    (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``; importing it costs the kernel 2 s)."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, ModuleNotFoundError, OSError):
-        user = f"uid_{os.getuid()}"
-    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[str, Optional[str]], start_method: str, watch: dict,

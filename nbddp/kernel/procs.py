@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import stat
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -209,6 +207,11 @@ def cleanup(run_dir: Union[str, Path], grace_s: float = 3.0) -> List[int]:
         >>> nbddp.cleanup("runs/20250101-120000-digits")
         [41234, 41235]
     """
+    try:
+        rundir.read_launch_record(run_dir, strict=True)
+    except rundir.NotPrivate as exc:
+        warnings.warn(f"nbddp.cleanup({str(run_dir)!r}) ends nothing and removes nothing: {exc}", stacklevel=2)
+        return []
     recorded = recorded_workers(run_dir)
     pids = []
     for pid, started in recorded.items():
@@ -254,21 +257,12 @@ def remove_left_temp_folder(run_dir: Union[str, Path]) -> bool:
     """Remove the launch's private temp folder (the ranks' ``TMPDIR``, with its rendezvous
     ``FileStore``) that a kernel killed before the run's end left behind; True if removed.
 
-    Only a folder the launch record names, called ``nbddp-*``, directly in the system temp
-    folder, a real folder (not a link) of this user: what :func:`nbddp.kernel.launch.private_tmp` made.
+    Only a folder the user's own launch record names and that a launch of this very run folder
+    made (:func:`nbddp.contract.rundir.is_tmp_of`): a record copied from, or planted to name, another
+    run's folder removes nothing.
     """
     path = rundir.read_launch_record(run_dir).get("tmp_dir")
-    if not isinstance(path, str) or not path:
+    if not isinstance(path, str) or not path or not rundir.is_tmp_of(path, run_dir):
         return False
-    folder = Path(path)
-    if not folder.name.startswith("nbddp-") or \
-            os.path.realpath(folder.parent) != os.path.realpath(tempfile.gettempdir()):
-        return False
-    try:
-        st = os.lstat(folder)
-    except OSError:
-        return False  # gone already: the run ended as it should
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        return False
-    shutil.rmtree(folder, ignore_errors=True)
-    return not os.path.lexists(folder)
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ..contract import rundir
 from .dist import init_process_group
 from ..contract.errors import ConfigError
+from ..contract.private import compile_cache_env, open_private_file
 from ..contract.system import cpu_cores, start_time
 from .runtime import Context, run_rank, run_rank_hook
 from ..contract.plans import LaunchPlan
@@ -133,6 +134,15 @@ def agree_run_dir(choose: Callable[[], Path]) -> Path:
     return Path(box[0])
 
 
+def _private_compile_caches() -> None:
+    """Point torch.compile's and Triton's caches into the user's private cache folder, as spawn_train
+    does (not torch's default in the shared /tmp); where that cannot be private, say so."""
+    try:
+        os.environ.update(compile_cache_env())
+    except OSError as exc:  # NotPrivate: an ancestor others may write
+        print(f"nbddp: {exc}; torch's default cache folders are used", file=sys.stderr)
+
+
 def run_under_launcher(le: LauncherEnv, plan: LaunchPlan, choose_run_dir: Callable[[], Path]) -> tuple:
     """Run ``plan``'s target as rank ``le.rank``; returns ``(exit_code, value)`` like ``run_rank``.
 
@@ -142,11 +152,12 @@ def run_under_launcher(le: LauncherEnv, plan: LaunchPlan, choose_run_dir: Callab
         choose_run_dir: called on global rank 0 only, after the process group is up.
     """
     run_rank_hook(le.rank)  # first, as in a spawned rank
+    _private_compile_caches()
     device = init_from_env(le, plan.process_group_timeout(on_gpu=torch.cuda.is_available()))
     run_dir = agree_run_dir(choose_run_dir)
     log_path = rundir.rank_log(run_dir, le.rank)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "a", buffering=1, encoding="utf-8")
+    # The user's alone, as under spawn_train: never into a logs folder or file another user put there.
+    log = os.fdopen(open_private_file(log_path, rundir.RUN_LOGS), "a", buffering=1, encoding="utf-8")
     log.write(f"--- {le.kind} rank {le.rank}/{le.world_size} (restart {le.restart_count}) "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from . import calls
 from ..contract import cells, rundir, targets
 from .heartbeat import HeartbeatThread
+from ..contract.private import open_private_file
 from ..contract.protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
                        MAX_RESTARTS_ENV, RESTART_ENV, STACK_SIGNAL, note_checkpoint, read_stop_request,
                        write_result)
@@ -383,15 +384,12 @@ def fork_children() -> None:
 
 
 def open_private_log(log_path: Path) -> int:
-    """A descriptor appending to ``log_path``, created ``0600`` whatever the umask, never through a link.
+    """A descriptor appending to ``log_path``, a file of the user's alone (:func:`nbddp.contract.private.open_private_file`).
 
     A rank's output and its stacks (paths, tokens a library prints, the code's names) are its
-    user's alone, however group-writable the runs folder is."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-    with contextlib.suppress(OSError):
-        os.fchmod(fd, 0o600)  # a log from an earlier launch (resume) that was created wider
-    return fd
+    user's alone, however group-writable the runs folder is: created ``0600`` whatever the umask,
+    never through a link, and never into a folder or file another user put in the logs' place."""
+    return open_private_file(log_path, rundir.RUN_LOGS)
 
 
 def redirect_output(log_path: Path) -> None:

@@ -1,0 +1,247 @@
+"""Folders and files that are the user's alone on a shared server: checked, made, or moved aside.
+
+Whatever nbddp unpickles, loads as code, or writes a rank's output into must be provably the
+user's: a real folder or file (never a link), owned by this user, that no one else may write.
+One check (:func:`problem`) decides that everywhere; the user id of a file is read in one
+place (:func:`owner`), the seam a test uses to play another user without root.
+
+- :func:`private_folder` makes a folder 0700, or finds one that is the user's; one that is not
+  (a link, a file, another user's folder) is refused or, where nbddp can make a new one without
+  losing anything of the user's, moved aside and made anew, with a warning saying so.
+- :func:`open_private_file` appends to a file of such a folder, checked on its open descriptor.
+- :func:`compile_cache_env` is where torch.compile, Triton, C++ extensions and CUDA's JIT keep
+  the code they compile, in the user's cache folder (``$XDG_CACHE_HOME``, else ``~/.cache``) under
+  ``nbddp/compile``: not torch's default ``/tmp/torchinductor_<user>``, a name any user of a
+  shared ``/tmp`` can create first and fill with pickles and shared objects that then run as you.
+
+Used on both sides (kernel and ranks): imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, Optional
+
+PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
+#: The name a folder or file that was not the user's gets when it is moved aside.
+ASIDE_MARK = ".not-yours-"
+#: Torch's and its compilers' cache variables, each a sub-folder of the private compile cache.
+COMPILE_CACHES = {
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",   # FX-graph, AOT-autograd, kernels (.so), autotuning
+    "TRITON_CACHE_DIR": "triton",            # Triton's compiled kernels (inductor's and your own)
+    "TORCH_EXTENSIONS_DIR": "torch_extensions",  # torch.utils.cpp_extension.load builds
+    "PYTORCH_KERNEL_CACHE_PATH": "kernels",  # torch's NVRTC (jiterator) kernels
+    "CUDA_CACHE_PATH": "cuda",               # the CUDA driver's PTX JIT cache
+}
+
+
+class NotPrivate(PermissionError):
+    """A file nbddp would unpickle, run or write into is not provably the user's own (another owner, a link, a shared folder)."""
+
+
+def owner(st: os.stat_result) -> int:
+    """The user id owning a file (the single place nbddp reads it: tests play another user here)."""
+    return st.st_uid
+
+
+def problem(st: os.stat_result, kind: str, shared_ok: bool = False) -> Optional[str]:
+    """Why a file or folder (``kind``: ``"file"``/``"folder"``) is not the user's alone, or None.
+
+    A folder must not be writable by others (``shared_ok``: a folder of the user's about to be
+    narrowed); a file must be a regular file with one name (a hard link writes somewhere else).
+    """
+    is_kind = stat.S_ISDIR(st.st_mode) if kind == "folder" else stat.S_ISREG(st.st_mode)
+    uid = owner(st)
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not is_kind:
+        return f"is not a regular {kind}"
+    if uid != os.getuid():
+        return f"is owned by uid {uid}, not by you (uid {os.getuid()})"
+    if kind == "folder" and st.st_mode & 0o022 and not shared_ok:
+        return "may be written by other users"
+    if kind == "file" and st.st_nlink > 1:
+        return "has other names (hard links)"
+    return None
+
+
+def check(st: os.stat_result, path: Path, kind: str, why_private: str, shared_ok: bool = False) -> None:
+    """Raise :class:`NotPrivate` naming ``path``, the problem and the fix, when :func:`problem` finds one."""
+    found = problem(st, kind, shared_ok)
+    if found:
+        raise NotPrivate(f"{path} {found}: {why_private}. Remove {path} and launch again.")
+
+
+def _aside(path: Path, dir_fd: Optional[int] = None) -> Path:
+    """Rename ``path`` (a link, a file or a folder) to a unique ``<name>.not-yours-<time>-<token>`` beside it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = path.with_name(f"{path.name}{ASIDE_MARK}{stamp}-{secrets.token_hex(3)}")
+    os.rename(path.name if dir_fd is not None else path, aside.name if dir_fd is not None else aside,
+              src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return aside
+
+
+def private_folder(path: Path, what: str, replace: bool = False, narrow: bool = True) -> Path:
+    """Make ``path`` a folder of the user's alone, 0700 whatever the umask; returns it.
+
+    Args:
+        path: the folder (its parent must exist).
+        what: what it holds, for messages ("the run's logs").
+        replace: a folder that is not the user's (a link, a file, another user's folder) is moved
+            aside to ``<name>.not-yours-...`` and made anew, with a warning; otherwise refused.
+        narrow: a folder of the user's that others may open is made 0700 (its contents can be
+            trusted: files of others in it are refused one by one); else it counts as not
+            private (a cache whose contents anyone may have planted).
+
+    Raises:
+        NotPrivate: it is not the user's and ``replace`` is off, or another user keeps replacing it.
+    """
+    path = Path(path)
+    for _ in range(5):  # another rank, or another user, may change it between two calls
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, PRIVATE_DIR_MODE)  # the umask only takes bits away: 0700 stays 0700
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        found = problem(st, "folder", shared_ok=True)
+        if found is None and stat.S_IMODE(st.st_mode) != PRIVATE_DIR_MODE:
+            if narrow or not st.st_mode & 0o077:
+                os.chmod(path, PRIVATE_DIR_MODE)  # made by an older nbddp, under the umask (or setgid)
+                return path
+            found = f"may be opened by other users (mode {stat.S_IMODE(st.st_mode):o})"
+        if found is None:
+            return path
+        if not replace:
+            raise NotPrivate(f"{path} {found}: {what} must be a private folder of your own. "
+                             f"Remove {path} and launch again.")
+        with contextlib.suppress(FileNotFoundError):
+            aside = _aside(path)
+            warnings.warn(f"{path} {found}, so it was not used for {what}: it was moved to {aside.name} and "
+                          f"a private folder (0700) was made in its place.", stacklevel=3)
+    raise NotPrivate(f"{path} keeps being replaced by a folder that is not yours: {what} cannot be kept "
+                     f"private there.")
+
+
+def open_private_file(path: Path, what: str, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
+    """A descriptor of ``path`` (created 0600 whatever the umask), a regular file of the user's alone.
+
+    The folder is made private first (:func:`private_folder`, with ``replace``), then opened
+    without following a link and checked on its descriptor, and the file is opened inside it,
+    so nothing swapped in between a check and the open is used. A file in its place that is not
+    the user's (another owner, a link, a FIFO, a hard link) is moved aside with a warning; a file
+    of the user's made wider by an older nbddp is narrowed.
+    """
+    path = Path(path)
+    for _ in range(5):
+        private_folder(path.parent, what, replace=True)
+        try:
+            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                continue  # swapped since: check again
+            raise
+        try:
+            if problem(os.fstat(dir_fd), "folder"):
+                continue
+            fd = _open_checked(path, dir_fd, what, flags)
+            if fd is not None:
+                return fd
+        finally:
+            os.close(dir_fd)
+    raise NotPrivate(f"{path} keeps being replaced by a file that is not yours: {what} cannot be written there.")
+
+
+def _open_checked(path: Path, dir_fd: int, what: str, flags: int) -> Optional[int]:
+    """Open ``path.name`` in ``dir_fd``; None after moving a file that is not the user's aside."""
+    try:
+        # O_NONBLOCK: a FIFO planted there must not hang the open; it is refused below.
+        fd = os.open(path.name, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     PRIVATE_FILE_MODE, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EACCES, errno.EPERM):
+            raise
+        found = "is not a regular file"
+        with contextlib.suppress(OSError):
+            found = problem(os.lstat(path.name, dir_fd=dir_fd), "file") or found
+        fd = None
+    else:
+        st = os.fstat(fd)
+        found = problem(st, "file")
+        if found is None:
+            os.set_blocking(fd, True)
+            if stat.S_IMODE(st.st_mode) != PRIVATE_FILE_MODE:
+                os.fchmod(fd, PRIVATE_FILE_MODE)  # a log an older nbddp created under the umask
+            return fd
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        aside = _aside(path, dir_fd)
+        warnings.warn(f"{path} {found}, so it was not used for {what}: it was moved to {aside.name} and a "
+                      f"private file (0600) was made in its place.", stacklevel=4)
+    return None
+
+
+# ---------------------------------------------------------------------------- the compile cache
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME`` when it is an absolute path (the XDG rule), else ``~/.cache``."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+
+
+def _unsafe_ancestor(folder: Path) -> Optional[str]:
+    """An ancestor of ``folder`` through which another user could swap it, and why; None if none.
+
+    Each must be owned by the user or root and writable by no one else, unless it is sticky
+    (like ``/tmp``: there only an entry's owner may rename it), as OpenSSH asks of ``~/.ssh``'s.
+    """
+    for parent in Path(os.path.realpath(folder)).parents:
+        st = os.stat(parent)
+        if owner(st) not in (0, os.getuid()):
+            return f"{parent} belongs to uid {owner(st)}"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"{parent} may be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, str]:
+    """The compile caches' variables (:data:`COMPILE_CACHES`) for the ranks, those the user has not set.
+
+    They point into ``<cache home>/nbddp/compile``, a folder of the user's alone (0700, checked
+    on every launch, and so are its ancestors), shared between runs so compiles stay warm. A
+    cache folder that is not the user's or not private is moved aside (its contents may have been
+    planted) and made anew, with a warning. Where the user's cache folder cannot be made private
+    (an ancestor others may write), the caches go to ``fallback`` (the run's private temp folder:
+    private, but compiled again by every launch), with a warning saying why and what to do.
+    """
+    wanted = {var: sub for var, sub in COMPILE_CACHES.items() if var not in os.environ}
+    if not wanted:
+        return {}
+    what = "torch.compile's and Triton's caches (compiled code nbddp's ranks load)"
+    root = cache_home() / "nbddp"
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        unsafe = _unsafe_ancestor(root)
+        if unsafe is None:
+            folder = private_folder(private_folder(root, what, replace=True, narrow=False) / "compile", what,
+                                    replace=True, narrow=False)
+            return {var: str(folder / sub) for var, sub in wanted.items()}
+    except OSError as exc:  # NotPrivate too: another user keeps replacing it
+        unsafe = str(exc)
+    if fallback is None:
+        raise NotPrivate(f"{what} cannot be kept private in {root}: {unsafe}")
+    warnings.warn(f"{what} are not kept between runs: {unsafe}, so {root} cannot be kept private. They go "
+                  f"to the run's private temp folder instead. Make it private (`chmod go-w` the folder "
+                  f"named) or set XDG_CACHE_HOME to a private folder of yours to keep compiles warm.",
+                  stacklevel=3)
+    return {var: os.path.join(fallback, "compile", sub) for var, sub in wanted.items()}
+
+
+__all__ = ["NotPrivate", "private_folder", "open_private_file", "compile_cache_env", "PRIVATE_DIR_MODE",
+           "PRIVATE_FILE_MODE"]
