@@ -68,6 +68,17 @@ def test_the_ranks_compile_caches_are_in_a_private_folder_of_the_users_cache(cac
         "TORCHINDUCTOR_CACHE_DIR"] == env["TORCHINDUCTOR_CACHE_DIR"]
 
 
+def test_torchs_own_setting_of_its_default_cache_is_not_taken_for_the_users(cache_home, monkeypatch):
+    # `import torch._dynamo` sets TORCHINDUCTOR_CACHE_DIR to /tmp/torchinductor_<user> in the kernel,
+    # and a compile there sets TRITON_CACHE_DIR under it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", private.torch_default_cache())
+    monkeypatch.setenv("TRITON_CACHE_DIR", os.path.join(private.torch_default_cache(), "triton", "0"))
+    env = private.compile_cache_env()
+    folder = cache_home / "nbddp" / "compile"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(folder / "inductor")
+    assert env["TRITON_CACHE_DIR"] == str(folder / "triton")
+
+
 def test_a_cache_folder_set_by_the_user_is_kept(cache_home, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/mine")
     env = private.compile_cache_env()

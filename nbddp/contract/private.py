@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import getpass
 import os
+import re
 import secrets
 import stat
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -210,6 +213,27 @@ def _unsafe_ancestor(folder: Path) -> Optional[str]:
     return None
 
 
+def torch_default_cache() -> str:
+    """torch.compile's default cache, ``<temp>/torchinductor_<user>``, named as torch names it
+    (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``; importing it costs 2 s)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def _set_by_user(var: str) -> bool:
+    """The user chose this cache folder. Not so when it is in torch's default cache: ``import
+    torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR`` there in any process that imports it, and a
+    compile sets ``TRITON_CACHE_DIR`` under it: the shared ``/tmp`` this module keeps caches out of."""
+    value = os.environ.get(var)
+    if value is None:
+        return False
+    default = torch_default_cache()
+    return not (value == default or value.startswith(default + os.sep))
+
+
 def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, str]:
     """The compile caches' variables (:data:`COMPILE_CACHES`) for the ranks, those the user has not set.
 
@@ -220,7 +244,7 @@ def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, str]:
     (an ancestor others may write), the caches go to ``fallback`` (the run's private temp folder:
     private, but compiled again by every launch), with a warning saying why and what to do.
     """
-    wanted = {var: sub for var, sub in COMPILE_CACHES.items() if var not in os.environ}
+    wanted = {var: sub for var, sub in COMPILE_CACHES.items() if not _set_by_user(var)}
     if not wanted:
         return {}
     what = "torch.compile's and Triton's caches (compiled code nbddp's ranks load)"
