@@ -82,6 +82,41 @@ def check(st: os.stat_result, path: Path, kind: str, why_private: str, shared_ok
         raise NotPrivate(f"{path} {found}: {why_private}. Remove {path} and launch again.")
 
 
+def read_private(path: Path, why_private: str) -> bytes:
+    """The bytes of ``path``, read only if the file and its folder are provably the user's.
+
+    The folder is opened without following a link and checked (owned by this user, writable by
+    no one else); the file is opened inside it with ``O_NOFOLLOW`` and checked on its open
+    descriptor (a regular file of this user), so nothing can be swapped in between check and read.
+
+    Raises:
+        NotPrivate: the folder or file is a link, another user's, or the folder is writable by
+            others; the message says why, and ``why_private``.
+        FileNotFoundError: there is no such file.
+    """
+    path = Path(path)
+    try:
+        folder_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            check(os.lstat(path.parent), path.parent, "folder", why_private)
+        raise
+    try:
+        check(os.fstat(folder_fd), path.parent, "folder", why_private)
+        try:
+            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                check(os.lstat(path), path, "file", why_private)
+            raise
+    finally:
+        os.close(folder_fd)
+    with os.fdopen(fd, "rb") as f:
+        check(os.fstat(f.fileno()), path, "file", why_private)
+        os.set_blocking(f.fileno(), True)
+        return f.read()
+
+
 def _aside(path: Path, dir_fd: Optional[int] = None) -> Path:
     """Rename ``path`` (a link, a file or a folder) to a unique ``<name>.not-yours-<time>-<token>`` beside it."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -267,5 +302,5 @@ def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, str]:
     return {var: os.path.join(fallback, "compile", sub) for var, sub in wanted.items()}
 
 
-__all__ = ["NotPrivate", "private_folder", "open_private_file", "compile_cache_env", "PRIVATE_DIR_MODE",
+__all__ = ["NotPrivate", "private_folder", "open_private_file", "read_private", "compile_cache_env", "PRIVATE_DIR_MODE",
            "PRIVATE_FILE_MODE"]

@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Union
 
 from .paths import PathLike
-from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, check, open_private_file, private_folder
+from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, open_private_file, private_folder
+from .private import read_private as _read_private
 
 # ---------------------------------------------------------------------------- names
 CONFIG = "config.json"
@@ -237,41 +238,15 @@ def make_state_dir(run_dir: PathLike) -> Path:
     return private_folder(state_dir(run_dir), "the launch's state (results are unpickled from there)")
 
 
-def _check_own(st: os.stat_result, path: Path, kind: str) -> None:
-    check(st, path, kind, _STATE_IS_PRIVATE)
-
-
 def read_private(path: PathLike) -> bytes:
-    """The bytes of a file in ``.nbddp/``, read only if the file and its folder are provably the user's.
-
-    The folder is opened without following a link and checked (owned by this user, writable by
-    no one else); the file is opened inside it with ``O_NOFOLLOW`` and checked on its open
-    descriptor (a regular file of this user), so nothing can be swapped in between check and read.
+    """The bytes of a file in ``.nbddp/`` (or a launch's temp folder), read only if the file and its
+    folder are provably the user's (:func:`nbddp.private.read_private`).
 
     Raises:
         NotPrivate: the folder or file is a link, another user's, or the folder is writable by others.
         FileNotFoundError: there is no such file.
     """
-    path = Path(path)
-    try:
-        folder_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            _check_own(os.lstat(path.parent), path.parent, "folder")
-        raise
-    try:
-        _check_own(os.fstat(folder_fd), path.parent, "folder")
-        try:
-            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder_fd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                _check_own(os.lstat(path), path, "file")
-            raise
-    finally:
-        os.close(folder_fd)
-    with os.fdopen(fd, "rb") as f:
-        _check_own(os.fstat(f.fileno()), path, "file")
-        return f.read()
+    return _read_private(path, _STATE_IS_PRIVATE)
 
 
 # ---------------------------------------------------------------------------- the ranks' temp folder
