@@ -171,13 +171,16 @@ def test_log_files_that_are_not_the_users_are_moved_aside(run, tmp_path, give_aw
     target.write_text("safe\n")
     linked.symlink_to(target)
     os.link(target, hard)
+    writable = rundir.rank_log(run, 2)  # the user's own, but others may write it (or hold it open)
+    writable.write_text("")
+    writable.chmod(0o666)
     rundir.rank_log(run, 0).chmod(0o644)  # the user's own, made wider by an older nbddp: narrowed
     with pytest.warns(UserWarning) as caught:
-        rundir.prepare_launch(run, 2)
+        rundir.prepare_launch(run, 3)
     said = " ".join(str(w.message) for w in caught)
     assert f"{foreign} is owned by uid {OTHER_UID}" in said and f"{linked} is a symbolic link" in said
-    assert f"{hard} has other names (hard links)" in said
-    for log in (rundir.rank_log(run, 0), rundir.rank_log(run, 1), linked, hard):
+    assert f"{hard} has other names (hard links)" in said and f"{writable} may be written by other users" in said
+    for log in (rundir.rank_log(run, 0), rundir.rank_log(run, 1), linked, hard, writable):
         if os.path.lexists(log):
             assert mine_and_private(log, stat.S_ISREG, 0o600), log
     for r in (0, 1):
@@ -185,7 +188,7 @@ def test_log_files_that_are_not_the_users_are_moved_aside(run, tmp_path, give_aw
         os.write(fd, b"stack\n")
         os.close(fd)
     assert target.read_text() == "safe\n"
-    assert len([p for p in logs.iterdir() if private.ASIDE_MARK in p.name]) == 3
+    assert len([p for p in logs.iterdir() if private.ASIDE_MARK in p.name]) == 4
 
 
 def test_a_rank_refuses_logs_swapped_after_the_kernel_checked(run, give_away):

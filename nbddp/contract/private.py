@@ -174,8 +174,8 @@ def open_private_file(path: Path, what: str, flags: int = os.O_WRONLY | os.O_APP
     The folder is made private first (:func:`private_folder`, with ``replace``), then opened
     without following a link and checked on its descriptor, and the file is opened inside it,
     so nothing swapped in between a check and the open is used. A file in its place that is not
-    the user's (another owner, a link, a FIFO, a hard link) is moved aside with a warning; a file
-    of the user's made wider by an older nbddp is narrowed.
+    the user's (another owner, a link, a FIFO, a hard link) or that others may write is moved
+    aside with a warning; a file of the user's that others may read is narrowed.
     """
     path = Path(path)
     for _ in range(5):
@@ -212,7 +212,8 @@ def _open_checked(path: Path, dir_fd: int, what: str, flags: int) -> Optional[in
         fd = None
     else:
         st = os.fstat(fd)
-        found = problem(st, "file")
+        # One others may write may be open in another user's process still, narrowed or not.
+        found = problem(st, "file") or ("may be written by other users" if st.st_mode & 0o022 else None)
         if found is None:
             os.set_blocking(fd, True)
             if stat.S_IMODE(st.st_mode) != PRIVATE_FILE_MODE:
