@@ -240,7 +240,7 @@ def make_state_dir(run_dir: PathLike) -> Path:
 
 def read_private(path: PathLike) -> bytes:
     """The bytes of a file in ``.nbddp/`` (or a launch's temp folder), read only if the file and its
-    folder are provably the user's (:func:`nbddp.private.read_private`).
+    folder are provably the user's (:func:`nbddp.contract.private.read_private`).
 
     Raises:
         NotPrivate: the folder or file is a link, another user's, or the folder is writable by others.
