@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from nbddp import cleanup, private, rundir
+from nbddp import cleanup
+from nbddp.contract import private, rundir
 from nbddp.kernel.launch import _child_env, private_tmp
 from nbddp.rank.runtime import open_private_log
 
