@@ -65,10 +65,49 @@ def main(argv=None) -> dict:
                 t0 = time.perf_counter()
                 fn()
                 rates[name].append(len(samples) / (time.perf_counter() - t0))
-    out = {k: round(statistics.median(v), 1) for k, v in rates.items()}
+        if a.device.startswith("cuda"):
+            rates.update(_raw_jpeg_decoders(ds, batches, a.device, a.repeats))
+    out = {k: round(statistics.median(v), 1) if isinstance(v, list) else v for k, v in rates.items()}
     out["decode_vs_pil"] = round(out["decode"] / out["pil"], 2)
     out.update(images=len(samples), image_size=a.image_size, device=a.device, torch=torch.__version__)
     print(json.dumps(out, indent=2))
+    return out
+
+
+def _raw_jpeg_decoders(ds, batches, device, repeats) -> dict:
+    """JPEG decoding alone on the GPU, a batch per call, from bytes read beforehand: torchvision's
+    ``decode_jpeg`` (what the decode pipeline uses) and TorchCodec's, which torchvision 0.29 points
+    to. TorchCodec's figure is the reason it could not run when it does not import or decode."""
+    import torch
+    import torchvision.io as tio
+
+    from nbddp.decode_data import _quiet
+
+    data = [[ds[i][0] for i in b] for b in batches]
+    n = sum(len(b) for b in data)
+    decoders = {"nvjpeg torchvision": lambda b: tio.decode_jpeg(b, device=device)}
+    out = {}
+    try:
+        from torchcodec.decoders import decode_jpeg as tc_decode_jpeg
+
+        decoders["nvjpeg torchcodec"] = lambda b: tc_decode_jpeg(b, device=device)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: the figure says why it is missing
+        out["nvjpeg torchcodec"] = f"not available: {type(exc).__name__}: {str(exc)[:300]}"
+    for name, fn in list(decoders.items()):
+        try:
+            with _quiet():
+                fn(data[0])  # nvJPEG's handles and buffers
+                torch.cuda.synchronize()
+                runs = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    for b in data:
+                        fn(b)
+                    torch.cuda.synchronize()
+                    runs.append(n / (time.perf_counter() - t0))
+            out[name] = runs
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
     return out
 
 

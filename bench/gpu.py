@@ -419,6 +419,7 @@ def launch(key, **override):
         json.dump(out, f)
 launch("first")
 launch("warm")
+launch("decode", data_pipeline="decode")
 launch("pil", data_pipeline="pil", epochs=spec["pil_epochs"])
 """
 
@@ -448,12 +449,34 @@ def _run_e2e_child(a, data_root: Path, work: Path, out: Path) -> dict:
     r = json.loads(out.read_text()) if out.exists() else {"import_s": float("nan")}
     r["timed_out"] = p is None
     r["process_s"] = time.perf_counter() - t0
-    for key in ("first", "warm", "pil"):
+    for key in ("first", "warm", "decode", "pil"):
         r.setdefault(key, {"wall_s": float("nan"), "metrics": []})
     steady = [m["images_per_s"] for k in ("first", "warm") for m in r[k]["metrics"][1:]]
     r["steady_images_per_s"] = statistics.median(steady) if steady else float("nan")
+    r["steady_images_per_s_by_pipeline"] = {
+        "tensor": r["steady_images_per_s"],
+        "decode": _median([m["images_per_s"] for m in r["decode"]["metrics"][1:]]),
+        "pil": _median([m["images_per_s"] for m in r["pil"]["metrics"][1:]])}
+    # The same epochs without each epoch's first batch (the loader's start): what the step itself sustains.
+    r["steady_images_per_s_after_first_batch"] = {
+        "tensor": _median([_after_first_batch(m) for k in ("first", "warm") for m in r[k]["metrics"][1:]]),
+        "decode": _median([_after_first_batch(m) for m in r["decode"]["metrics"][1:]]),
+        "pil": _median([_after_first_batch(m) for m in r["pil"]["metrics"][1:]])}
     r["pil_images_per_s"] = [m["images_per_s"] for m in r["pil"]["metrics"]]
     return r
+
+
+def _median(values):
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(values) if values else float("nan")
+
+
+def _after_first_batch(m):
+    """An epoch record's images/s with its first batch's wait taken out of the time (None if not recorded)."""
+    if not isinstance(m.get("first_batch_s"), (int, float)) or not m.get("images_per_s"):
+        return None
+    seconds = m["seconds"] - m["first_batch_s"]
+    return m["images_per_s"] * m["seconds"] / seconds if seconds > 0 else None
 
 
 # ------------------------------------------------------------------------------ report
@@ -468,7 +491,7 @@ def fixed_costs(e2e_r) -> str:
     then per epoch the loader's first batch, the evaluation and the checkpoints on the step's path
     (from the built-in worker's epoch records: ``first_batch_s``, ``eval_s``, ``checkpoint_s``)."""
     lines = []
-    for key in ("first", "warm", "pil"):
+    for key in ("first", "warm", "decode", "pil"):
         r = e2e_r.get(key) or {}
         start = r.get("first_step_s")
         lines.append(f"fixed cost, {key} launch: spawn_train to the first step "
@@ -480,6 +503,11 @@ def fixed_costs(e2e_r) -> str:
             lines.append(f"fixed cost, {key} launch, epoch {m.get('epoch', 0) + 1}: " + (", ".join(parts) or "n/a")
                          + f" (epoch {m.get('seconds', float('nan')):.2f} s)")
     return "\n".join(lines)
+
+
+def _best_acc(r):
+    accs = [m["val_accuracy"] for m in r.get("metrics", []) if isinstance(m.get("val_accuracy"), (int, float))]
+    return max(accs) if accs else float("nan")
 
 
 def _report(a, plain_r, step_r, e2e_r) -> dict:
@@ -494,6 +522,8 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
     steady = [m for k in ("first", "warm") for m in e2e_r[k]["metrics"][1:]]
     table.append(("built-in worker, tensor pipeline, steady epochs", e2e_r["steady_images_per_s"] / world,
                   _peak_gib(steady)))
+    for i, m in enumerate(e2e_r["decode"]["metrics"]):
+        table.append((f"built-in worker, decode pipeline, epoch {i + 1}", m["images_per_s"] / world, _peak_gib([m])))
     for i, m in enumerate(e2e_r["pil"]["metrics"]):
         table.append((f"built-in worker, PIL pipeline, epoch {i + 1}", m["images_per_s"] / world, _peak_gib([m])))
     base = plain_r["rows"][PLAIN_EAGER]["images_per_s"]
@@ -509,11 +539,15 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
     def ratio(num, den):
         return num / den if den else float("nan")
 
-    ratios = {"nbddp step / plain eager": (ratio(step_r["rows"][STEP_EAGER]["images_per_s_per_gpu"], base), 0.95),
-              "built-in steady (tensor) / plain eager": (ratio(e2e_r["steady_images_per_s"] / world, base), 0.9)}
+    ratios = {"nbddp step / plain eager": (ratio(step_r["rows"][STEP_EAGER]["images_per_s_per_gpu"], base), 0.97)}
     if a.compile:
         ratios["nbddp compiled / plain compiled"] = (ratio(step_r["rows"][STEP_COMPILED]["images_per_s_per_gpu"],
-                                                           plain_r["rows"][PLAIN_COMPILED]["images_per_s"]), 0.95)
+                                                           plain_r["rows"][PLAIN_COMPILED]["images_per_s"]), 0.97)
+    for pipe, v in e2e_r["steady_images_per_s_by_pipeline"].items():
+        ratios[f"built-in steady ({pipe}) / plain eager"] = (ratio(v / world, base), 0.9)
+        after = e2e_r["steady_images_per_s_after_first_batch"][pipe]
+        ratios[f"built-in steady ({pipe}), each epoch's first batch left out / plain eager"] = (
+            ratio(after / world, base), 0.9)
     print("\n| ratio | measured | goal |\n|---|---|---|")
     for name, (value, goal) in ratios.items():
         print(f"| {name} | {value:.3f} | >= {goal} |")
@@ -521,10 +555,14 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
     if e2e_r["timed_out"]:
         print(f"\nthe end-to-end part ran out of its {a.part_timeout:.0f} s: launches not finished show nan")
     print(f"\nbuilt-in worker, {a.images} images, {a.epochs} epochs: first launch in a fresh process {first:.1f} s "
-          f"(goal <= 15 s; the process took {e2e_r['process_s']:.1f} s with python start and "
-          f"{e2e_r['import_s']:.1f} s of import torch/nbddp), warm relaunch {warm:.1f} s (goal <= 6 s), "
+          f"(goal <= 12 s; the process took {e2e_r['process_s']:.1f} s with python start and "
+          f"{e2e_r['import_s']:.1f} s of import torch/nbddp), warm relaunch {warm:.1f} s (goal <= 5 s), "
           f"PIL pipeline ({e2e_r['pil']['wall_s']:.1f} s wall): "
           f"{', '.join(f'{v:,.0f}' for v in e2e_r['pil_images_per_s'])} images/s by epoch (goal >= 2,500)")
+    dec = e2e_r["steady_images_per_s_by_pipeline"]["decode"] / world
+    print(f"decode pipeline, steady: {dec:,.0f} images/s per GPU (goal >= 5,000), {ratio(dec, base):.3f} of the "
+          f"synthetic-tensor rate (plain eager; goal >= 0.9); best validation accuracy decode "
+          f"{_best_acc(e2e_r['decode']):.3f}, pil {_best_acc(e2e_r['pil']):.3f}, tensor {_best_acc(e2e_r['warm']):.3f}")
     print(fixed_costs(e2e_r))
     comp = (f"plain {plain_r['compile_s']:.1f} s, nbddp (DDP) {step_r['compile_s']:.1f} s" if a.compile
             else "not run (--compile)")
@@ -577,7 +615,7 @@ def main(argv=None):
         # the code paths do not depend on the model. 2 epochs still give one steady epoch.
         a.model, a.image_size, a.batch_size, a.steps, a.repeats, a.warmup, a.images = (
             "squeezenet1_1", 32, 4, 2, 1, 1, 20)
-        a.epochs, a.pil_epochs = 2, 1
+        a.epochs, a.pil_epochs = 2, 2
         a.compile_backend = "eager"  # dynamo's whole path, without inductor's minutes of C++ on a CPU
     if a.plain_only:
         r = plain(a)

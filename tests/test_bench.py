@@ -38,15 +38,20 @@ def test_gpu_benchmark_runs_every_part_on_the_cpu(tmp_path, capsys):
     e2e = r["e2e"]
     assert len(e2e["first"]["metrics"]) == len(e2e["warm"]["metrics"]) == 2
     assert e2e["first"]["wall_s"] > 0 and e2e["warm"]["wall_s"] > 0 and e2e["import_s"] > 0
-    assert e2e["steady_images_per_s"] > 0 and len(e2e["pil_images_per_s"]) == 1
-    assert set(r["ratios"]) == {"nbddp step / plain eager", "nbddp compiled / plain compiled",
-                                "built-in steady (tensor) / plain eager"}
+    assert e2e["steady_images_per_s"] > 0 and len(e2e["pil_images_per_s"]) == 2
+    # every pipeline's steady epochs, end to end: tensor, decode (bytes to the device), pil
+    assert len(e2e["decode"]["metrics"]) == 2 and set(e2e["steady_images_per_s_by_pipeline"]) == {
+        "tensor", "decode", "pil"}
+    pipes = [f"built-in steady ({p}){tail} / plain eager" for p in ("tensor", "decode", "pil")
+             for tail in ("", ", each epoch's first batch left out")]
+    assert set(r["ratios"]) == {"nbddp step / plain eager", "nbddp compiled / plain compiled", *pipes}
     assert all(math.isfinite(v["measured"]) and v["measured"] > 0 for v in r["ratios"].values())
 
     assert json.loads(out.read_text())["ratios"].keys() == r["ratios"].keys()
     printed = capsys.readouterr().out
     assert "| row | images/s per GPU | vs plain eager | TFLOP/s | peak GiB |" in printed
     assert "| nbddp step / plain eager |" in printed and "warm relaunch" in printed
+    assert "decode pipeline, steady:" in printed and "fixed cost, decode launch, epoch 2" in printed
     assert "profile of one nbddp step" in printed and "all-reduce of the gradients" in printed
     # The fixed costs, a line each: launch to first step, then per epoch loader, evaluation, checkpoint.
     assert e2e["first"]["first_step_s"] > 0 and e2e["warm"]["first_step_s"] > 0
