@@ -595,3 +595,22 @@ def test_the_panel_ticks_nothing_when_no_gpu_is_idle_and_says_why(tmp_path, monk
     panel = TrainingPanel(f"{WORKERS / 'faulty.py'}:info", runs_dir=str(tmp_path / "runs"))
     assert [b.value for b in panel.gpu_checkboxes] == [False, False]
     assert "no idle GPU" in panel.gpu_rule_note.value and "tick one to share it" in panel.gpu_rule_note.value
+
+
+def test_a_busy_gpu_warns_a_launch_from_python_c(tmp_path, monkeypatch):
+    """``python -c`` has no source for its __main__ (its loader is the built-in importer): the busy-GPU
+    warning still shows, where it used to raise ImportError("'__main__' is not a built-in module")."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    install_fake_nvidia_smi(tmp_path, monkeypatch, gpus=[(H100[0], H100[1], 81559, 40000, 90)])
+    code = ("import sys; sys.modules['pynvml'] = None  # NVML absent: the fake nvidia-smi answers\n"
+            "from nbddp.gpus import resolve_gpus\n"
+            "print(resolve_gpus([0]))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[0]"
+    assert "BusyGPUWarning: GPU 0 is not idle" in p.stderr, p.stderr

@@ -499,5 +499,11 @@ def _warn_at_caller(message: str, category: type) -> None:
     if frame is None:
         warnings.warn(message, category, stacklevel=2)
         return
-    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
-                           module=frame.f_globals.get("__name__"), registry=None, module_globals=frame.f_globals)
+    where = (message, category, frame.f_code.co_filename, frame.f_lineno)
+    try:
+        warnings.warn_explicit(*where, module=frame.f_globals.get("__name__"), registry=None,
+                               module_globals=frame.f_globals)
+    except ImportError:
+        # The caller's module has no source its loader can give (``python -c``: __main__'s loader
+        # is the built-in importer, which raises): the warning, without the source line.
+        warnings.warn_explicit(*where, module=frame.f_globals.get("__name__"), registry=None)
