@@ -588,6 +588,21 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
             "plain": plain_r, "step": step_r, "e2e": e2e_r, "date": time.strftime("%Y-%m-%d")}
 
 
+def _e2e_only(a, data_root: Path, work: Path) -> dict:
+    """Part 3 alone (``--e2e-only``): each launch's wall time, the pipelines' steady rates, the fixed costs."""
+    r = _run_e2e_child(a, data_root, work, work / "e2e.json")
+    print(f"\nbuilt-in worker, {a.images} images: first launch in a fresh process {r['first']['wall_s']:.1f} s "
+          f"(import {r['import_s']:.1f} s), warm relaunch {r['warm']['wall_s']:.1f} s, decode launch "
+          f"{r['decode']['wall_s']:.1f} s, pil launch {r['pil']['wall_s']:.1f} s")
+    for pipe, v in r["steady_images_per_s_by_pipeline"].items():
+        print(f"{pipe}: steady {v:,.0f} images/s, {r['steady_images_per_s_after_first_batch'][pipe]:,.0f} without each "
+              f"epoch's first batch; best accuracy {_best_acc(r['warm' if pipe == 'tensor' else pipe]):.3f}")
+    print(fixed_costs(r))
+    if a.json:
+        Path(a.json).write_text(json.dumps(r, indent=1, default=str))
+    return r
+
+
 def main(argv=None):
     """Run the benchmark; returns every figure as a dict (also written to ``--json``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -609,6 +624,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write every figure to this JSON file")
     ap.add_argument("--work-dir", default=None, help="for the generated photos and the runs (default: temp)")
     ap.add_argument("--part-timeout", type=float, default=400, help="seconds each subprocess part may take")
+    ap.add_argument("--e2e-only", action="store_true", help="only part 3, the built-in worker end to end")
     ap.add_argument("--plain-only", action="store_true", help=argparse.SUPPRESS)  # part 1, in its own process
     a = ap.parse_args(argv)
     if a.quick:
@@ -631,6 +647,8 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     data_root = _flowers_like(work / f"flowers-like-{a.images}", a.images)
     t0 = time.perf_counter()
+    if a.e2e_only:
+        return _e2e_only(a, data_root, work)
     plain_r = _run_plain_child(a, work / "plain.json")
     launch = dict(nprocs=1) if a.smoke else dict(gpus=[int(g) for g in a.gpus.split(",")])
     step_r = spawn_train(f"{Path(__file__).resolve()}:step_worker", **launch, echo=False, name="bench-gpu",

@@ -225,12 +225,12 @@ class DeviceDecoder:
         for group in _size_groups(images):
             picked = [images[i] for i in group]
             x = _pad_stack(picked).float()
-            box = torch.tensor([boxes[i] for i in group], dtype=torch.float64)
+            # The weights are built where they are used: N x S x H of them, too many for a CPU thread.
+            box = torch.tensor([boxes[i] for i in group], dtype=torch.float32).to(self.device, non_blocking=True)
             wy = resample_weights(box[:, 0], box[:, 2], x.shape[-2], s)
             wx = resample_weights(box[:, 1], box[:, 3], x.shape[-1], s)
-            flip = torch.tensor([flips[i] for i in group])
-            wx[flip] = wx[flip].flip(1)  # a flipped image: the output's columns in reverse order
-            wy, wx = wy.to(self.device, torch.float32), wx.to(self.device, torch.float32)
+            flip = torch.tensor([flips[i] for i in group]).to(self.device, non_blocking=True)
+            wx = torch.where(flip[:, None, None], wx.flip(1), wx)  # flipped: the output's columns reversed
             # out = Wy @ X @ Wx^T per image and channel: crop, antialiased resize and flip in two matmuls
             res = torch.matmul(torch.matmul(wy[:, None], x), wx[:, None].transpose(-1, -2))
             out[torch.tensor(group, device=self.device)] = res
@@ -246,11 +246,11 @@ def resample_weights(start: torch.Tensor, length: torch.Tensor, size: int, out: 
     Every image's crop and resize then is one matrix product per axis, for a whole batch at once,
     where a loop over the images cost several kernel launches and ~0.1 ms of Python per image.
     """
-    start, length = start.double()[:, None, None], length.double()[:, None, None]
+    start, length = start.float()[:, None, None], length.float()[:, None, None]
     scale = length / out
     support = scale.clamp(min=1.0)  # the filter's half-width: 1 pixel, or the scale when shrinking
-    centre = start + scale * (torch.arange(out, dtype=torch.float64)[None, :, None] + 0.5)
-    pixel = torch.arange(size, dtype=torch.float64)[None, None, :] + 0.5
+    centre = start + scale * (torch.arange(out, device=start.device)[None, :, None] + 0.5)
+    pixel = torch.arange(size, device=start.device)[None, None, :] + 0.5
     w = (1 - ((pixel - centre) / support).abs()).clamp(min=0)
     w = w * ((pixel > start) & (pixel < start + length))
     return w / w.sum(-1, keepdim=True).clamp(min=1e-12)
