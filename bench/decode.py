@@ -59,15 +59,9 @@ def main(argv=None) -> dict:
             if x.device.type == "cuda":
                 torch.cuda.synchronize()
 
-        def decode_each():  # the decoder as it was: crop, resize and flip image by image
-            for b in batches:
-                x = _per_image(decoder, collate([ds[(i, D.item_seed(0, 0, i))] for i in b])[0])
-            if x.device.type == "cuda":
-                torch.cuda.synchronize()
-
-        rates = {"pil": [], "decode": [], "decode, per-image resize (before)": []}
+        rates = {"pil": [], "decode": []}
         for _ in range(a.repeats):
-            for name, fn in (("pil", pil), ("decode", decode), ("decode, per-image resize (before)", decode_each)):
+            for name, fn in (("pil", pil), ("decode", decode)):
                 t0 = time.perf_counter()
                 fn()
                 rates[name].append(len(samples) / (time.perf_counter() - t0))
@@ -78,27 +72,6 @@ def main(argv=None) -> dict:
     out.update(images=len(samples), image_size=a.image_size, device=a.device, torch=torch.__version__)
     print(json.dumps(out, indent=2))
     return out
-
-
-def _per_image(decoder, batch):
-    """``DeviceDecoder`` before its crops and resizes were batched: a loop of small kernels per image."""
-    import torch
-    import torch.nn.functional as F
-
-    from nbddp.decode_data import crop_box, decode
-
-    images = decode(batch, decoder.device)
-    s = decoder.image_size
-    out = torch.empty(len(images), 3, s, s, device=decoder.device)
-    for i, (img, seed) in enumerate(zip(images, batch.seeds)):
-        g = torch.Generator().manual_seed(int(seed))
-        top, left, h, w = crop_box(img.shape[-2], img.shape[-1], decoder.scale, decoder.ratio, g)
-        flip = decoder.hflip and bool(torch.rand(1, generator=g) < 0.5)
-        crop = img[None, :, top:top + h, left:left + w].float()
-        out[i] = F.interpolate(crop, size=(s, s), mode="bilinear", align_corners=False, antialias=True)[0]
-        if flip:
-            out[i] = out[i].flip(-1)
-    return (out - decoder.mean) / decoder.std
 
 
 def _raw_jpeg_decoders(ds, batches, device, repeats) -> dict:

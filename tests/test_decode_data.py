@@ -51,36 +51,6 @@ def test_a_mixed_batch_decodes_and_augments_the_same_for_the_same_seeds(tmp_path
     assert list(SeededSampler(range(3), 5))[1] == (1, item_seed(5, 0, 1))
 
 
-@pytest.mark.parametrize("sizes", [[(240, 320)] * 3 + [(200, 300)], [(240, 320), (24, 30), (60, 80), (24, 30)]],
-                         ids=["padded to one batch", "one batch per size"])
-def test_the_batched_crop_and_resize_is_interpolate_of_each_crop(sizes, monkeypatch):
-    """The whole batch's crops, antialiased resizes and flips in two matrix products equal
-    ``F.interpolate(antialias=True)`` of each crop, image by image (what the decoder did before)."""
-    import torch.nn.functional as F
-
-    from nbddp.decode_data import EncodedBatch, _size_groups
-
-    g = torch.Generator().manual_seed(0)
-    images = [torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8) for h, w in sizes]
-    seeds = [item_seed(0, 0, i) for i in range(len(images))]
-    decoder = DeviceDecoder("cpu", 32, train=True, batched=True)  # a GPU's default, here on the CPU
-    assert not DeviceDecoder("cpu", 32, train=True).batched, "image by image on a CPU"
-    monkeypatch.setattr("nbddp.decode_data.decode", lambda batch, device: images)  # decoded, without encoding
-    out = decoder(EncodedBatch(torch.empty(0, dtype=torch.uint8), [0] * (len(images) + 1), seeds, [""] * 4))
-    assert len(_size_groups(images)) == (1 if len(set(sizes)) == 2 else 3)
-    flips = 0
-    for img, seed, got in zip(images, seeds, out):
-        gen = torch.Generator().manual_seed(seed)
-        top, left, h, w = crop_box(img.shape[-2], img.shape[-1], decoder.scale, decoder.ratio, gen)
-        ref = F.interpolate(img[None, :, top:top + h, left:left + w].float(), size=(32, 32), mode="bilinear",
-                            align_corners=False, antialias=True)[0]
-        if bool(torch.rand(1, generator=gen) < 0.5):
-            ref, flips = ref.flip(-1), flips + 1
-        ref = (ref - decoder.mean[0]) / decoder.std[0]
-        assert (got - ref).abs().max() < 1e-3
-    assert 0 < flips < len(images), "flipped and unflipped images both checked"
-
-
 def test_crop_boxes_stay_inside_the_image_and_follow_their_seed():
     for seed in range(200):
         g = torch.Generator().manual_seed(seed)

@@ -189,15 +189,10 @@ class DeviceDecoder:
         image_size: ``S``.
         train: random resized crop and flip per image (seeded by its key); else the centre crop.
         crop_scale, hflip: as in :class:`nbddp.TrainConfig`.
-        batched: crop and resize the whole batch in two matrix products (default on a GPU, where
-            a loop of small kernels per image made the decoder, not nvJPEG, the limit), else image
-            by image (default on a CPU, where the products' work over whole photos costs more).
     """
 
-    def __init__(self, device, image_size: int, train: bool, crop_scale: float = 0.08, hflip: bool = True,
-                 batched: Optional[bool] = None):
+    def __init__(self, device, image_size: int, train: bool, crop_scale: float = 0.08, hflip: bool = True):
         self.device, self.image_size, self.train = torch.device(device), image_size, train
-        self.batched = self.device.type == "cuda" if batched is None else batched
         self.scale, self.ratio, self.hflip = (crop_scale, 1.0), (3 / 4, 4 / 3), hflip
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1) * 255
@@ -205,81 +200,20 @@ class DeviceDecoder:
     def __call__(self, batch: EncodedBatch) -> torch.Tensor:
         images = decode(batch, self.device)
         s = self.image_size
-        boxes, flips = [], []
-        for img, seed in zip(images, batch.seeds):
+        out = torch.empty(len(images), 3, s, s, device=self.device)
+        for i, (img, seed) in enumerate(zip(images, batch.seeds)):
+            flip = False
             if self.train:
                 g = torch.Generator().manual_seed(int(seed))
-                boxes.append(crop_box(img.shape[-2], img.shape[-1], self.scale, self.ratio, g))
-                flips.append(self.hflip and bool(torch.rand(1, generator=g) < 0.5))
+                top, left, h, w = crop_box(img.shape[-2], img.shape[-1], self.scale, self.ratio, g)
+                flip = self.hflip and bool(torch.rand(1, generator=g) < 0.5)
             else:
-                boxes.append(centre_box(img.shape[-2], img.shape[-1], s))
-                flips.append(False)
-        out = torch.empty(len(images), 3, s, s, device=self.device)
-        if not self.batched:
-            for i, (img, (top, left, h, w), flip) in enumerate(zip(images, boxes, flips)):
-                crop = img[None, :, top:top + h, left:left + w].float()
-                out[i] = F.interpolate(crop, size=(s, s), mode="bilinear", align_corners=False, antialias=True)[0]
-                if flip:
-                    out[i] = out[i].flip(-1)
-            return (out - self.mean) / self.std
-        for group in _size_groups(images):
-            picked = [images[i] for i in group]
-            x = _pad_stack(picked).float()
-            # The weights are built where they are used: N x S x H of them, too many for a CPU thread.
-            box = torch.tensor([boxes[i] for i in group], dtype=torch.float32).to(self.device, non_blocking=True)
-            wy = resample_weights(box[:, 0], box[:, 2], x.shape[-2], s)
-            wx = resample_weights(box[:, 1], box[:, 3], x.shape[-1], s)
-            flip = torch.tensor([flips[i] for i in group]).to(self.device, non_blocking=True)
-            wx = torch.where(flip[:, None, None], wx.flip(1), wx)  # flipped: the output's columns reversed
-            # out = Wy @ X @ Wx^T per image and channel: crop, antialiased resize and flip in two matmuls
-            res = torch.matmul(torch.matmul(wy[:, None], x), wx[:, None].transpose(-1, -2))
-            out[torch.tensor(group, device=self.device)] = res
+                top, left, h, w = centre_box(img.shape[-2], img.shape[-1], s)
+            crop = img[None, :, top:top + h, left:left + w].float()
+            out[i] = F.interpolate(crop, size=(s, s), mode="bilinear", align_corners=False, antialias=True)[0]
+            if flip:
+                out[i] = out[i].flip(-1)
         return (out - self.mean) / self.std
-
-
-def resample_weights(start: torch.Tensor, length: torch.Tensor, size: int, out: int) -> torch.Tensor:
-    """``N x out x size`` weights of an antialiased bilinear resize of ``[start, start + length)`` of
-    an axis of ``size`` pixels to ``out`` pixels: ``F.interpolate(..., mode="bilinear",
-    align_corners=False, antialias=True)`` of the crop (a triangle filter stretched by the scale when
-    shrinking, pixels outside the crop weigh nothing, each row sums to 1), as a matrix.
-
-    Every image's crop and resize then is one matrix product per axis, for a whole batch at once,
-    where a loop over the images cost several kernel launches and ~0.1 ms of Python per image.
-    """
-    start, length = start.float()[:, None, None], length.float()[:, None, None]
-    scale = length / out
-    support = scale.clamp(min=1.0)  # the filter's half-width: 1 pixel, or the scale when shrinking
-    centre = start + scale * (torch.arange(out, device=start.device)[None, :, None] + 0.5)
-    pixel = torch.arange(size, device=start.device)[None, None, :] + 0.5
-    w = (1 - ((pixel - centre) / support).abs()).clamp(min=0)
-    w = w * ((pixel > start) & (pixel < start + length))
-    return w / w.sum(-1, keepdim=True).clamp(min=1e-12)
-
-
-def _size_groups(images: Sequence[torch.Tensor]) -> list:
-    """Indices of ``images`` in groups to stack: all at once when zero padding to the largest adds
-    at most as many pixels as there are (photos of similar sizes), else one group per size."""
-    sizes = [tuple(img.shape[-2:]) for img in images]
-    if not sizes:
-        return []
-    h, w = max(s[0] for s in sizes), max(s[1] for s in sizes)
-    if len(images) * h * w <= 2 * sum(a * b for a, b in sizes):
-        return [list(range(len(images)))]
-    groups: dict = {}
-    for i, size in enumerate(sizes):
-        groups.setdefault(size, []).append(i)
-    return list(groups.values())
-
-
-def _pad_stack(images: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``N x 3 x H x W`` ``uint8``, each image at the top left, zeros after (weighted zero by the crop)."""
-    h, w = max(img.shape[-2] for img in images), max(img.shape[-1] for img in images)
-    if all(img.shape[-2:] == (h, w) for img in images):
-        return torch.stack(list(images))
-    x = images[0].new_zeros(len(images), 3, h, w)
-    for i, img in enumerate(images):
-        x[i, :, :img.shape[-2], :img.shape[-1]] = img
-    return x
 
 
 def decode_loaders(samples_train: Sequence[Sample], samples_val: Sequence[Sample], order, batch_size: int,
@@ -294,5 +228,5 @@ def decode_loaders(samples_train: Sequence[Sample], samples_val: Sequence[Sample
     return train, val
 
 
-__all__ = ["FileBytes", "EncodedBatch", "collate", "decode", "crop_box", "centre_box", "DeviceDecoder", "resample_weights",
+__all__ = ["FileBytes", "EncodedBatch", "collate", "decode", "crop_box", "centre_box", "DeviceDecoder",
            "decode_loaders", "is_jpeg"]
