@@ -3,6 +3,7 @@
     python bench/gpu.py --compile --json gpu.json  # the table for docs/benchmarks.md (<= 5 min, one H100)
     python bench/gpu.py --quick                    # a quick pass: fewer steps, one repeat
     python bench/gpu.py --profile                  # + a profiler summary of one nbddp training step
+    python bench/gpu.py --e2e-only                 # only the built-in worker's launches (fixed costs, pipelines)
     python bench/gpu.py --smoke                    # CPU, tiny sizes: every code path (tests)
 
 ResNet34 (torchvision, 10 outputs) at 224 px, batch 256 per GPU, autocast (bf16 from compute
@@ -24,8 +25,10 @@ context or GPU memory with another:
 3. **the built-in worker end to end**: a fresh ``python -c`` process calls ``spawn_train`` with a
    ``TrainConfig`` on a flowers-sized folder (3,670 JPEGs of 320x240, 5 classes, generated
    once into the work folder), tensor pipeline, 3 epochs: the first launch, then a warm
-   relaunch from that same process, then the PIL pipeline with the default workers.
-   Steady images/s are the epochs after the first (``images_per_s`` of ``result.metrics``); the
+   relaunch from that same process, then the decode pipeline (bytes to the GPU, nvJPEG) and the
+   PIL pipeline with the default workers (``--e2e-only``: this part alone).
+   Steady images/s are the epochs after the first (``images_per_s`` of ``result.metrics``),
+   also without each epoch's first batch; the
    peak GPU memory of these rows is the worker's own (``gpu_mem_alloc_gib`` of its records).
 
 Each row of parts 1 and 2 is measured ``--repeats`` times, interleaved, median quoted. The
