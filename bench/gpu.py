@@ -423,10 +423,11 @@ def launch(key, **override):
     out[key] = {"wall_s": time.perf_counter() - t, "metrics": r.metrics, **seen}
     with open(spec["out"], "w") as f:  # after each launch: a part that runs out of time keeps the rest
         json.dump(out, f)
+todo = spec["launches"]
 launch("first")
-launch("warm")
-launch("decode", data_pipeline="decode")
-launch("pil", data_pipeline="pil", epochs=spec["pil_epochs"])
+if "warm" in todo: launch("warm")
+if "decode" in todo: launch("decode", data_pipeline="decode")
+if "pil" in todo: launch("pil", data_pipeline="pil", epochs=spec["pil_epochs"])
 """
 
 
@@ -439,7 +440,7 @@ def _run_e2e_child(a, data_root: Path, work: Path, out: Path) -> dict:
         config.update(nprocs=1, num_workers=0)
     else:
         config.update(gpus=[int(g) for g in a.gpus.split(",")])  # default workers: part of what is measured
-    spec = {"config": config, "pil_epochs": a.pil_epochs, "out": str(out)}
+    spec = {"config": config, "pil_epochs": a.pil_epochs, "out": str(out), "launches": a.launches.split(",")}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     out.unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -628,6 +629,8 @@ def main(argv=None):
     ap.add_argument("--work-dir", default=None, help="for the generated photos and the runs (default: temp)")
     ap.add_argument("--part-timeout", type=float, default=400, help="seconds each subprocess part may take")
     ap.add_argument("--e2e-only", action="store_true", help="only part 3, the built-in worker end to end")
+    ap.add_argument("--launches", default="first,warm,decode,pil",
+                    help="part 3's launches after the first (tensor pipeline), e.g. first,warm,decode")
     ap.add_argument("--plain-only", action="store_true", help=argparse.SUPPRESS)  # part 1, in its own process
     a = ap.parse_args(argv)
     if a.quick:

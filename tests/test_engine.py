@@ -66,6 +66,45 @@ def test_single_process_and_empty_epochs_need_no_process_group():
     assert (stats.steps, stats.images) == (3, 12) and not torch.equal(before, model.weight)
 
 
+def test_the_next_batch_is_prepared_before_the_step_waits_for_the_device():
+    """The transform of batch n+1 (decoding, augmenting on the rank) runs before step n's
+    agreement waits for the device and the optimizer steps, so it overlaps the device's work;
+    one that fails stops the epoch as an unreadable batch does, before that batch's step."""
+    import torch
+
+    from nbddp.engine import train_one_epoch
+
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    events = []
+    opt.register_step_pre_hook(lambda *_: events.append("step"))
+
+    class Transform:
+        prepare_ahead = True  # draws nothing from the rank's random state (the decode pipeline's)
+
+        def __call__(self, x):
+            events.append("prepare")
+            if float(x[0, 0]) == 99.0:
+                raise RuntimeError("cannot decode batch 2")
+            return x * 2
+
+    transform = Transform()
+
+    data = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(3)]
+    stats = train_one_epoch(model, opt, data, torch.device("cpu"), 0, batch_transform=transform)
+    assert stats.steps == 3
+    assert events == ["prepare", "prepare", "step", "prepare", "step", "step"]
+    events.clear()
+    data[2][0][0, 0] = 99.0
+    with pytest.raises(RuntimeError, match="cannot decode batch 2"):
+        train_one_epoch(model, opt, data, torch.device("cpu"), 0, batch_transform=transform)
+    assert events == ["prepare", "prepare", "step", "prepare", "step"], "step 1 ends; batch 2's step never runs"
+    # A transform that may draw from the rank's random state runs at its step, as before.
+    events.clear()
+    train_one_epoch(model, opt, data[:2], torch.device("cpu"), 0, batch_transform=lambda x: events.append("prepare") or x)
+    assert events == ["prepare", "step", "prepare", "step"]
+
+
 def test_ddp_buffer_option_is_accepted_without_deprecation_warnings():
     import warnings
 

@@ -156,7 +156,13 @@ def _raise_read_error(error: Optional[BaseException], failed: list, epoch: int, 
                     "every rank stopped at this step", rank=failed[0])
 
 
+class _Ready(tuple):
+    """``(x, y)`` of a batch read ahead and already prepared (on the device, transformed)."""
+
+
 def _prepare(batch, device, batch_transform, channels_last):
+    if isinstance(batch, _Ready):
+        return batch
     x, y = batch
     x = x.to(device, non_blocking=True)
     y = y.to(device, non_blocking=True)
@@ -270,6 +276,17 @@ def _read_ahead(run: _Epoch, batches, step: int) -> tuple:
     """The next step's batch, read now so that a read error travels in this step's agreement."""
     run.ctx.heartbeat(epoch=run.epoch, step=step)  # reading data: local work again
     batch, error = _next_batch(batches)
+    if error is None and getattr(run.batch_transform, "prepare_ahead", run.batch_transform is None):
+        # Prepared now, while the device still runs this step's forward and backward: the step's
+        # agreement then waits for the device, and a transform after it (decoding, augmenting on
+        # the rank) would leave the device idle for as long as it takes. Only a transform that
+        # says so (``prepare_ahead``: it draws nothing from the rank's random state, which a
+        # checkpoint after this step must hold as the step left it). A transform that fails (a
+        # file that does not decode) is a read error: it travels in this step's agreement.
+        try:
+            batch = _Ready(_prepare(batch, run.device, run.batch_transform, run.channels_last))
+        except Exception as exc:  # noqa: BLE001 - re-raised after the ranks agree
+            batch, error = None, exc
     run.ctx.heartbeat(epoch=run.epoch, step=step, waiting=True)
     return batch, error
 

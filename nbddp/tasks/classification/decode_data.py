@@ -191,6 +191,10 @@ class DeviceDecoder:
         crop_scale, hflip: as in :class:`nbddp.TrainConfig`.
     """
 
+    #: The engine may decode the next batch while the device runs this step: each image's crop
+    #: comes from its own seed, never from the rank's random state.
+    prepare_ahead = True
+
     def __init__(self, device, image_size: int, train: bool, crop_scale: float = 0.08, hflip: bool = True):
         self.device, self.image_size, self.train = torch.device(device), image_size, train
         self.scale, self.ratio, self.hflip = (crop_scale, 1.0), (3 / 4, 4 / 3), hflip
