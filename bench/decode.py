@@ -81,7 +81,7 @@ def _raw_jpeg_decoders(ds, batches, device, repeats) -> dict:
     import torch
     import torchvision.io as tio
 
-    from nbddp.decode_data import _quiet
+    from nbddp.tasks.classification.decode_data import _quiet
 
     data = [[ds[i][0] for i in b] for b in batches]
     n = sum(len(b) for b in data)

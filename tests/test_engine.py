@@ -72,7 +72,7 @@ def test_the_next_batch_is_prepared_before_the_step_waits_for_the_device():
     one that fails stops the epoch as an unreadable batch does, before that batch's step."""
     import torch
 
-    from nbddp.engine import train_one_epoch
+    from nbddp.rank.engine import train_one_epoch
 
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

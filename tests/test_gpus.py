@@ -607,7 +607,7 @@ def test_a_busy_gpu_warns_a_launch_from_python_c(tmp_path, monkeypatch):
 
     install_fake_nvidia_smi(tmp_path, monkeypatch, gpus=[(H100[0], H100[1], 81559, 40000, 90)])
     code = ("import sys; sys.modules['pynvml'] = None  # NVML absent: the fake nvidia-smi answers\n"
-            "from nbddp.gpus import resolve_gpus\n"
+            "from nbddp.contract.gpus import resolve_gpus\n"
             "print(resolve_gpus([0]))\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
