@@ -33,8 +33,11 @@ def _import_once(monkeypatch, folder: Path, name: str) -> None:
     monkeypatch.syspath_prepend(str(folder))
     importlib.invalidate_caches()
     importlib.import_module(name)
-    monkeypatch.delitem(sys.modules, name)
-    assert list((folder / "__pycache__").glob(f"{name}.*.pyc")), "the import wrote no bytecode cache"
+    for loaded in [n for n in sys.modules if n == name.split(".")[0] or n.startswith(name.split(".")[0] + ".")]:
+        del sys.modules[loaded]  # for good: a restored entry would stand in for the next test's module
+    *package, stem = name.split(".")
+    cache = folder.joinpath(*package, "__pycache__")
+    assert list(cache.glob(f"{stem}.*.pyc")), "the import wrote no bytecode cache"
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
@@ -68,18 +71,47 @@ def test_a_module_the_worker_file_imports_runs_as_edited(tmp_path, monkeypatch, 
     assert result.value == "new"
 
 
-def test_what_a_script_and_a_module_target_import_runs_as_edited(tmp_path, monkeypatch):
-    """The same for the modules a torchrun script imports from its folder, and for a module
-    target (``pkg.mod:fn``) found from the kernel's working directory: one launch of each."""
+PACKAGE_FORMS = {  # how the launch names the code -> how it reports what it saw
+    "worker file": "worker.py:train",
+    "module target": "mypkg.job:train",
+    "script": "script.py",
+    "-m module": "-m mypkg.job",
+}
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_modules_of_a_package_run_as_edited_in_every_form_of_launch(tmp_path, monkeypatch, start_method):
+    """A module inside a package (``mypkg.sub``) and a top-level module (``settings``), both
+    imported by the launching process and then rewritten with the same size and mtime, run as
+    edited whatever the launch names: a worker file that imports them, ``"mypkg.job:train"``,
+    a script and ``-m mypkg.job``. A package's submodules are found through the package's
+    ``__path__``, not ``sys.path``, so the rank must compile those from source too."""
     code = tmp_path / "project"
-    (code / "pkg").mkdir(parents=True)
-    (code / "pkg" / "__init__.py").write_text("")
+    (code / "mypkg").mkdir(parents=True)
+    (code / "mypkg" / "__init__.py").write_text("")
+    (code / "mypkg" / "sub.py").write_text("VALUE = 'old'\n")
     (code / "settings.py").write_text("VALUE = 'old'\n")
-    (code / "script.py").write_text("import pathlib, settings\npathlib.Path('seen.txt').write_text(settings.VALUE)\n")
-    (code / "pkg" / "mod.py").write_text("import settings\n\ndef train(ctx):\n    return settings.VALUE\n")
+    seen = "import pathlib, settings\nfrom mypkg import sub\n\n" \
+           "def train(ctx):\n    return settings.VALUE + '/' + sub.VALUE\n\n" \
+           "if __name__ == '__main__':\n    pathlib.Path('seen.txt').write_text(train(None))\n"
+    (code / "mypkg" / "job.py").write_text(seen)
+    (code / "worker.py").write_text(seen)
+    (code / "script.py").write_text(seen)
     monkeypatch.chdir(code)
     _import_once(monkeypatch, code, "settings")
+    _import_once(monkeypatch, code, "mypkg.sub")
     _write_same_size_same_time(code / "settings.py", "'old'", "'new'")
-    spawn_train("script.py", nprocs=1, runs_dir=tmp_path / "runs", echo=False)
-    assert (code / "seen.txt").read_text() == "new"
-    assert spawn_train("pkg.mod:train", nprocs=1, runs_dir=tmp_path / "runs", echo=False).value == "new"
+    _write_same_size_same_time(code / "mypkg" / "sub.py", "'old'", "'new'")
+    saw = {}
+    try:
+        for form, spec in PACKAGE_FORMS.items():
+            result = spawn_train(spec, nprocs=1, runs_dir=tmp_path / "runs", echo=False, start_method=start_method)
+            if spec.endswith(":train"):
+                saw[form] = result.value
+            else:
+                saw[form] = (code / "seen.txt").read_text()
+                (code / "seen.txt").unlink()
+    finally:  # the module target was imported here to check it: not into the next test
+        for name in ("settings", "mypkg", "mypkg.sub", "mypkg.job"):
+            sys.modules.pop(name, None)
+    assert saw == {form: "new/new" for form in PACKAGE_FORMS}

@@ -11,6 +11,7 @@ for the panel's form.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.machinery
 import importlib.util
@@ -137,7 +138,7 @@ def load_target(spec: str) -> Callable[..., Any]:
     ``__pycache__``: its bytecode is trusted on mtime and size alone, so a file rewritten with
     the same size within the same second (``%%writefile`` under "Run All") would run stale.
     Its folder's other modules, imported by it, are compiled from source too (see
-    :func:`_from_source_in`).
+    :func:`from_source_in_user_folders`).
     """
     where, _, qualname = spec.rpartition(":")
     if where.endswith(".py") or os.sep in where:
@@ -185,33 +186,67 @@ def _installed(folder: str) -> bool:
     real = os.path.realpath(folder)
     if "site-packages" in real or "dist-packages" in real:
         return True
+    return any(real == r or real.startswith(r + os.sep) for r in _installed_roots())
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_roots() -> frozenset:
+    """The installed Python's folders (asked once: the path hook asks for every package folder)."""
     paths = sysconfig.get_paths()
-    roots = {os.path.realpath(p) for p in (paths.get("stdlib"), paths.get("platstdlib"), paths.get("purelib"),
-                                            paths.get("platlib")) if p}
-    return any(real == r or real.startswith(r + os.sep) for r in roots)
+    return frozenset(os.path.realpath(p) for p in (paths.get("stdlib"), paths.get("platstdlib"),
+                                                   paths.get("purelib"), paths.get("platlib")) if p)
 
 
 def from_source_in_user_folders(*folders: str) -> None:
-    """``folders`` (a script's own) and every folder of the user's on ``sys.path`` (the kernel's
-    working directory that a rank starts in, ``PYTHONPATH`` entries of your own) import their
-    modules from source, never from ``__pycache__``: a module a worker, a script, ``-m`` module
-    or a notebook cell's function imports runs as it is on disk now, like the worker file itself.
-    Folders of the installed Python keep their caches."""
+    """``folders`` (a script's own) and every folder of the user's (the kernel's working directory
+    that a rank starts in, ``PYTHONPATH`` entries of your own, and the folders of the packages in
+    them) import their modules from source, never from ``__pycache__``: a module a worker, a
+    script, ``-m`` module or a notebook cell's function imports runs as it is on disk now, like
+    the worker file itself. Folders of the installed Python keep their caches.
+
+    A package's submodules (``mypkg.sub``) are found through the package's ``__path__``, never
+    through ``sys.path``, so replacing the finders of ``sys.path`` folders is not enough: a path
+    hook, first in ``sys.path_hooks``, gives every user folder the import machinery meets a
+    source-only finder; the finders cached before it (the warm server's, made at its start) are
+    replaced for the user's folders.
+    """
+    if _source_path_hook not in sys.path_hooks:
+        sys.path_hooks.insert(0, _source_path_hook)
+    for key, finder in list(sys.path_importer_cache.items()):
+        if isinstance(key, str) and not _is_source_finder(finder) and _user_folder(key or os.getcwd()):
+            del sys.path_importer_cache[key]  # made before the hook: found again through it
     for entry in (*folders, *sys.path):
         folder = entry or os.getcwd()  # "" is the working directory (importlib's own reading)
-        if os.path.isdir(folder) and not _installed(folder):
-            _from_source_in(folder)
+        if _user_folder(folder):
+            sys.path_importer_cache[folder] = _source_finder(folder)
 
 
-def _from_source_in(folder: str) -> None:
-    """Modules imported from ``folder`` (the worker file's own) are compiled from their source.
+def _user_folder(folder: str) -> bool:
+    return os.path.isdir(folder) and not _installed(folder)
 
-    Their cached bytecode has the same weakness as the worker file's: a sibling rewritten with
-    the same size in the same second would run as it was. The user's own folder is small, so
-    compiling it at every launch costs little; installed packages keep their caches.
+
+def _is_source_finder(finder: Any) -> bool:
+    return isinstance(finder, importlib.machinery.FileFinder) and \
+        any(loader is _SourceLoader for _, loader in getattr(finder, "_loaders", ()))
+
+
+def _source_path_hook(entry: str) -> importlib.machinery.FileFinder:
+    """``sys.path_hooks`` entry: a source-only finder for a user folder; others go to the next hook."""
+    folder = entry or os.getcwd()
+    if not _user_folder(folder):
+        raise ImportError("not a user folder")  # importlib's signal to try the next hook
+    return _source_finder(folder)
+
+
+def _source_finder(folder: str) -> importlib.machinery.FileFinder:
+    """A finder for ``folder`` whose modules are compiled from their source.
+
+    Their cached bytecode has the same weakness as the worker file's: a module rewritten with
+    the same size in the same second would run as it was. The user's own folders are small, so
+    compiling them at every launch costs little; installed packages keep their caches.
     """
     machinery = importlib.machinery
-    sys.path_importer_cache[folder] = machinery.FileFinder(
+    return machinery.FileFinder(
         folder, (machinery.ExtensionFileLoader, machinery.EXTENSION_SUFFIXES),
         (_SourceLoader, machinery.SOURCE_SUFFIXES), (machinery.SourcelessFileLoader, machinery.BYTECODE_SUFFIXES))
 
