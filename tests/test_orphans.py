@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from nbddp import TrainingInterrupted, spawn_train
+from nbddp.system import start_time
 from conftest import ROOT, WORKERS, make_tree, proc_state, survivors, wait_for
 
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL, "SIGHUP": signal.SIGHUP}
@@ -122,3 +123,39 @@ def test_loader_workers_end_with_their_ranks_main_thread(runs_dir):
             h.wait(timeout=60)
     assert survivors(h.pids) == {}
     assert wait_for(lambda: not survivors(workers), 10), survivors(workers)
+
+
+def _alive(hidden: dict) -> dict:
+    """``{how: state}`` of the hidden children that still exist (a zombie counts)."""
+    return {how: proc_state(pid) for how, (pid, started) in hidden.items()
+            if proc_state(pid) is not None and start_time(pid) == started}
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_children_that_hide_from_every_trace_end_with_the_run(tmp_path, start_method):
+    """A rank's children in a session of their own with an empty environment and stdio on
+    /dev/null, forked from a thread, without a parent-death signal, or double-forked: the rank is
+    their subreaper and ends and reaps them all before it exits; /proc shows none after the run."""
+    result = spawn_train(f"{WORKERS / 'hiding.py'}:hide", nprocs=1, runs_dir=tmp_path / "runs", echo=False,
+                         start_method=start_method)
+    assert len(result.value) == 4
+    assert _alive(result.value) == {}
+
+
+def test_children_of_a_killed_rank_end_with_the_kernel(tmp_path):
+    """A rank killed by SIGKILL cannot end what it started: those re-parent to the warm server (a
+    subreaper), which ends them when the kernel exits; nothing is left, the server included."""
+    marker, found = uuid.uuid4().hex, tmp_path / "hidden.txt"
+    code = (f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom nbddp import spawn_train\n"
+            f"spawn_train({str(WORKERS / 'hiding.py') + ':hide'!r}, nprocs=1, runs_dir={str(tmp_path / 'runs')!r}, "
+            f"kwargs={{'kill_self': {str(found)!r}}}, echo=False)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NBDDP_TEST_MARKER": marker},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
+    assert proc.returncode != 0 and found.exists(), proc.stderr.decode()[-2000:]
+    hidden = eval(found.read_text())  # noqa: S307 - the test's own file
+    try:
+        assert wait_for(lambda: not _alive(hidden) and not marked(marker), 10), (_alive(hidden), marked(marker))
+    finally:
+        for pid, started in hidden.values():
+            if start_time(pid) == started:
+                os.kill(pid, signal.SIGKILL)

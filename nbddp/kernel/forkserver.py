@@ -32,10 +32,11 @@ from typing import Optional
 
 #: What the forkserver imports once, so that forked workers start with it in memory: torch,
 #: the distributed stack, DDP (whose constructor otherwise imports torch._dynamo, 1-2 s) and
-#: nbddp's worker side. Never torch.cuda initialisation: the server only imports.
+#: nbddp's worker side. Never torch.cuda initialisation: the server only imports. The last
+#: makes the server a child subreaper (:mod:`nbddp.rank.forkserver_reaper`).
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "torchvision", "torch.utils.tensorboard", "nbddp.rank.runtime",
-           "nbddp.tasks.classification.worker"]
+           "nbddp.tasks.classification.worker", "nbddp.rank.forkserver_reaper"]
 
 #: ``NBDDP_PREWARM=0`` (or ``false``, ``no``, ``off``) turns the pre-warm off.
 ENV_VAR = "NBDDP_PREWARM"

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import calls
+from . import calls, reaper
 from ..contract import cells, rundir, targets
 from .heartbeat import HeartbeatThread
 from ..contract.private import open_private_file
@@ -511,9 +511,31 @@ def _stacks_on_signal(run_dir: Path, rank: int) -> None:
         _stack_file = None
 
 
+def _release_server_alive_fd() -> None:
+    """Close this rank's copy of the warm server's "alive" pipe (a forkserver rank gets one).
+
+    The server exits when every copy is closed; the kernel holds one for as long as it lives. A
+    copy here would pass to every process the rank forks, and one that hid and outlived the
+    rank (a rank killed by SIGKILL cannot end them) would keep the server, and through it
+    nothing else, alive after the kernel: the server ends what re-parented to it only when it
+    exits (:mod:`nbddp.rank.forkserver_reaper`). Ranks start their own children by fork, never
+    through the server, so they never need the pipe.
+    """
+    from multiprocessing import forkserver
+
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if fd is not None:
+        forkserver._forkserver._forkserver_alive_fd = None
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def entry(local_rank: int, spec: LaunchSpec) -> None:
     """Run one rank: set up, call the target, report, tear down. Never returns normally."""
     set_parent_death_signal(spec.parent_pid)
+    # Whatever this rank starts stays in its process tree, however it hides (nbddp.rank.reaper).
+    reaper.become_subreaper()
+    _release_server_alive_fd()
     try:
         os.setpgid(0, 0)  # own process group: the launcher can signal our DataLoader workers too
     except OSError:
@@ -568,6 +590,9 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     code, _ = run_rank(ctx, (lambda: None) if own_group else init_process_group, spec.target, spec.args,
                        spec.kwargs, watch=spec.kernel, all_values=spec.all_values, call=spec.call, argv=spec.argv,
                        payload=spec.payload)
+    # Nothing the rank started outlives it: a child in a session of its own, without the run's
+    # marker, with stdio on /dev/null, forked from a thread or without a parent-death signal.
+    reaper.end_descendants()
     # os._exit skips interpreter teardown: atexit hooks and non-daemon threads (DataLoader,
     # gloo) can deadlock there after the process group is gone; everything is flushed already.
     os._exit(code)
