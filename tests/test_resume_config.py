@@ -3,6 +3,7 @@ why; more epochs (and settings that change nothing the run computes) are taken."
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,32 @@ def test_a_new_lr_or_seed_is_refused_naming_the_field_and_why(first_run):
     assert "epochs" not in text.split("\n", 1)[1].split("Set them back")[0]  # more epochs are taken
     # The refused launches left the run as it was.
     assert json.loads((first.run_dir / "config.json").read_text())["lr"] == 0.01
+
+
+def test_a_resume_on_changed_images_is_refused_before_any_rank_starts_or_taken_when_allowed(first_run):
+    """Images added to the class folders would deal the split afresh (validation images of the
+    continued run trained on): refused in the kernel, naming the change per class and both ways
+    on; allow_changed_data=True resumes, makes the split again and says what changed."""
+    cfg, first = first_run
+    record = json.loads((first.run_dir / "data.json").read_text())
+    assert record["counts"] == {"a": 12, "b": 12, "c": 12} and len(record["files"]) == 36
+    tree = Path(cfg.data_path)
+    for i in range(2):
+        (tree / "a" / f"extra{i}.png").write_bytes((tree / "a" / f"{i:03d}.png").read_bytes())
+    (tree / "b" / "000.png").unlink()
+    launches = sorted(first.run_dir.glob(".nbddp/launch.json"))
+    before = [p.stat().st_mtime_ns for p in launches]
+    with pytest.raises(ConfigError) as info:
+        spawn_train(cfg.replace(epochs=2, resume=True), echo=False)
+    text = str(info.value)
+    assert "class 'a': 2 images added (12 -> 14)" in text and "class 'b': 1 image removed (12 -> 11)" in text
+    assert "class 'c'" not in text and re.search(r"\d+ of the \d+ validation images were trained on", text)
+    assert "resume=False" in text and "allow_changed_data=True" in text
+    assert [p.stat().st_mtime_ns for p in launches] == before  # no rank started
+    with pytest.warns(UserWarning, match=r"(?s)changed data.*class 'a': 2 images added.*split is made again"):
+        resumed = spawn_train(cfg.replace(epochs=2, resume=True, allow_changed_data=True), echo=False)
+    assert resumed.run_dir == first.run_dir
+    assert json.loads((first.run_dir / "data.json").read_text())["counts"] == {"a": 14, "b": 11, "c": 12}
 
 
 def test_fewer_epochs_are_taken_while_some_are_left_and_free_settings_pass(tree, runs_dir):

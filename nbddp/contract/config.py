@@ -115,6 +115,10 @@ class TrainConfig:
             A checkpoint written in the middle of an epoch (a Stop, an Interrupt,
             ``checkpoint_every_s``) continues at the step it was written after, with the same
             weights an uninterrupted run would have.
+        allow_changed_data: resume even though images were added to or removed from the class
+            folders since the run was made (its ``data.json`` records them): the split is made
+            again from the images now and a warning says what changed. Without it such a resume
+            is refused, since validation images may have been trained on.
         checkpoint_every_s: besides the checkpoint at the end of each epoch, write one in the
             middle of an epoch at most this often (seconds; ``0`` turns it off), so a killed run
             loses at most that much work. Rank 0 keeps the time and every rank agrees in the
@@ -232,6 +236,9 @@ class TrainConfig:
     name: str = spec("train", group="choices", help="short name appended to the run folder", resume=RESUME_FREE)
     resume: Union[bool, str] = spec(False, check=_PATH, launch=True, metavar="RUN",
                                     help="'true' (newest run of --name) or a run folder", resume=RESUME_FREE)
+    allow_changed_data: bool = spec(False, check=_BOOL, launch=True, resume=RESUME_FREE,
+                                    help="resume on class folders whose images changed since the run was made "
+                                    "(the split is made again and the run says what changed)")
     checkpoint_every_s: float = spec(600.0, group="numbers", help="seconds between checkpoints in the middle of an "
                                      "epoch (0: at the end of epochs only)",
                                      check=Check("number", 0.0, why="must be a finite number of seconds >= 0: how "

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from . import data as D
+from . import data_record
 from ...contract import rundir
 from ...contract.checkpoint import load_checkpoint
 from ...contract.config import TrainConfig, read_config_file
@@ -74,7 +75,12 @@ def preflight(cfg: TrainConfig) -> Optional[Path]:
             build_model(cfg.model, len(classes))  # raises ConfigError with close matches
     _check_batch_norm_batch(cfg, len(classes))
     _check_writable(Path(cfg.runs_dir))
-    return find_resume_dir(cfg, classes) if cfg.resume else None
+    if not cfg.resume:
+        return None
+    run_dir = find_resume_dir(cfg, classes)
+    data_record.check_resume(run_dir, str(cfg.data_path), classes, samples, cfg.val_fraction, cfg.seed,
+                             cfg.allow_changed_data)
+    return run_dir
 
 
 def _check_batch_norm_batch(cfg: TrainConfig, num_classes: int) -> None:

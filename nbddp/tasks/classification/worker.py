@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from . import data as D
+from . import data_record
 from ...contract import rundir
 from ...contract.checkpoint import BackgroundSaver, atomic_save, export_weights, load_checkpoint
 from ...contract.config import TrainConfig
@@ -188,6 +189,8 @@ def _load_data(cfg: TrainConfig, ctx) -> _Data:
     train_s, val_s = D.split_samples(samples, cfg.val_fraction, cfg.seed)
     if ctx.is_main:
         rundir.write_class_indices(ctx.run_dir, classes)
+        data_record.write(ctx.run_dir, data_record.describe(str(cfg.data_path), classes, samples, cfg.val_fraction,
+                                                            cfg.seed))
         print(f"data: {len(classes)} classes, {len(train_s)} train / {len(val_s)} val images; "
               f"{ctx.world_size} x {ctx.device.type} ({ctx.backend})", flush=True)
     return _Data(classes, cfg.num_classes or len(classes), train_s, val_s, _loaders(cfg, ctx, train_s, val_s))
