@@ -142,13 +142,16 @@ def test_children_that_hide_from_every_trace_end_with_the_run(tmp_path, start_me
     assert _alive(result.value) == {}
 
 
-def test_children_of_a_killed_rank_end_with_the_kernel(tmp_path):
-    """A rank killed by SIGKILL cannot end what it started: those re-parent to the warm server (a
-    subreaper), which ends them when the kernel exits; nothing is left, the server included."""
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_children_of_a_killed_rank_end_with_the_run(tmp_path, start_method):
+    """A rank killed by SIGKILL cannot end what it started: the kernel ends what the rank recorded
+    as its descendants when the run ends (under forkserver they re-parent to the warm server, a
+    subreaper, which would end them when the kernel exits); after the launching process exits
+    nothing of the launch is left, the server and the resource tracker included."""
     marker, found = uuid.uuid4().hex, tmp_path / "hidden.txt"
     code = (f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom nbddp import spawn_train\n"
             f"spawn_train({str(WORKERS / 'hiding.py') + ':hide'!r}, nprocs=1, runs_dir={str(tmp_path / 'runs')!r}, "
-            f"kwargs={{'kill_self': {str(found)!r}}}, echo=False)\n")
+            f"kwargs={{'kill_self': {str(found)!r}}}, echo=False, start_method={start_method!r})\n")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NBDDP_TEST_MARKER": marker},
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
     assert proc.returncode != 0 and found.exists(), proc.stderr.decode()[-2000:]

@@ -197,6 +197,11 @@ def heartbeat_path(run_dir: PathLike, rank: int) -> Path:
     return state_path(run_dir, f"rank{rank}.json")
 
 
+def tree_record_path(run_dir: PathLike, rank: int) -> Path:
+    """Rank ``rank``'s descendants, ``{pid: start time}`` (:class:`nbddp.reaper.TreeRecorder`)."""
+    return state_path(run_dir, f"tree-rank{rank}.json")
+
+
 def error_record_path(run_dir: PathLike, rank: int) -> Path:
     return state_path(run_dir, f"error.rank{rank}.json")
 

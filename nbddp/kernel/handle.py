@@ -32,7 +32,7 @@ from .stacks import Stacks, collect as collect_stacks
 from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
 from .stall import QuietWatch, find_lagging_rank, where_all_are
 from .forkserver import server_death, server_pid
-from .procs import end_leftovers, orphaned_group
+from .procs import end_leftovers, end_recorded_tree, orphaned_group
 from ..contract.system import kill_group_or_process, start_time
 
 
@@ -616,6 +616,7 @@ class RunHandle:
         self._remove_torch_error_files()
         # Nothing a rank started outlives the run: its group, and marked processes that left it.
         end_leftovers(self.run_dir, groups=self.pids, grace_s=_LEFTOVER_GRACE_S)
+        end_recorded_tree(self.run_dir, range(len(self.pids)), grace_s=_LEFTOVER_GRACE_S)  # a killed rank's
         for p in self._procs.processes:
             with contextlib.suppress(Exception):
                 p.close()

@@ -11,6 +11,8 @@ the run's marker in its environment, even one that left the group for a session 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -126,6 +128,44 @@ def end_leftovers(run_dir: Union[str, Path], groups: Iterable[int] = (), spare: 
         if not _any_member(groups) and not any(is_same_process(p, st) for p, st in marked.items()):
             break
     return list(marked)
+
+
+def end_recorded_tree(run_dir: Union[str, Path], ranks: Iterable[int], grace_s: float = 1.0) -> List[int]:
+    """End what the ranks recorded as their descendants (:class:`nbddp.reaper.TreeRecorder`) and
+    is still running, once the ranks are gone: a rank killed by a signal could not end them itself.
+
+    A pid is signalled only while its start time matches the recorded one and it is this user's;
+    the records are read through the private reader and removed. Returns the pids ended.
+    """
+    recorded: Dict[int, int] = {}
+    for rank in ranks:
+        path = rundir.tree_record_path(run_dir, rank)
+        try:
+            tree = json.loads(rundir.read_private(path))
+        except (OSError, ValueError):
+            continue  # none written (no child ever), or not ours to trust
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if isinstance(tree, dict):
+            recorded.update({int(p): st for p, st in tree.items() if p.isdigit() and isinstance(st, int)})
+    alive = {p: st for p, st in recorded.items() if is_same_process(p, st) and _own(p)}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid, started in alive.items():
+            if is_same_process(pid, started):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+        deadline = time.time() + grace_s
+        while time.time() < deadline and any(is_same_process(p, st) for p, st in alive.items()):
+            time.sleep(0.02)
+    return list(alive)
+
+
+def _own(pid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def orphaned_group(group: int) -> bool:

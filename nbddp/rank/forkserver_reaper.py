@@ -27,8 +27,13 @@ def _in_forkserver() -> bool:
 
 
 def _at_exit(server_pid: int) -> None:
+    # SIGKILL at once: the kernel is gone, and the ranks, whose parent-death signal is SIGKILL,
+    # would get no more time from it than this.
     if os.getpid() == server_pid:  # never in a rank forked from the server
-        reaper.end_descendants()
+        reaper.end_descendants(grace_s=0)
+        # The server holds nothing to flush; tearing down an interpreter with torch loaded takes
+        # seconds on a busy machine, while a process of the run would still show.
+        os._exit(0)
 
 
 if _in_forkserver() and reaper.become_subreaper():

@@ -560,6 +560,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     redirect_output(rundir.rank_log(run_dir, rank))
     warnings.formatwarning = one_line_warning  # rank 0's log is echoed into the cell line by line
     _stacks_on_signal(run_dir, rank)
+    reaper.TreeRecorder(rundir.tree_record_path(run_dir, rank)).start()
 
     # torchrun's environment, for every kind of target: code written for torchrun reads it,
     # and env:// in code that makes its own group meets the kernel's store (its "agent store").

@@ -75,5 +75,8 @@ def hide(ctx, kill_self: str = ""):
     found = {how: (pid, _start_time(pid)) for how, pid in hidden.items()}
     if kill_self:
         Path(kill_self).write_text(repr(found))
+        record = ctx.run_dir / ".nbddp" / f"tree-rank{ctx.rank}.json"
+        while not (record.exists() and all(str(pid) in record.read_text() for pid, _ in found.values())):
+            time.sleep(0.05)  # the rank's recorder has seen them all: what the kernel will read
         os.kill(os.getpid(), signal.SIGKILL)
     return found
