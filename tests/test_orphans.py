@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from nbddp import TrainingInterrupted, spawn_train
-from nbddp.system import start_time
+from nbddp.contract.system import start_time
 from conftest import ROOT, WORKERS, make_tree, proc_state, survivors, wait_for
 
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL, "SIGHUP": signal.SIGHUP}

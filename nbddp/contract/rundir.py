@@ -198,7 +198,7 @@ def heartbeat_path(run_dir: PathLike, rank: int) -> Path:
 
 
 def tree_record_path(run_dir: PathLike, rank: int) -> Path:
-    """Rank ``rank``'s descendants, ``{pid: start time}`` (:class:`nbddp.reaper.TreeRecorder`)."""
+    """Rank ``rank``'s descendants, ``{pid: start time}`` (:class:`nbddp.rank.reaper.TreeRecorder`)."""
     return state_path(run_dir, f"tree-rank{rank}.json")
 
 

@@ -131,7 +131,7 @@ def end_leftovers(run_dir: Union[str, Path], groups: Iterable[int] = (), spare: 
 
 
 def end_recorded_tree(run_dir: Union[str, Path], ranks: Iterable[int], grace_s: float = 1.0) -> List[int]:
-    """End what the ranks recorded as their descendants (:class:`nbddp.reaper.TreeRecorder`) and
+    """End what the ranks recorded as their descendants (:class:`nbddp.rank.reaper.TreeRecorder`) and
     is still running, once the ranks are gone: a rank killed by a signal could not end them itself.
 
     A pid is signalled only while its start time matches the recorded one and it is this user's;

@@ -3,7 +3,7 @@ subreaper and, when it exits with the kernel, ends and reaps every descendant it
 
 The forkserver parents the ranks of ``start_method="forkserver"``. A rank killed by a signal
 cannot end what it started; those processes then re-parent here (not to init), and end here at
-the latest when the kernel goes away (see :mod:`nbddp.reaper`). Importing this module anywhere
+the latest when the kernel goes away (see :mod:`nbddp.rank.reaper`). Importing this module anywhere
 but in multiprocessing's forkserver does nothing.
 """
 
