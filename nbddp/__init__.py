@@ -41,11 +41,11 @@ SIDES = {
     "ui.worker_form": "kernel",
     "rank": "rank", "rank.runtime": "rank", "rank.heartbeat": "rank", "rank.rank_errors": "rank",
     "rank.elastic": "rank", "rank.dist": "rank", "rank.engine": "rank", "rank.sync_bn": "rank",
-    "rank.calls": "rank",
+    "rank.calls": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
     "tasks": "task", "tasks.classification": "task", "tasks.classification.planning": "task",
     "tasks.classification.worker": "task", "tasks.classification.data": "task",
     "tasks.classification.tensor_data": "task", "tasks.classification.decode_data": "task",
-    "tasks.classification.models": "task",
+    "tasks.classification.models": "task", "tasks.classification.data_record": "task",
 }
 
 #: Where each module of the package's first, flat layout lives now: ``import nbddp.dist`` still

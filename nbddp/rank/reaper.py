@@ -175,7 +175,7 @@ class TreeRecorder(threading.Thread):
         tree = own_tree()
         if tree is None or tree == self._last:
             return
-        from .rundir import write_json_atomic
+        from ..contract.rundir import write_json_atomic
 
         write_json_atomic(self.path, {str(p): st for p, st in tree.items()}, mode=0o600)
         self._last = tree
