@@ -143,7 +143,7 @@ def _children(pid: int) -> Optional[List[int]]:
 def own_tree() -> Optional[Dict[int, int]]:
     """``{pid: start time}`` of this process's descendants, read child by child (not a walk of all
     /proc, so it is cheap enough to repeat every second); None where Linux cannot list children."""
-    from .system import start_time
+    from ..contract.system import start_time
 
     found: Dict[int, int] = {}
     todo = [os.getpid()]
