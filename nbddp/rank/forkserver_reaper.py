@@ -1,4 +1,4 @@
-"""Imported by the warm forkserver only (:data:`nbddp.forkserver.PRELOAD`): it becomes a child
+"""Imported by the warm forkserver only (:data:`nbddp.kernel.forkserver.PRELOAD`): it becomes a child
 subreaper and, when it exits with the kernel, ends and reaps every descendant it has.
 
 The forkserver parents the ranks of ``start_method="forkserver"``. A rank killed by a signal

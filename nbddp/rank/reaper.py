@@ -164,7 +164,7 @@ class TreeRecorder(threading.Thread):
 
     A rank killed by a signal cannot end what it started; under spawn those re-parent to init.
     The kernel reads the record when the rank has gone and ends each process whose start time
-    still matches (:func:`nbddp.procs.end_recorded_tree`).
+    still matches (:func:`nbddp.kernel.procs.end_recorded_tree`).
     """
 
     def __init__(self, path: Path, interval: float = 1.0):

@@ -36,7 +36,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import calls, reaper
+from . import calls
+from . import reaper
 from ..contract import cells, rundir, targets
 from .heartbeat import HeartbeatThread
 from ..contract.private import open_private_file

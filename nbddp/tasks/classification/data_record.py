@@ -4,7 +4,7 @@ Rank 0 writes ``data.json`` in the run folder when it has read the class folders
 (paths relative to ``data_path``, each with its class), a digest of that list, and the split
 (train and validation images per class). A resume compares the class folders now with it in
 the kernel, before any rank starts: images added to or removed from a class change the split
-(:func:`nbddp.data.split_samples` deals the images afresh), so validation images of the
+(:func:`nbddp.tasks.classification.data.split_samples` deals the images afresh), so validation images of the
 continued run may have been trained on. Such a resume is refused, naming the change per class;
 ``TrainConfig.allow_changed_data=True`` takes it, makes the split again from the images now and
 says what that did. A run from before this record has no ``data.json`` and is not checked.
@@ -38,7 +38,7 @@ def _digest(files: Sequence[Tuple[str, int]]) -> str:
 
 def describe(root: str, classes: Sequence[str], samples: Sequence[D.Sample], val_fraction: float,
              seed: int) -> dict:
-    """The record of ``samples`` (from :func:`nbddp.data.scan_class_folders`) and their split."""
+    """The record of ``samples`` (from :func:`nbddp.tasks.classification.data.scan_class_folders`) and their split."""
     train, val = D.split_samples(samples, val_fraction, seed)
 
     def per_class(items) -> Dict[str, int]:
