@@ -17,7 +17,59 @@ loads nothing until a name is used. :data:`SIDES` is the table below as data;
 command line of both: a shell's launcher, or a rank under torchrun/srun (then it takes the rank
 side only). ``docs/architecture.md`` draws the map and one launch's path through it.
 
-========  ====================================  ======================================================="""
+========  ====================================  ==============================================================
+side      module                                what it does
+========  ====================================  ==============================================================
+entry     ``cli``, ``__main__``                 ``python -m nbddp``: a shell's launcher, or one rank of torchrun/srun
+contract  ``contract.config``                   ``TrainConfig``: the built-in worker's settings, validated
+contract  ``contract.fieldspec``                what each ``TrainConfig`` field is: help, flag, check, widget
+contract  ``contract.cluster``                  torchrun and sbatch commands, as text (``cfg.torchrun_command``)
+contract  ``contract.errors``                   the exceptions users see
+contract  ``contract.rundir``                   the run folder: every file name, the atomic writer, records
+contract  ``contract.protocol``                 ``LaunchSpec``, the ranks' entry by name, every record between kernel and ranks
+contract  ``contract.paths``                    what a path is (FIFO, /proc) before anything reads it
+contract  ``contract.private``                  folders and files of the user's alone: checked, made 0700, moved aside; the compile caches
+contract  ``contract.system``                   process identity (pid + start time), CPU cores, signalling
+contract  ``contract.targets``                  ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (kernel), loaded (rank)
+contract  ``contract.cells``                    functions from notebook cells: checked and pickled by value (kernel), loaded (rank)
+contract  ``contract.conventions``              the calling conventions (ctx, mp.spawn, torchrun, script) and a worker's, read from its source
+contract  ``contract.gpus``                     GPUs from NVML or nvidia-smi, never through CUDA
+contract  ``contract.leases``                   advisory per-GPU leases between kernels (taken by launch, shown by gpus)
+contract  ``contract.plans``                    every launch's plan (``LaunchPlan``): target, world, name, resume
+contract  ``contract.checkpoint``               atomic save, weights-only load, export files
+kernel    ``kernel.launch``                     ``spawn_train``: plan, run folder, store, environment, start
+kernel    ``kernel.rendezvous``                 where the ranks meet: a private FileStore, or a TCP store for env://
+kernel    ``kernel.forkserver``                 the warm server workers fork from; pre-warmed in a kernel
+kernel    ``kernel.handle``                     ``RunHandle``: watch, stop, interrupt, reap; ``TrainResult``
+kernel    ``kernel.shutdown``                   the staged stop: ask, SIGTERM, SIGKILL, as a small state machine
+kernel    ``kernel.stall``                      from heartbeats: a hung rank (stop the run), a run where none moves (say where)
+kernel    ``kernel.restarts``                   which failures a run heals by restarting (the rule), and each restart's record
+kernel    ``kernel.stacks``                     where each rank is: every rank's Python stack, on demand and on a hang
+kernel    ``kernel.output``                     rank 0's output in the cell as a terminal shows it (``\\r`` bars, long lines)
+kernel    ``kernel.report``                     a failed run's root-cause rank and its one error
+kernel    ``kernel.procs``                      ``cleanup`` of an earlier launch's workers, proven by marker
+kernel    ``kernel.export``,                    weights out of a run folder; prediction in the kernel
+          ``kernel.inference``
+kernel    ``ui``                                ``TrainingPanel``, charts, TensorBoard in the notebook
+rank      ``rank.runtime``                      a rank's entry: ``Context``, heartbeats, error records
+rank      ``rank.calls``                        how a rank calls ctx, mp.spawn and torchrun functions, and scripts
+rank      ``rank.heartbeat``,                   the rank's heartbeat thread; which errors are another rank's fault
+          ``rank.rank_errors``
+rank      ``rank.elastic``                      the same rank under torchrun / srun
+rank      ``rank.dist``                         process group and the collectives nbddp uses
+rank      ``rank.reaper``,                      a rank as its children's subreaper: every descendant ended and reaped with it;
+          ``rank.forkserver_reaper``            the warm server likewise for the ranks it forked
+rank      ``rank.engine``                       training and evaluation loops that stop every rank together
+rank      ``rank.sync_bn``                      SyncBatchNorm that works on CPU (gloo) as on GPUs
+task      ``tasks.classification.planning``     the built-in worker's preflight and plan (run in the kernel)
+task      ``tasks.classification.worker``       ``train(ctx, cfg)``: the built-in worker (run in each rank)
+task      ``tasks.classification.data``,        class folders, samplers, transforms; the decoded tensor cache;
+          ``tasks.classification.tensor_data``, file bytes decoded and augmented batch by batch on the device
+          ``tasks.classification.decode_data``
+task      ``tasks.classification.data_record``  the images and split a run was made from (``data.json``): a resume on changed data is refused
+task      ``tasks.classification.models``       torchvision models, weights files (training and prediction)
+========  ====================================  ==============================================================
+"""
 
 #: The side of each folder: every module in a folder is of that side (``""``: the package's face).
 FOLDER_SIDES = {"": "entry", "kernel": "kernel", "ui": "kernel", "rank": "rank", "contract": "contract",

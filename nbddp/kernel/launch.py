@@ -30,7 +30,7 @@ from ..contract.gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
 from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
 from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV
 from .restarts import RestartPolicy, check_policy as check_restart_policy
-from ..contract.leases import LEASES_ENV, Leases, holders, try_lease, unusable_reason
+from ..contract.leases import LEASES_ENV, Leases, attempt
 from ..contract.private import compile_cache_env
 from .procs import MARKER_ENV, live_workers
 from ..contract.protocol import LaunchSpec, start_rank
