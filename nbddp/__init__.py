@@ -88,9 +88,10 @@ SIDES = {
     "kernel.handle": "kernel", "kernel.report": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
     "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",
     "kernel.export": "kernel", "kernel.inference": "kernel",
+    "kernel.sweep": "kernel", "kernel.slots": "kernel", "kernel.study": "kernel", "kernel.trials": "kernel",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
-    "ui.worker_form": "kernel",
+    "ui.worker_form": "kernel", "ui.sweep_view": "kernel",
     "rank": "rank", "rank.runtime": "rank", "rank.heartbeat": "rank", "rank.rank_errors": "rank",
     "rank.elastic": "rank", "rank.dist": "rank", "rank.engine": "rank", "rank.sync_bn": "rank",
     "rank.calls": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
@@ -118,6 +119,7 @@ __version__ = "0.1.0"
 #: ``import nbddp`` costs nothing in a rank and a script imports only what it uses.
 _EXPORTS = {
     "spawn_train": "kernel.launch",
+    "sweep": "kernel.sweep",
     "TrainConfig": "contract.config",
     "TrainResult": "kernel.handle",
     "RunHandle": "kernel.handle",

@@ -270,8 +270,8 @@ def read_progress(run_dir: PathLike) -> Optional[Progress]:
 
 # ---------------------------------------------------------------------------- stop request
 #: Why the kernel asks the ranks to stop: the Stop button or ``handle.stop()``, Jupyter's
-#: Interrupt, or another rank's failure.
-STOP_REASONS = ("stop", "interrupt", "failure")
+#: Interrupt, another rank's failure, or a sweep's pruner (``nbddp.sweep``: the trial is not promising).
+STOP_REASONS = ("stop", "interrupt", "failure", "pruned")
 
 
 def write_stop_request(run_dir: PathLike, reason: str) -> None:

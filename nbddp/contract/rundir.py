@@ -8,6 +8,7 @@ module spells a file name of it. What is in a run folder, and who writes it::
     metrics.jsonl            one JSON line per ctx.log           rank 0 (runtime.Context.log)
     class_indices.json       {"0": class name, ...}              rank 0 of the built-in worker
     val_predictions.json     the final validation predictions    rank 0 of the built-in worker
+    sweep.json               a sweep's trial: sweep, study, trial, params   the kernel (nbddp.sweep), at launch
     logs/rank<r>.log         stdout and stderr of rank r         rank r (runtime.redirect_output); 0600, logs/ 0700
     checkpoints/<name>.pt    last.pt, best.pt (weights-only)     rank 0 (built-in worker, ctx.save_checkpoint)
     export/                  model.pth, model.safetensors,       export_weights (built-in worker, export_run)
@@ -55,6 +56,10 @@ CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 CLASS_INDICES = "class_indices.json"
 VAL_PREDICTIONS = "val_predictions.json"
+#: A trial of ``nbddp.sweep``: the sweep's name, its study file, the trial's number and params.
+SWEEP = "sweep.json"
+#: Where ``nbddp.sweep`` keeps its studies: ``<runs_dir>/sweeps/<name>/`` (``study.db``, ``tensorboard/``).
+SWEEPS = "sweeps"
 #: A function from a notebook cell, as source: what ran, readable and runnable as a file.
 WORKER_SOURCE = "worker_source.py"
 LOGS = "logs"
@@ -105,6 +110,15 @@ def config_path(run_dir: PathLike) -> Path:
 
 def worker_source_path(run_dir: PathLike) -> Path:
     return Path(run_dir) / WORKER_SOURCE
+
+
+def sweep_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / SWEEP
+
+
+def sweep_dir(runs_dir: PathLike, name: str) -> Path:
+    """The folder of the sweep ``name``: its study (``study.db``) and its TensorBoard trials."""
+    return Path(runs_dir) / SWEEPS / name
 
 
 def metrics_path(run_dir: PathLike) -> Path:
@@ -596,7 +610,8 @@ def newest_run(runs_dir: PathLike, name: str, checkpoint: Optional[str] = LAST) 
 
 
 __all__ = [
-    "CONFIG", "METRICS", "CLASS_INDICES", "VAL_PREDICTIONS", "LOGS", "CHECKPOINTS", "LAST", "BEST", "EXPORT",
+    "CONFIG", "METRICS", "SWEEP", "SWEEPS", "sweep_path", "sweep_dir", "CLASS_INDICES", "VAL_PREDICTIONS", "LOGS",
+    "CHECKPOINTS", "LAST", "BEST", "EXPORT",
     "TENSORBOARD", "STATE_DIR", "RUNS_DIR", "EXPORT_FILES", "RecordFile", "atomic_write", "atomic_write_text",
     "write_json_atomic", "read_json", "cleanup_temp_files", "new_run_dir", "newest_run", "NotPrivate",
     "make_state_dir", "read_private",

@@ -279,7 +279,7 @@ class RunHandle:
         progress for long, and where each one is; see :mod:`nbddp.kernel.stall`) and ``"end"``."""
         self._listeners.append(callback)
 
-    def stop(self, wait: bool = True, timeout: Optional[float] = None) -> None:
+    def stop(self, wait: bool = True, timeout: Optional[float] = None, reason: str = "stop") -> None:
         """Ask every worker to stop, and let the ones that keep working finish.
 
         Workers leave at their next step and may still evaluate, save and export: as long as
@@ -287,9 +287,18 @@ class RunHandle:
         to ``stop_timeout_s``. A worker whose heartbeat stops for ``grace_s + 2`` seconds, one
         still running after ``stop_timeout_s``, and a run in which no worker has asked
         ``ctx.should_stop()`` within ``grace_s`` get SIGTERM, then SIGKILL ``grace_s`` later.
+
+        Args:
+            wait: block until the run has ended.
+            timeout: the longest to wait, in seconds.
+            reason: what ``ctx.stop_reason()`` says in the ranks: ``"stop"``, ``"pruned"``
+                (``nbddp.sweep``'s pruner; the run ends as a stopped run) or ``"interrupt"`` (as
+                Jupyter's Interrupt: the outcome is ``TrainingInterrupted``).
         """
+        if reason not in ("stop", "pruned", "interrupt"):
+            raise ValueError(f"reason={reason!r}: use 'stop', 'pruned' or 'interrupt'")
         with self._lock:
-            self._begin_shutdown("stop")
+            self._begin_shutdown(reason)
         if wait:
             self._wait_done(timeout)
 
@@ -397,19 +406,25 @@ class RunHandle:
         with interrupts_held() as again:
             while not self._done.is_set():
                 if again:  # a second interrupt: no more grace
-                    with self._lock:
-                        if self._shutdown is not None:
-                            self._shutdown.kill_now(time.time())
-                        else:
-                            self._kill_all(signal.SIGKILL)
-                        self._reap_all()
-                        if not self._done.is_set():
-                            self._finish()
+                    self.end_now()
                     break
                 if self._thread is None:
                     self.poll()
                 time.sleep(0.05)
         raise self._outcome
+
+    def end_now(self) -> None:
+        """No more grace (a second Interrupt): SIGKILL every rank now, reap them, end the run."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            if self._shutdown is not None:
+                self._shutdown.kill_now(time.time())
+            else:
+                self._kill_all(signal.SIGKILL)
+            self._reap_all()
+            if not self._done.is_set():
+                self._finish()
 
     def _emit(self, kind: str, payload: Any) -> None:
         for cb in list(self._listeners):

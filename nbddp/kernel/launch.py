@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -368,12 +369,41 @@ def _error_files_in(folder: str):
         spawn.tempfile = tempfile
 
 
+#: GPUs the caller of this thread's next launch leased itself (:func:`on_leased_gpus`).
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def on_leased_gpus(leases: Leases):
+    """The launches of this thread in the body train on GPUs the caller leased already (``nbddp.sweep``'s slots).
+
+    A launch whose GPUs are exactly ``leases``' takes them over (it releases them at the run's
+    end) instead of leasing them again, which its own leases would refuse, warning "leased by".
+    """
+    _held.leases = leases
+    try:
+        yield
+    finally:
+        _held.leases = None
+
+
+def _take_held(ids: Any) -> Optional[Leases]:
+    held = getattr(_held, "leases", None)
+    if held is not None and held.indices and not isinstance(ids, str) and sorted(ids or ()) == sorted(held.indices):
+        _held.leases = None
+        return held
+    return None
+
+
 def _resolve_gpus(target: Any, gpus: Union[str, Sequence[int], None]) -> Tuple[Any, Optional[List[int]], Leases]:
     """``(target, gpus, leases)`` with ``"idle"`` resolved to the GPUs idle now (:func:`nbddp.contract.gpus.resolve_gpus`).
 
     A config comes back with its ``gpus`` resolved, so that its checks, its ``config.json`` and
     its workers see the GPUs it runs on. Chosen GPUs that are busy warn. The GPUs are leased.
     """
+    held = _take_held(target.gpus if plans.is_task_config(target) else gpus)
+    if held is not None:
+        return target, (None if plans.is_task_config(target) else list(gpus)), held
     if plans.is_task_config(target):
         ids, leases = _leased(target.gpus)
         return (target.replace(gpus=tuple(ids)) if target.gpus == IDLE else target), gpus, leases

@@ -50,7 +50,7 @@ class Shutdown:
     * any → KILL at once: :meth:`kill_now` (a second Interrupt).
 
     Args:
-        reason: ``"stop"``, ``"interrupt"`` or ``"failure"``.
+        reason: ``"stop"``, ``"interrupt"``, ``"failure"`` or ``"pruned"`` (a sweep's pruner: as a stop).
         now: the time it starts.
         grace_s: how long SIGTERM is given before SIGKILL (and a non-stop request before SIGTERM).
         stop_timeout_s: the longest finishing ranks are waited for after a stop or interrupt.
@@ -71,7 +71,7 @@ class Shutdown:
     @property
     def waits_for_finish(self) -> bool:
         """A stop or an interrupt lets ranks that obey the request finish their work."""
-        return self.reason in ("stop", "interrupt")
+        return self.reason in ("stop", "interrupt", "pruned")
 
     def advance(self, now: float) -> Stage:
         """Move on if this stage's time is up; returns the stage it is in afterwards."""

@@ -259,7 +259,8 @@ class Context:
 
         ``"stop"`` (Stop button, ``handle.stop()``: the run's result is kept), ``"interrupt"``
         (Jupyter's Interrupt: the cell raises, so work whose only use is the result, such as a
-        final evaluation or an export, can be skipped) or ``"failure"`` (another rank failed).
+        final evaluation or an export, can be skipped), ``"failure"`` (another rank failed) or
+        ``"pruned"`` (a sweep's pruner ended this trial, ``nbddp.sweep``: its result is not used).
         Looks afresh until a request came (use :meth:`should_stop` in a loop); local to this rank.
         """
         if self._stop_reason is None:

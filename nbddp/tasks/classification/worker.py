@@ -636,11 +636,13 @@ def _final_pass(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Prog
 
 
 def _interrupted(ctx) -> bool:
-    """Collective: the stop came from an Interrupt, whose cell raises: no final evaluation nor export then."""
+    """Collective: the stop came from an Interrupt, whose cell raises, or a sweep's pruner, which uses no
+    result: no final evaluation nor export then."""
     reason = ctx.stop_reason() if ctx.is_main else None
-    if any_rank(reason == "interrupt"):
+    if any_rank(reason in ("interrupt", "pruned")):
         if ctx.is_main:
-            print("interrupted: no final evaluation nor export; the checkpoints are kept", flush=True)
+            what = "pruned by the sweep" if reason == "pruned" else "interrupted"
+            print(f"{what}: no final evaluation nor export; the checkpoints are kept", flush=True)
         return True
     return False
 
