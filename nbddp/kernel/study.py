@@ -108,6 +108,13 @@ def used(study) -> int:
     return count
 
 
+def waiting(study) -> int:
+    """Trials asked for in advance (``enqueue_trial``) that have not started."""
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+
 def number(value: Any) -> Optional[float]:
     """``value`` as a finite float, else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -273,8 +273,12 @@ class Sweep:
             self._done.set()
 
     def _fill(self) -> bool:
-        """Start trials on the free slots; False once the study needs no more (budget reached)."""
-        while st.used(self.study) < self.n_trials:
+        """Start trials on the free slots; False once the study needs no more (budget reached).
+
+        Trials waiting in the study (a failed trial asked again, ``retry_failed=True``, or one the
+        user enqueued with ``study.enqueue_trial``) run even when ``n_trials`` is reached.
+        """
+        while st.used(self.study) < self.n_trials or st.waiting(self.study):
             slot = self.slots.take()
             if slot is None:
                 return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import sys
 import warnings
@@ -55,10 +56,11 @@ def _check_names(overrides: Any, names: set, what: str, which: str) -> None:
                           "(gpus_per_trial= or nprocs= choose the processes)")
     bad = [k for k in overrides if k not in names]
     if bad:
-        near = {k: [n for n in sorted(names) if n.lower().startswith(k.lower()[:3])][:3] for k in bad}
-        hints = "; ".join(f"{k!r} (did you mean {', '.join(v)}?)" if v else repr(k) for k, v in near.items())
+        names = sorted(set(names) - set(_SWEEP_OWNS))
+        near = {k: difflib.get_close_matches(k, names, n=2) for k in bad}
+        hints = "; ".join(f"{k!r} (did you mean {' or '.join(v)}?)" if v else repr(k) for k, v in near.items())
         raise ConfigError(f"space(trial) suggested {hints}, which is not {what}; suggest only {which}: "
-                          f"{', '.join(sorted(names))}")
+                          f"{', '.join(names)}")
 
 
 def _parameters(target: Any) -> Tuple[set, bool]:

@@ -1,0 +1,179 @@
+"""``nbddp.sweep``: Optuna's trials as nbddp runs, with real processes (CPU, gloo, one rank each).
+
+A sweep killed mid-trial is continued by the next call (finished trials never run again, the
+cut-off trial FAIL with its folder kept, asked again on request); the pruner stops a trial at its
+next step (``ctx.stop_reason() == "pruned"``); GPU slots never share a GPU (a fake inventory, as
+the GPU picker's tests); bad input is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+import nbddp  # noqa: E402
+from conftest import ROOT, WORKERS  # noqa: E402
+from fake_gpu import H100, install_fake_nvidia_smi  # noqa: E402
+from nbddp import ConfigError, TrainConfig  # noqa: E402
+from nbddp.contract import leases  # noqa: E402
+from nbddp.kernel.procs import live_workers  # noqa: E402
+
+WORKER = f"{WORKERS / 'sweep_worker.py'}:train"
+
+KILLED = """
+import sys
+import nbddp
+nbddp.sweep({worker!r}, lambda t: {{"lr": t.suggest_float("lr", 0.1, 1.0), "slow": t.number == 1}}, n_trials=3,
+            metric="score", nprocs=1, parallel=1, name="k", runs_dir={runs!r})
+"""
+
+
+def trials_of(runs: Path, name: str):
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{runs / 'sweeps' / name / 'study.db'}").trials
+
+
+def wait_for(check, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    return None
+
+
+def test_a_sweep_killed_mid_trial_continues_without_running_a_finished_trial_again(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    script = tmp_path / "sweep_k.py"
+    script.write_text(KILLED.format(worker=WORKER, runs=str(runs)))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path)
+    try:
+        def trial_one_runs():
+            try:
+                trials = trials_of(runs, "k")
+            except Exception:  # noqa: BLE001 - the study is not made yet
+                return None
+            one = [t for t in trials if t.number == 1 and t.user_attrs.get("run_dir")]
+            return one and (Path(one[0].user_attrs["run_dir"]) / "metrics.jsonl").is_file() and one[0]
+
+        one = wait_for(trial_one_runs, 120)
+        assert one, "trial 1 did not start"
+        os.kill(proc.pid, signal.SIGKILL)  # the kernel dies mid-trial
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    killed_dir = Path(one.user_attrs["run_dir"])
+    assert wait_for(lambda: not live_workers(killed_dir), 30) is not None or not live_workers(killed_dir)
+    first_lr = trials_of(runs, "k")[0].params["lr"]
+
+    s = nbddp.sweep(WORKER, lambda t: {"lr": t.suggest_float("lr", 0.1, 1.0)}, n_trials=3, metric="score",
+                    nprocs=1, parallel=1, name="k", runs_dir=runs)
+    out = capsys.readouterr().out
+    assert "trial 1 was running when the kernel that ran it ended" in out and "retry_failed=True" in out
+    states = {t.number: t.state.name for t in s.study.trials}
+    assert states == {0: "COMPLETE", 1: "FAIL", 2: "COMPLETE", 3: "COMPLETE"}  # the cut-off trial counts for nothing
+    assert s.study.trials[1].user_attrs["ended"] == "kernel died"
+    assert killed_dir.is_dir() and not live_workers(killed_dir)
+    assert len(list(runs.glob("*-k-0"))) == 1 and s.study.trials[0].params["lr"] == first_lr  # never run again
+    assert [r["number"] for r in s.trials][:1] == [s.best.number]  # best first
+    for t in s.study.trials:
+        run = Path(t.user_attrs["run_dir"])
+        assert json.loads((run / "sweep.json").read_text())["trial"] == t.number
+
+    again = nbddp.sweep(WORKER, lambda t: {"lr": t.suggest_float("lr", 0.1, 1.0)}, n_trials=3, metric="score",
+                        nprocs=1, parallel=1, name="k", runs_dir=runs, retry_failed=True, echo=False)
+    retry = again.study.trials[-1]
+    assert (retry.number, retry.state.name, retry.user_attrs["retry_of"]) == (4, "COMPLETE", 1)
+    assert retry.params == again.study.trials[1].params
+
+
+def test_the_pruner_stops_a_trial_at_its_next_step_and_keeps_its_folder(tmp_path):
+    s = nbddp.sweep(WORKER, lambda t: {"lr": t.suggest_float("lr", 0.2, 0.2), "steps": 2000}, n_trials=1,
+                    metric="score", nprocs=1, parallel=1, name="p", runs_dir=tmp_path,
+                    pruner=optuna.pruners.ThresholdPruner(upper=0.5), echo=False)
+    (trial,) = s.study.trials
+    assert trial.state.name == "PRUNED"
+    run = Path(trial.user_attrs["run_dir"])
+    ended = json.loads((run / "ended.json").read_text())
+    assert ended["reason"] == "pruned" and ended["steps"] < 2000
+    assert max(trial.intermediate_values.values()) > 0.5
+    assert s.trials[0]["state"] == "PRUNED" and s.best is None
+    assert not live_workers(run)
+
+
+UUID = [f"GPU-{i:08d}-0000-0000-0000-000000000000" for i in range(3)]
+
+
+def test_gpu_slots_never_share_a_gpu_nor_take_one_another_kernel_leases(tmp_path, monkeypatch):
+    from nbddp.kernel import launch
+    from nbddp.kernel.slots import GpuSlots
+
+    install_fake_nvidia_smi(tmp_path, monkeypatch, gpus=[(H100[0], UUID[i], *H100[2:]) for i in range(3)])
+    monkeypatch.setenv(leases.LEASES_ENV, str(tmp_path / "leases"))
+    other = leases.try_lease(1, UUID[1], run="another-kernel")  # held as another kernel would
+    try:
+        with pytest.warns(UserWarning, match="only 2 slot"):
+            slots = GpuSlots(parallel=3, per_trial=1)
+        a, b = slots.take(), slots.take()
+        assert sorted(a.gpus + b.gpus) == [0, 2] and slots.take() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # taken over as leased: no "leased by" warning
+            with launch.on_leased_gpus(a.leases):
+                _, ids, held = launch._resolve_gpus("x.py:f", list(a.gpus))
+        assert held is a.leases and ids == a.gpus
+        slots.give(a)
+        slots._next_try = 0.0
+        c = slots.take()
+        assert c.gpus == a.gpus and c.gpus != b.gpus
+        slots.give(b), slots.give(c)
+        pairs = GpuSlots(parallel=None, per_trial=2)
+        assert pairs.take().gpus == [0, 2] and pairs.take() is None
+    finally:
+        other.release()
+
+
+def test_bad_input_is_refused_with_the_fix(tmp_path):
+    cfg = TrainConfig(data_path=str(ROOT / "data" / "digits"), runs_dir=str(tmp_path), nprocs=1)
+    with pytest.raises(ConfigError, match=r"'lrr' \(did you mean lr.*not a TrainConfig field"):
+        nbddp.sweep(cfg, lambda t: {"lrr": t.suggest_float("lrr", 0.01, 0.1)}, n_trials=1, nprocs=1, echo=False)
+    with pytest.raises(ConfigError, match=r"'rate'.*not an argument of .*train"):
+        nbddp.sweep(WORKER, lambda t: {"rate": t.suggest_float("rate", 0.01, 0.1)}, n_trials=1, metric="score",
+                    nprocs=1, runs_dir=tmp_path, echo=False)
+    with pytest.raises(ConfigError, match="metric=...: name what your worker logs"):
+        nbddp.sweep(WORKER, lambda t: {}, n_trials=1, nprocs=1, runs_dir=tmp_path)
+    with pytest.raises(ConfigError, match="not both"):
+        nbddp.sweep(WORKER, lambda t: {}, metric="score", nprocs=1, gpus_per_trial=1, runs_dir=tmp_path)
+    with pytest.warns(UserWarning, match="cores"):
+        from nbddp.kernel.slots import CpuSlots
+
+        CpuSlots(parallel=os.cpu_count() + 1, nprocs=1)
+
+
+def test_a_metric_never_logged_is_named_after_the_first_trial(tmp_path):
+    with pytest.raises(ConfigError, match=r"metric='acc': trial 0 finished without logging it.*it logged score"):
+        nbddp.sweep(WORKER, lambda t: {"lr": t.suggest_float("lr", 0.1, 1.0), "steps": 1}, n_trials=3,
+                    metric="acc", nprocs=1, parallel=1, name="m", runs_dir=tmp_path, echo=False)
+    assert len(trials_of(tmp_path, "m")) == 1
+
+
+def test_optuna_missing_says_how_to_install_it_and_import_nbddp_loads_neither():
+    code = ("import sys\n"
+            "import nbddp\n"
+            "assert 'optuna' not in sys.modules and 'torch' not in sys.modules\n"
+            "sys.modules['optuna'] = None\n"
+            "try:\n"
+            "    nbddp.sweep('x.py:f', lambda t: {}, metric='m')\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install optuna" in out.stdout, out.stderr
