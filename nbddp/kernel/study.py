@@ -143,6 +143,17 @@ def logged_names(metrics: List[dict]) -> List[str]:
     return sorted({k for r in metrics for k in r if k not in ("step", "epoch", "time")})
 
 
+def row(t) -> dict:
+    """A study's trial as a row of the table."""
+    seconds = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start \
+        else None
+    value = t.value if t.state.name == "COMPLETE" else (
+        t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else None)
+    state = t.state.name + (f" ({t.user_attrs[ENDED]})" if t.user_attrs.get(ENDED) else "")
+    return {"number": t.number, "params": dict(t.params), "state": state, "value": value,
+            "seconds": round(seconds, 1) if seconds is not None else None, "run_dir": t.user_attrs.get(RUN_DIR)}
+
+
 def write_tensorboard(folder: Path, number_: int, params: Dict[str, Any], metric: str,
                       values: List[Tuple[int, float]], final: Optional[float], state: str) -> None:
     """One trial in the sweep's TensorBoard folder: its params and ``metric`` for the HParams tab,

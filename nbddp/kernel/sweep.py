@@ -217,7 +217,7 @@ class Sweep:
             if again:
                 self._say(f"trials {again} will run again with the same parameters")
         for t in self.study.get_trials(deepcopy=False):
-            self._rows[t.number] = _row(t)
+            self._rows[t.number] = st.row(t)
         if self.echo:
             self._table = _table_if_notebook(self)
 
@@ -301,7 +301,7 @@ class Sweep:
         except BaseException as exc:
             trial.set_user_attr(st.ERROR, f"{type(exc).__name__}: {exc}"[:2000])
             self.study.tell(trial, state=TrialState.FAIL)
-            self._rows[trial.number] = _row(self.study.get_trials(deepcopy=False)[trial.number])
+            self._rows[trial.number] = st.row(self.study.get_trials(deepcopy=False)[trial.number])
             raise
         trial.set_user_attr(st.RUN_DIR, str(handle.run_dir))
         rundir.write_json_atomic(rundir.sweep_path(handle.run_dir), {
@@ -418,17 +418,6 @@ def _is_script(target: str) -> bool:
     from ..contract.conventions import is_script
 
     return target == "-m" or is_script(target)
-
-
-def _row(t) -> dict:
-    """A study's trial as a row of the table."""
-    seconds = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start \
-        else None
-    value = t.value if t.state.name == "COMPLETE" else (
-        t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else None)
-    state = t.state.name + (f" ({t.user_attrs[st.ENDED]})" if t.user_attrs.get(st.ENDED) else "")
-    return {"number": t.number, "params": dict(t.params), "state": state, "value": value,
-            "seconds": round(seconds, 1) if seconds is not None else None, "run_dir": t.user_attrs.get(st.RUN_DIR)}
 
 
 def _table_if_notebook(s: Sweep):

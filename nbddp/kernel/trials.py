@@ -120,9 +120,7 @@ def tell(s, run) -> None:
                    "(fix the error below, then call nbddp.sweep again to continue it)")
             s._stop_for(outcome)
     frozen = s.study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
-    from .sweep import _row
-
-    row = _row(frozen)
+    row = st.row(frozen)
     row["seconds"] = round(_seconds(run, outcome), 1)
     if value is None and run.values:
         row["value"] = run.values[-1][1]
