@@ -177,3 +177,54 @@ def test_optuna_missing_says_how_to_install_it_and_import_nbddp_loads_neither():
             "    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install optuna" in out.stdout, out.stderr
+
+
+INTERRUPTED = """
+import nbddp
+nbddp.sweep({worker!r}, lambda t: {{"lr": t.suggest_float("lr", 0.1, 1.0), "slow": True}}, n_trials=4,
+            metric="score", nprocs=1, parallel=2, name="i", runs_dir={runs!r})
+"""
+
+
+def test_an_interrupt_ends_every_running_trial_and_leaves_no_process(tmp_path):
+    """Jupyter's Interrupt (SIGINT to the kernel's group) while two trials run: both stop at their next
+    step, no worker is left, the study is kept and the trials count for nothing; the cell raises."""
+    runs = tmp_path / "runs"
+    script = tmp_path / "sweep_i.py"
+    script.write_text(INTERRUPTED.format(worker=WORKER, runs=str(runs)))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def both_run():
+            try:
+                trials = trials_of(runs, "i")
+            except Exception:  # noqa: BLE001 - the study is not made yet
+                return None
+            dirs = [Path(t.user_attrs["run_dir"]) for t in trials if t.user_attrs.get("run_dir")]
+            return len(dirs) == 2 and all((d / "metrics.jsonl").is_file() for d in dirs) and dirs
+
+        dirs = wait_for(both_run, 120)
+        assert dirs, "the two trials did not start"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "TrainingInterrupted" in out and "was interrupted" in out, out[-3000:]
+    for d in dirs:
+        assert not live_workers(d), d
+        assert json.loads((d / "ended.json").read_text())["reason"] == "interrupt"
+    trials = trials_of(runs, "i")
+    assert [(t.state.name, t.user_attrs.get("ended")) for t in trials] == [("FAIL", "stopped")] * 2
+
+
+def test_stop_of_a_background_sweep_ends_its_trials(tmp_path):
+    s = nbddp.sweep(WORKER, lambda t: {"lr": t.suggest_float("lr", 0.1, 1.0), "slow": True}, n_trials=3,
+                    metric="score", nprocs=1, parallel=1, name="b", runs_dir=tmp_path, block=False, echo=False)
+    assert s.running
+    assert wait_for(lambda: any(r["state"] == "RUNNING" and r["value"] is not None for r in s.trials), 120)
+    s.stop()
+    assert not s.running
+    (t,) = s.study.trials
+    assert (t.state.name, t.user_attrs["ended"]) == ("FAIL", "stopped")
+    assert not live_workers(t.user_attrs["run_dir"])
+    assert json.loads((Path(t.user_attrs["run_dir"]) / "ended.json").read_text())["reason"] == "stop"

@@ -38,9 +38,9 @@ def open_study(runs_dir: Path, name: str, direction: str, sampler, pruner):
     optuna = import_optuna()
     folder = rundir.sweep_dir(runs_dir, name)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "study.db"
+    path = (folder / "study.db").resolve()
     # A busy SQLite file (another kernel writing the same study) waits instead of failing at once.
-    storage = optuna.storages.RDBStorage(f"sqlite:///{path.resolve()}", engine_kwargs={"connect_args": {"timeout": 30}})
+    storage = optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"connect_args": {"timeout": 30}})
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial is nbddp's
     study = optuna.create_study(storage=storage, study_name=name, direction=direction, sampler=sampler,
                                 pruner=pruner or optuna.pruners.MedianPruner(), load_if_exists=True)

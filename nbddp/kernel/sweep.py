@@ -15,7 +15,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -24,6 +24,10 @@ from ..contract.errors import ConfigError, TrainingInterrupted
 from . import study as st
 from .handle import interrupts_held
 from .slots import Slot, make_slots
+
+
+#: A trial's intermediate values go to the study at most this often (each is an SQLite commit).
+_REPORT_EVERY_S = 0.5
 
 
 @dataclass
@@ -45,6 +49,10 @@ class _Running:
     started: float
     values: List[tuple]  # (step, value) reported so far
     pruned: bool = False
+    pending: Optional[tuple] = None  # the newest (step, value) not reported yet
+    reported_at: float = 0.0
+    logged: int = 0  # metric records so far: the step of one that names none
+    steps: set = field(default_factory=set)
 
 
 def sweep(target: Any, space: Callable[[Any], Any], n_trials: int = 20, *, metric: Optional[str] = None,
@@ -175,7 +183,7 @@ class Sweep:
     @property
     def trials(self) -> List[dict]:
         """One row per trial, best first: number, params, state, value (so far), seconds, run_dir."""
-        rows = [dict(r) for r in self._rows.values()]
+        rows = [dict(r) for r in list(self._rows.values())]  # the sweep's thread may add one meanwhile
         sign = -1.0 if self.direction == "maximize" else 1.0
         return sorted(rows, key=lambda r: (r["value"] is None, sign * (r["value"] or 0.0), r["number"]))
 
@@ -196,7 +204,7 @@ class Sweep:
     def __repr__(self) -> str:
         best = self.best
         states: Dict[str, int] = {}
-        for r in self._rows.values():
+        for r in list(self._rows.values()):
             states[r["state"]] = states.get(r["state"], 0) + 1
         return (f"Sweep(name={self.name!r}, trials={states}, best="
                 + (f"trial {best.number} {self.metric}={best.value:.4g} {best.params}" if best else "None")
@@ -244,7 +252,7 @@ class Sweep:
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
-        interrupted = 0
+        interrupted, stops_sent = 0, False
         try:
             while True:
                 if len(self._came) > interrupted:
@@ -253,6 +261,10 @@ class Sweep:
                 self._drain_events()
                 self._reap()
                 if self._stop_asked or self._error is not None:
+                    if self._stop_asked and not stops_sent:
+                        stops_sent = True  # s.stop(): each running trial finishes its step
+                        for run in self._running.values():
+                            run.handle.stop(wait=False)
                     if not self._running:
                         break
                 elif not self._fill() and not self._running:
@@ -299,7 +311,10 @@ class Sweep:
             target, args, kwargs = self._trial_launch(trial.number, overrides, slot)
             handle = self._launch(target, args, kwargs, slot, trial.number)
         except BaseException as exc:
-            trial.set_user_attr(st.ERROR, f"{type(exc).__name__}: {exc}"[:2000])
+            # An Interrupt while the trial started ended it before it ran: it counts for nothing.
+            stopped = isinstance(exc, (TrainingInterrupted, KeyboardInterrupt))
+            trial.set_user_attr(st.ENDED if stopped else st.ERROR,
+                                st.STOPPED if stopped else f"{type(exc).__name__}: {exc}"[:2000])
             self.study.tell(trial, state=TrialState.FAIL)
             self._rows[trial.number] = st.row(self.study.get_trials(deepcopy=False)[trial.number])
             raise
@@ -325,23 +340,35 @@ class Sweep:
             return spawn_train(target, *args, block=False, echo=False, on_event=on_event, **kwargs)
 
     def _drain_events(self) -> None:
-        """Hand each value logged under ``metric`` to its trial; stop the trials the pruner gives up on."""
+        """Hand the values logged under ``metric`` to their trials; stop the trials the pruner gives up on.
+
+        Each report is an SQLite commit: a trial is given at most two a second, its newest value
+        (a worker that logs every step would otherwise keep this loop writing, behind the trials
+        and deaf to a Stop). Per-epoch values, the built-in worker's, all get through.
+        """
         while True:
             try:
                 n, record = self._events.get_nowait()
             except queue.Empty:
-                return
+                break
             run = self._running.get(n)
             value = st.number(record.get(self.metric)) if isinstance(record, dict) else None
             if run is None or value is None:
                 continue
             step = next((record[k] for k in ("step", "epoch") if isinstance(record.get(k), int)
-                         and not isinstance(record.get(k), bool)), len(run.values))
-            if any(s == step for s, _ in run.values):
-                continue  # Optuna keeps the first value of a step
+                         and not isinstance(record.get(k), bool)), run.logged)
+            run.logged += 1
+            self._rows[n]["value"] = value
+            if step not in run.steps:
+                run.pending = (step, value)
+        now = time.time()
+        for n, run in self._running.items():
+            if run.pending is None or now - run.reported_at < _REPORT_EVERY_S:
+                continue
+            (step, value), run.pending, run.reported_at = run.pending, None, now
+            run.steps.add(step)
             run.values.append((step, value))
             run.trial.report(value, step)
-            self._rows[n]["value"] = value
             if not run.pruned and not self._stop_asked and run.trial.should_prune():
                 run.pruned = True
                 run.handle.stop(wait=False, reason="pruned")

@@ -13,7 +13,7 @@ def train(ctx, lr=0.1, steps=4, slow=False, sleep=0.05):
         ctx.log(step=step, score=score)
         time.sleep(sleep)
         step += 1
-        if step > 3000:
+        if step > 1200:  # a test that went wrong ends within a minute
             break
     if ctx.is_main:
         (ctx.run_dir / "ended.json").write_text(json.dumps({"reason": ctx.stop_reason(), "steps": step}))
