@@ -102,6 +102,16 @@ def sweep(target: Any, space: Callable[[Any], Any], n_trials: int = 20, *, metri
         >>> s.best.params, s.best.value, s.best.run_dir
     """
     st.import_optuna()
+    _check_arguments(space, n_trials, direction, launch_options)
+    s = Sweep(target, space, n_trials, metric, direction, name, sampler, pruner, echo, runs_dir, launch_options)
+    s._prepare(parallel, gpus_per_trial, nprocs, retry_failed)
+    if block:
+        return s._run_blocking()
+    s._start_background()
+    return s
+
+
+def _check_arguments(space, n_trials, direction, launch_options) -> None:
     if direction not in ("maximize", "minimize"):
         raise ConfigError(f"direction={direction!r}: use 'maximize' or 'minimize'")
     if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
@@ -112,12 +122,6 @@ def sweep(target: Any, space: Callable[[Any], Any], n_trials: int = 20, *, metri
     for key in ("block", "name", "runs_dir", "nprocs", "gpus", "echo", "on_event", "resume"):
         if key in launch_options:
             raise ConfigError(f"{key}=... is the sweep's to set for each trial; leave it out of the launch options")
-    s = Sweep(target, space, n_trials, metric, direction, name, sampler, pruner, echo, runs_dir, launch_options)
-    s._prepare(parallel, gpus_per_trial, nprocs, retry_failed)
-    if block:
-        return s._run_blocking()
-    s._start_background()
-    return s
 
 
 class Sweep:
@@ -230,13 +234,11 @@ class Sweep:
             self._table = _table_if_notebook(self)
 
     def _check_target(self) -> None:
-        if self.builtin:
-            return
-        from ..contract.targets import resolve_target
+        """A file or module target that does not exist is named before the study is made."""
+        if isinstance(self.target, str) and not _is_script(self.target):
+            from ..contract.targets import resolve_target
 
-        if isinstance(self.target, str) and _is_script(self.target):
-            return
-        resolve_target(self.target) if isinstance(self.target, str) else None
+            resolve_target(self.target)
 
     def _run_blocking(self) -> "Sweep":
         with interrupts_held() as came:

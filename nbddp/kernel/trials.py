@@ -87,7 +87,7 @@ def _label(target: Any) -> str:
 def _is_script(target: str) -> bool:
     from ..contract.conventions import is_script
 
-    return is_script(target)
+    return target == "-m" or is_script(target)  # "-m" with the module in args=, as spawn_train takes it
 
 
 def tell(s, run) -> None:
