@@ -50,7 +50,9 @@ kernel    ``kernel.report``                     a failed run's root-cause rank a
 kernel    ``kernel.procs``                      ``cleanup`` of an earlier launch's workers, proven by marker
 kernel    ``kernel.export``,                    weights out of a run folder; prediction in the kernel
           ``kernel.inference``
-kernel    ``ui``                                ``TrainingPanel``, charts, TensorBoard in the notebook
+kernel    ``kernel.sweep``, ``kernel.slots``,   ``nbddp.sweep``: Optuna trials on every free GPU or CPU slot; the study
+          ``kernel.study``, ``kernel.trials``   in SQLite in the runs folder; one trial's launch, pruning and end
+kernel    ``ui``                                ``TrainingPanel``, charts, TensorBoard, a sweep's live table
 rank      ``rank.runtime``                      a rank's entry: ``Context``, heartbeats, error records
 rank      ``rank.calls``                        how a rank calls ctx, mp.spawn and torchrun functions, and scripts
 rank      ``rank.heartbeat``,                   the rank's heartbeat thread; which errors are another rank's fault
