@@ -37,6 +37,7 @@ contract  ``contract.gpus``                     GPUs from NVML or nvidia-smi, ne
 contract  ``contract.leases``                   advisory per-GPU leases between kernels (taken by launch, shown by gpus)
 contract  ``contract.plans``                    every launch's plan (``LaunchPlan``): target, world, name, resume
 contract  ``contract.checkpoint``               atomic save, weights-only load, export files
+contract  ``contract.debugging``                the files a rank's debugger and the notebook talk through
 kernel    ``kernel.launch``                     ``spawn_train``: plan, run folder, store, environment, start
 kernel    ``kernel.rendezvous``                 where the ranks meet: a private FileStore, or a TCP store for env://
 kernel    ``kernel.forkserver``                 the warm server workers fork from; pre-warmed in a kernel
@@ -47,6 +48,7 @@ kernel    ``kernel.restarts``                   which failures a run heals by re
 kernel    ``kernel.stacks``                     where each rank is: every rank's Python stack, on demand and on a hang
 kernel    ``kernel.output``                     rank 0's output in the cell as a terminal shows it (``\\r`` bars, long lines)
 kernel    ``kernel.report``                     a failed run's root-cause rank and its one error
+kernel    ``kernel.debugger``                   a rank's pdb prompt in the cell (``input()``), or skipped headless
 kernel    ``kernel.procs``                      ``cleanup`` of an earlier launch's workers, proven by marker
 kernel    ``kernel.export``,                    weights out of a run folder; prediction in the kernel
           ``kernel.inference``
@@ -55,6 +57,7 @@ kernel    ``kernel.sweep``, ``kernel.slots``,   ``nbddp.sweep``: Optuna trials o
 kernel    ``ui``                                ``TrainingPanel``, charts, TensorBoard, a sweep's live table
 rank      ``rank.runtime``                      a rank's entry: ``Context``, heartbeats, error records
 rank      ``rank.calls``                        how a rank calls ctx, mp.spawn and torchrun functions, and scripts
+rank      ``rank.debugger``                     ``ctx.breakpoint`` and ``breakpoint()``: pdb driven through files, the others held
 rank      ``rank.heartbeat``,                   the rank's heartbeat thread; which errors are another rank's fault
           ``rank.rank_errors``
 rank      ``rank.elastic``                      the same rank under torchrun / srun
@@ -85,18 +88,18 @@ SIDES = {
     "contract.targets": "contract", "contract.protocol": "contract", "contract.cells": "contract",
     "contract.fieldspec": "contract", "contract.cluster": "contract", "contract.gpus": "contract",
     "contract.leases": "contract", "contract.private": "contract", "contract.plans": "contract", "contract.checkpoint": "contract",
-    "contract.conventions": "contract",
+    "contract.conventions": "contract", "contract.debugging": "contract",
     "kernel": "kernel", "kernel.launch": "kernel", "kernel.rendezvous": "kernel", "kernel.forkserver": "kernel",
     "kernel.handle": "kernel", "kernel.report": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
     "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",
-    "kernel.export": "kernel", "kernel.inference": "kernel",
+    "kernel.export": "kernel", "kernel.inference": "kernel", "kernel.debugger": "kernel",
     "kernel.sweep": "kernel", "kernel.slots": "kernel", "kernel.study": "kernel", "kernel.trials": "kernel",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel",
     "rank": "rank", "rank.runtime": "rank", "rank.heartbeat": "rank", "rank.rank_errors": "rank",
     "rank.elastic": "rank", "rank.dist": "rank", "rank.engine": "rank", "rank.sync_bn": "rank",
-    "rank.calls": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
+    "rank.calls": "rank", "rank.debugger": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
     "tasks": "task", "tasks.classification": "task", "tasks.classification.planning": "task",
     "tasks.classification.worker": "task", "tasks.classification.data": "task",
     "tasks.classification.tensor_data": "task", "tasks.classification.decode_data": "task",

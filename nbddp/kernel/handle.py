@@ -30,6 +30,7 @@ from ..contract.protocol import (Heartbeat, LaunchSpec, adopt_torch_error_file, 
 from .restarts import Restart, RestartPolicy
 from .stacks import Stacks, collect as collect_stacks
 from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
+from .debugger import PromptRelay, serve_prompts, skipped_line, waiting_line
 from .stall import QuietWatch, find_lagging_rank, where_all_are
 from .forkserver import server_death, server_pid
 from .procs import end_leftovers, end_recorded_tree, orphaned_group
@@ -194,14 +195,16 @@ class RunHandle:
     def __init__(self, procs, spec: LaunchSpec, store, echo: bool, grace_s: float,
                  stall_timeout_s: Optional[float] = None, stop_timeout_s: float = STOP_TIMEOUT_S,
                  leases=None, log_starts: Optional[Dict[int, int]] = None, tmp_dir: Optional[str] = None,
-                 restarts: Optional[RestartPolicy] = None):
+                 restarts: Optional[RestartPolicy] = None, debug: str = "prompt"):
         # torch's ProcessContext of the workers (not a worker's ctx: that lives in the workers).
         # store: the launch's meeting point (nbddp.kernel.rendezvous.Rendezvous, or a bare TCPStore);
         # leases: its GPU leases (nbddp.contract.leases.Leases). Both are held until the run ends.
         # log_starts: each rank's log size before this launch (a resumed run appends to its logs):
         # the echo and the error quote only this launch's lines;
         # tmp_dir: the ranks' private TMPDIR, removed once the run has ended;
-        # restarts: max_restarts and the launcher that starts each restart (nbddp.kernel.restarts).
+        # restarts: max_restarts and the launcher that starts each restart (nbddp.kernel.restarts);
+        # debug: what a breakpoint in a rank does: "prompt" (asked in a cell), "skip" (no one can
+        # answer: continued, with a line) or "stop" (debug="always": it waits for a prompt).
         self._procs, self.spec, self._store, self.echo, self.grace_s = procs, spec, store, echo, grace_s
         self._leases = leases
         self.stop_timeout_s = stop_timeout_s
@@ -233,6 +236,9 @@ class RunHandle:
         self._thread: Optional[threading.Thread] = None
         # The warm server the ranks forked from (none under spawn): if it dies, they die with it.
         self._server = server_pid() if spec.parent_pid is None else None
+        self.debug_mode = debug
+        self._relay = PromptRelay(self.run_dir, self.world_size)
+        self._debug_told = ""  # the last "waiting at a breakpoint" line said
 
     # -- public ----------------------------------------------------------------------
     @property
@@ -266,6 +272,32 @@ class RunHandle:
         """A failure or a hang is about to stop the run: keep where every live rank is, for the error."""
         pids = self._answering_ranks()
         self._failure_stacks = collect_stacks(self.run_dir, pids, timeout=2.0) if pids else Stacks()
+
+    @property
+    def at_breakpoint(self) -> Optional[str]:
+        """``"rank 1 is waiting at a breakpoint (my_worker.py:42); ..."`` while a rank waits at a prompt, else None."""
+        if self._done.is_set():
+            return None
+        waiting = self._relay.waiting()
+        if not waiting:
+            return None
+        rank, state = min(waiting.items())
+        return waiting_line(rank, state.where)
+
+    def debug(self, rank: Optional[int] = None) -> None:
+        """Open the prompt of a rank waiting at a breakpoint in this cell (a background run's).
+
+        Shows what pdb printed and asks for each command (``(Pdb) [rank 1]``) until the debugger
+        continues (``c``: the run goes on, in the background again) or the run ends (``q`` or
+        Interrupt end it, and this cell raises ``TrainingInterrupted``).
+
+        Args:
+            rank: the rank whose prompt to open; None: any rank at a prompt.
+        """
+        if self._done.is_set() or not self._relay.waiting():
+            print("nbddp: no rank is waiting at a breakpoint" + (" (the run has ended)" if self._done.is_set() else ""))
+            return
+        serve_prompts(self, only=rank)
 
     @property
     def max_restarts(self) -> int:
@@ -384,6 +416,8 @@ class RunHandle:
                     except Exception as exc:  # noqa: BLE001 - never return with workers left running
                         self._abandon(exc)
                         return
+                    if self.debug_mode != "skip" and not self._done.is_set() and self._relay.waiting():
+                        serve_prompts(self)  # a rank at a breakpoint: its prompt in this cell
                     time.sleep(0.05)
                 if deadline is not None and time.time() > deadline:
                     break
@@ -440,6 +474,8 @@ class RunHandle:
                 return
             self._read_streams()
             now = time.time()
+            if self._restart_at is None and self._shutdown is None:
+                self._watch_breakpoints()
             if self._restart_at is not None:  # between two launches: no process runs
                 if self._shutdown is not None:  # a Stop or an Interrupt is never retried
                     self._finish()
@@ -475,6 +511,9 @@ class RunHandle:
         if read_error_records(self.run_dir, self.world_size):
             return  # a failure is on its way: the error tells it
         beats = self._beats()
+        if any(b.state == "debugging" for b in beats.values()):
+            self._quiet.pause(now)  # the time at a prompt is no quiet spell
+            return
         if len(beats) < self.world_size or any(b.state != "running" for b in beats.values()):
             return
         if find_lagging_rank(beats, now, self.stall_timeout_s) is not None:
@@ -484,6 +523,20 @@ class RunHandle:
         quiet = self._quiet.quiet_for(beats, now)
         if quiet is not None:
             self._tell_quiet(beats, quiet)
+
+    def _watch_breakpoints(self) -> None:
+        """A rank stopped at a breakpoint: skip it where no one can answer, else say where it waits."""
+        for rank, state in self._relay.new_stops().items():
+            if self.debug_mode == "skip":
+                self._relay.output(rank)  # pdb's banner is not shown: the prompt never is
+                self._relay.answer(rank, state.seq, "c")
+                line = skipped_line(rank, state.where)
+                if self.echo:
+                    self._echo.close()
+                    print(line, file=sys.stderr, flush=True)
+                self._emit("notice", line)
+            elif self._thread is not None:  # a background run: the panel says it, handle.debug() answers
+                self._emit("breakpoint", waiting_line(rank, state.where))
 
     def _tell_quiet(self, beats: Dict[int, Heartbeat], quiet: float) -> None:
         """No rank has made progress, and none lags: say where every rank is; the run goes on."""
@@ -619,6 +672,7 @@ class RunHandle:
         self._ends, self._shutdown, self._stall_checked, self._failure_stacks = {}, None, 0.0, None
         self._launched_at = time.time()
         self._quiet = QuietWatch(self.stall_timeout_s or 0.0, self._launched_at)
+        self._relay = PromptRelay(self.run_dir, self.world_size)
         self._server = server_pid() if spec.parent_pid is None else None
         self._restart_at = None
         rundir.update_launch_record(

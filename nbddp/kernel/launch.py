@@ -21,13 +21,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.multiprocessing as mp
 
-from ..contract import plans, rundir
+from ..contract import debugging, plans, rundir
 from ..contract.config import MIN_TIMEOUT_S, TrainConfig
 from ..contract.rundir import NAME_RULE, name_problem
 from ..contract.errors import ConfigError, NbddpError, TrainingInterrupted
 from .forkserver import prepare as _prepare_forkserver, server_death, server_pid, start_server
 from .forkserver import start_method as _forkserver_start_method
 from ..contract.gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
+from .debugger import DEBUG_CHOICES, can_prompt
 from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
 from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV
 from .restarts import RestartPolicy, check_policy as check_restart_policy
@@ -115,6 +116,7 @@ def spawn_train(
     max_restarts: Optional[int] = None,
     oom: Optional[str] = None,
     restart_backoff_s: float = 1.0,
+    debug: Union[bool, str] = False,
 ) -> Union[TrainResult, RunHandle]:
     """Run a DDP worker function in one process per GPU (nccl) or ``nprocs`` CPU processes (gloo).
 
@@ -187,6 +189,12 @@ def spawn_train(
             as often as the batch can be split, whatever ``max_restarts``. ``"fail"``: it ends the run. Default: the config's own ``oom``,
             else ``"fail"``.
         restart_backoff_s: seconds before the first restart, doubled for each next one.
+        debug: ``True``: ``breakpoint()`` in a rank stops it in ``pdb`` with the prompt in the
+            notebook (``(Pdb) [rank 1]``, every pdb command, output in the cell), as
+            ``ctx.breakpoint(rank=r)`` always does; nbddp's own process group then waits a day in
+            a collective (the stall detector, paused at the prompt, still names a hung rank).
+            Where no one can answer (nbmake, a script, CI) a breakpoint is skipped with a warning
+            line; ``"always"`` stops there anyway (``handle.debug()`` or a terminal answers).
 
     Returns:
         A ``TrainResult`` (``block=True``) or a ``RunHandle`` (``block=False``).
@@ -201,6 +209,9 @@ def spawn_train(
         >>> result.value, result.run_dir
     """
     _check_launch_args(nprocs, timeout_s, name)
+    if not any(debug is choice for choice in DEBUG_CHOICES):
+        raise ConfigError(f"debug={debug!r}: use True (breakpoint() opens pdb in the notebook), False, or 'always' "
+                          "(stop at a breakpoint even where no one can answer a prompt)")
     if plans.is_task_config(target):
         max_restarts = target.max_restarts if max_restarts is None else max_restarts
         oom = target.oom if oom is None else oom
@@ -219,16 +230,31 @@ def spawn_train(
                        runs_dir=runs_dir, timeout_s=timeout_s, threads_per_proc=threads_per_proc, grace_s=grace_s,
                        stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s, echo=echo,
                        on_event=on_event, start_method=start_method, env=env, resume=resume,
-                       all_values=all_values, call=call, argv=argv,
+                       all_values=all_values, call=call, argv=argv, debug=debug,
                        restarts=dict(max_restarts=max_restarts, oom=oom, backoff_s=restart_backoff_s))
     except BaseException:
         leases.release()  # the handle releases them at the run's end; twice is harmless
         raise
 
 
+def debug_env(debug: Union[bool, str]) -> Dict[str, str]:
+    """The ranks' variables for ``debug``: their breakpoints are relayed; ``breakpoint()`` too when asked."""
+    env = {debugging.RELAY_ENV: "1"}
+    if debug:
+        env["PYTHONBREAKPOINT"] = debugging.BREAKPOINT_HOOK
+    return env
+
+
+def debug_mode(debug: Union[bool, str]) -> str:
+    """What a breakpoint does in this launch: ``stop`` (``"always"``), ``prompt`` (someone can answer), ``skip``."""
+    if debug == "always":
+        return "stop"
+    return "prompt" if can_prompt() else "skip"
+
+
 def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, kwargs, args, block, name,
             runs_dir, timeout_s, threads_per_proc, grace_s, stall_timeout_s, stop_timeout_s, echo, on_event,
-            start_method, env, resume, all_values, call, argv, restarts) -> Union[TrainResult, RunHandle]:
+            start_method, env, resume, all_values, call, argv, restarts, debug) -> Union[TrainResult, RunHandle]:
     """:func:`spawn_train` once its GPUs are resolved and leased."""
     plan = plans.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
@@ -239,8 +265,8 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
     visible_devices = cuda_visible_devices(plan.gpus) if plan.gpus else None
     run_dir = _prepare_run_dir(plan, world)
     leases.note(str(run_dir))
-    launcher = _Generations(plan, world, backend, run_dir, visible_devices, threads_per_proc, start_method, env,
-                            all_values, restarts["max_restarts"])
+    launcher = _Generations(plan, world, backend, run_dir, visible_devices, threads_per_proc, start_method,
+                            {**debug_env(debug), **(env or {})}, all_values, restarts["max_restarts"])
     spec, meet, child_env, tmp_dir = launcher.prepare(restart=0)
     try:
         if start_method == "forkserver":
@@ -252,7 +278,7 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
         # Echo only what this launch writes: a resumed run appends to its rank logs.
         watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s,
                      log_starts=rundir.log_sizes(run_dir, spec.world_size), tmp_dir=tmp_dir,
-                     restarts=RestartPolicy(launcher=launcher, **restarts))
+                     restarts=RestartPolicy(launcher=launcher, **restarts), debug=debug_mode(debug))
         return _start(spec, meet, leases, child_env, start_method, watch, on_event, block)
     except BaseException:
         meet.close()  # the handle closes it at the run's end; twice is harmless
@@ -282,6 +308,7 @@ class _Generations:
         """The spec, meeting point, environment and private temp folder of launch number ``restart``."""
         plan = self.plan
         # nbddp's own group meets in a FileStore only this user can open; env:// needs a TCP store.
+        debugging.clear(self.run_dir)  # an earlier launch's prompts are not this one's
         tmp_dir = private_tmp(self.run_dir)
         try:
             meet = rendezvous_for(plan.call, plan.target, self.timeout, within=tmp_dir)

@@ -69,6 +69,10 @@ class QuietWatch:
         self._told = True
         return quiet
 
+    def pause(self, now: float) -> None:
+        """Time until ``now`` is no quiet spell (a rank sat at a debugger's prompt): a new spell starts."""
+        self._since, self._told = max(self._since, now), False
+
     @property
     def longest_gap_s(self) -> float:
         """The longest time between two reports of progress seen so far (the launch to the first, included)."""

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import calls
+from . import calls, debugger
 from . import reaper
 from ..contract import cells, rundir, targets
 from .heartbeat import HeartbeatThread
@@ -93,6 +93,7 @@ class Context:
         self._tensorboard = None
         self._logged = 0  # ctx.log calls so far: TensorBoard's step when a record names none
         self._beat: Optional[HeartbeatThread] = None
+        self._breakpoints = 0  # ctx.breakpoint calls so far: the same count on every rank
         # What writes checkpoints in the background (``checkpoint.BackgroundSaver``), if anything:
         # the heartbeat says when it writes, and a failure's shutdown then lets the write end.
         self.background_writer = None
@@ -272,6 +273,22 @@ class Context:
         self._stop_reason = read_stop_request(self.run_dir)
         if self._stop_reason is not None and self._beat is not None:
             self._beat.beat()  # tells the launcher this rank obeys: it lets it finish
+
+    def breakpoint(self, rank: int = 0) -> None:
+        """Stop rank ``rank`` in ``pdb`` at the next line, with the prompt in the notebook; call it on every rank.
+
+        The other ranks wait here (polling a file, not in a collective) until the debugger
+        continues (``c``) or quits (``q``), however long that takes: no collective timeout and no
+        stall report fires meanwhile. ``c`` lets every rank go on as if nothing happened; ``q``,
+        Interrupt or Stop end the run (the cell raises ``TrainingInterrupted``). Where no one can
+        answer (nbmake, a script, CI) it is skipped with a warning line, unless the launch said
+        ``debug="always"``. Under a launcher other than ``spawn_train`` it is skipped.
+
+        Example:
+            >>> ctx.breakpoint(rank=1)     # rank 1 stops here; ranks 0, 2, ... wait for its `c`
+        """
+        self._breakpoints += 1
+        debugger.breakpoint_at(self, rank, self._breakpoints, sys._getframe(1))
 
     def close(self) -> None:
         if self._tensorboard is not None:
@@ -588,7 +605,10 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
         else:
             store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, is_master=False,
                                   timeout=datetime.timedelta(seconds=spec.timeout_s))
-        init_group(spec.backend, store, rank, spec.world_size, spec.timeout_s, device)
+        # debug=True: a breakpoint() on one rank holds the others in their next collective for as
+        # long as the prompt is open; the kernel's stall detector (paused at the prompt) guards hangs.
+        timeout = max(spec.timeout_s, debugger.GROUP_TIMEOUT_S) if debugger.breakpoints_on() else spec.timeout_s
+        init_group(spec.backend, store, rank, spec.world_size, timeout, device)
 
     code, _ = run_rank(ctx, (lambda: None) if own_group else init_process_group, spec.target, spec.args,
                        spec.kwargs, watch=spec.kernel, all_values=spec.all_values, call=spec.call, argv=spec.argv,
@@ -616,6 +636,7 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
     """
     beat = HeartbeatThread(HeartbeatWriter(ctx.run_dir, ctx.rank), ctx._heartbeat_record, watch=watch)
     ctx._beat = beat
+    debugger.attach(ctx)  # breakpoint() reports "debugging" through the heartbeat
     beat.beat()
     beat.start()
     code, value = 0, None

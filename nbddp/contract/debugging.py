@@ -1,0 +1,129 @@
+"""A debugger relayed between a rank and the notebook: the files that carry it, written and read here.
+
+A rank at a breakpoint (:mod:`nbddp.rank.debugger`) runs ``pdb`` with its input and output bound
+to files in the run's private state folder (``.nbddp/``, the user's alone):
+
+- ``debug.rank<r>.out``: everything pdb prints, appended;
+- ``debug.rank<r>.json``: the rank's :class:`DebugState`, rewritten atomically: at the prompt
+  (with the prompt's number, where it stopped and how much output precedes it), stepping, or done;
+- ``debug.rank<r>.in``: the kernel's answer to prompt number ``seq`` (:class:`DebugAnswer`);
+- ``debug.release.<n>``: rank ``r`` left its ``n``-th ``ctx.breakpoint`` (``c`` or ``q``): the
+  ranks that wait there go on.
+
+Files work for every kind of target (a torchrun script has no nbddp store in its ranks), and no
+rank ever waits in a collective for the person at the prompt.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from . import rundir
+
+#: Set by ``spawn_train`` in the ranks: a kernel relays their breakpoints (else a breakpoint is skipped).
+RELAY_ENV = "NBDDP_DEBUG_RELAY"
+#: What ``breakpoint()`` calls in the ranks of a ``debug=True`` launch.
+BREAKPOINT_HOOK = "nbddp.rank.debugger.set_trace"  # PYTHONBREAKPOINT names it with dots only
+#: The prompt the notebook shows, ``(Pdb) [rank 1] ``.
+PROMPT = "(Pdb) [rank {rank}] "
+
+
+@dataclass
+class DebugState:
+    """Where a rank's debugger is.
+
+    Attributes:
+        rank: the rank.
+        state: ``prompt`` (waiting for a command), ``running`` (stepping) or ``done`` (continued, quit).
+        seq: the number of the prompt (counts up within the rank's life).
+        where: ``file.py:42``, the line it stopped at.
+        out: bytes of ``debug.rank<r>.out`` written before this prompt.
+    """
+
+    rank: int
+    state: str
+    seq: int = 0
+    where: str = ""
+    out: int = 0
+
+    def write(self, run_dir: rundir.PathLike) -> None:
+        rundir.write_json_atomic(state_path(run_dir, self.rank), asdict(self), mode=rundir.PRIVATE_FILE_MODE)
+
+    @classmethod
+    def read(cls, run_dir: rundir.PathLike, rank: int) -> Optional["DebugState"]:
+        obj = rundir.read_json(state_path(run_dir, rank))
+        if not isinstance(obj, dict):
+            return None
+        try:
+            return cls(**{k: obj[k] for k in ("rank", "state", "seq", "where", "out") if k in obj})
+        except TypeError:
+            return None
+
+
+@dataclass
+class DebugAnswer:
+    """The notebook's command for prompt ``seq`` of a rank (``c``, ``p x``, ...)."""
+
+    seq: int
+    line: str
+
+    def write(self, run_dir: rundir.PathLike, rank: int) -> None:
+        rundir.write_json_atomic(answer_path(run_dir, rank), asdict(self), mode=rundir.PRIVATE_FILE_MODE)
+
+    @classmethod
+    def read(cls, run_dir: rundir.PathLike, rank: int, seq: int) -> Optional["DebugAnswer"]:
+        """The answer to prompt ``seq``, or None while there is none (an older answer is not this one's)."""
+        obj = rundir.read_json(answer_path(run_dir, rank))
+        if not isinstance(obj, dict) or obj.get("seq") != seq or not isinstance(obj.get("line"), str):
+            return None
+        return cls(seq, obj["line"])
+
+
+def output_path(run_dir: rundir.PathLike, rank: int) -> Path:
+    return rundir.state_path(run_dir, f"debug.rank{rank}.out")
+
+
+def state_path(run_dir: rundir.PathLike, rank: int) -> Path:
+    return rundir.state_path(run_dir, f"debug.rank{rank}.json")
+
+
+def answer_path(run_dir: rundir.PathLike, rank: int) -> Path:
+    return rundir.state_path(run_dir, f"debug.rank{rank}.in")
+
+
+def release_path(run_dir: rundir.PathLike, number: int) -> Path:
+    return rundir.state_path(run_dir, f"debug.release.{number}")
+
+
+def mark_released(run_dir: rundir.PathLike, number: int) -> None:
+    """Rank ``r`` left its ``number``-th ``ctx.breakpoint``: the ranks waiting there go on."""
+    rundir.write_json_atomic(release_path(run_dir, number), {"pid": os.getpid()}, mode=rundir.PRIVATE_FILE_MODE)
+
+
+def is_released(run_dir: rundir.PathLike, number: int) -> bool:
+    return release_path(run_dir, number).exists()
+
+
+def ranks_at_prompt(run_dir: rundir.PathLike, world_size: int) -> dict:
+    """``{rank: DebugState}`` of the ranks whose debugger waits for a command now."""
+    found = {}
+    for rank in range(world_size):
+        st = DebugState.read(run_dir, rank)
+        if st is not None and st.state == "prompt":
+            found[rank] = st
+    return found
+
+
+def clear(run_dir: rundir.PathLike) -> None:
+    """Remove a launch's debugger files (a restart or resume starts with none)."""
+    folder = rundir.state_dir(run_dir)
+    if not folder.is_dir():
+        return
+    for path in folder.glob("debug.*"):
+        try:
+            path.unlink()
+        except OSError:
+            pass

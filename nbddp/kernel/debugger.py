@@ -1,0 +1,204 @@
+"""The notebook's end of a rank's debugger: shows what pdb prints, asks for each command.
+
+A rank at a breakpoint (:mod:`nbddp.rank.debugger`) publishes its prompt in the run's state
+folder (:mod:`nbddp.contract.debugging`). :class:`PromptRelay` shows the rank's pdb output in the
+cell and asks for the next command with ``input()`` in the cell's thread, which IPython turns into
+an input request on the kernel's stdin channel (Jupyter's input box), prompt ``(Pdb) [rank 1]``.
+
+Where no one can answer (nbmake and nbclient run cells with stdin not allowed; a script without a
+terminal), the relay answers ``c`` itself and says so in one line, so the run does not hang,
+unless the launch said ``debug="always"``.
+
+Kernel side.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Dict, Optional
+
+from ..contract import debugging
+
+#: What ``spawn_train(debug=...)`` accepts.
+DEBUG_CHOICES = (False, True, "always")
+#: The commands that end the run from the prompt (pdb's quit).
+QUIT_COMMANDS = ("q", "quit", "exit")
+
+
+class Headless(Exception):
+    """No one can answer a prompt here (stdin not allowed, or no terminal)."""
+
+
+def can_prompt() -> bool:
+    """True when ``input()`` in this thread reaches a person: a kernel cell that allows stdin, or a terminal.
+
+    nbclient (nbmake, ``jupyter nbconvert --execute``) runs cells with ``allow_stdin=False``, where
+    IPython's ``input()`` raises ``StdinNotImplementedError``; a script in CI has no terminal.
+    """
+    shell = _ipython()
+    kernel = getattr(shell, "kernel", None) if shell is not None else None
+    if kernel is not None:
+        return bool(getattr(kernel, "_allow_stdin", False))
+    stdin = sys.stdin
+    try:
+        return stdin is not None and stdin.isatty()
+    except (ValueError, OSError):
+        return False
+
+
+def _ipython():
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return None
+    try:
+        return ipython.get_ipython()
+    except Exception:  # noqa: BLE001 - any failure means: not in a shell we can ask
+        return None
+
+
+def ask(prompt: str) -> Optional[str]:
+    """One line typed at ``prompt``; None after an Interrupt. Raises :class:`Headless` when no one can answer.
+
+    SIGINT is Python's own ``KeyboardInterrupt`` for the time of the question (the run's watch
+    holds it as a flag otherwise), so Jupyter's Interrupt ends the input box at once.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
+    try:
+        return input(prompt)
+    except KeyboardInterrupt:
+        return None
+    except EOFError:  # a closed stdin (a script fed from a pipe)
+        raise Headless("stdin is closed") from None
+    except Exception as exc:  # noqa: BLE001 - IPython's StdinNotImplementedError, without importing IPython
+        if type(exc).__name__ == "StdinNotImplementedError":
+            raise Headless(str(exc)) from None
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+class PromptRelay:
+    """One launch's breakpoints, as the kernel sees them.
+
+    Args:
+        run_dir: the run's folder.
+        world_size: its number of ranks.
+    """
+
+    def __init__(self, run_dir: Path, world_size: int):
+        self.run_dir, self.world_size = Path(run_dir), world_size
+        self._shown: Dict[int, int] = {}  # bytes of each rank's pdb output shown so far
+        self._answered: Dict[int, int] = {}  # the last prompt answered, per rank
+        self._told: Dict[int, int] = {}  # the last prompt said in a notice, per rank
+        self.headless_told = 0  # the last prompt said to be unanswerable in this cell (debug="always")
+
+    def waiting(self) -> Dict[int, debugging.DebugState]:
+        """``{rank: state}`` of the ranks at a prompt nobody has answered yet."""
+        return {r: st for r, st in debugging.ranks_at_prompt(self.run_dir, self.world_size).items()
+                if st.seq > self._answered.get(r, 0)}
+
+    def new_stops(self) -> Dict[int, debugging.DebugState]:
+        """The waiting ranks not told of yet (each prompt once)."""
+        found = {r: st for r, st in self.waiting().items() if st.seq > self._told.get(r, 0)}
+        for r, st in found.items():
+            self._told[r] = st.seq
+        return found
+
+    def state(self, rank: int) -> Optional[debugging.DebugState]:
+        return debugging.DebugState.read(self.run_dir, rank)
+
+    def output(self, rank: int, upto: Optional[int] = None) -> str:
+        """The rank's pdb output not shown yet (up to byte ``upto``)."""
+        start = self._shown.get(rank, 0)
+        try:
+            with open(debugging.output_path(self.run_dir, rank), "rb") as f:
+                f.seek(start)
+                data = f.read() if upto is None else f.read(max(0, upto - start))
+        except OSError:
+            return ""
+        self._shown[rank] = start + len(data)
+        return data.decode("utf-8", "replace")
+
+    def answer(self, rank: int, seq: int, line: str) -> None:
+        """Send ``line`` as the rank's answer to prompt ``seq``."""
+        self._answered[rank] = seq
+        debugging.DebugAnswer(seq, line).write(self.run_dir, rank)
+
+    @staticmethod
+    def prompt(rank: int) -> str:
+        return debugging.PROMPT.format(rank=rank)
+
+
+def skipped_line(rank: int, where: str) -> str:
+    """What the cell says for a breakpoint no one can answer."""
+    return (f"nbddp: rank {rank} reached a breakpoint ({where}), skipped: no one can answer a prompt here "
+            "(stdin is not allowed: nbmake, a script, CI). Launch with debug='always' to stop there anyway.")
+
+
+def waiting_line(rank: int, where: str) -> str:
+    """What the panel and a background run's handle say while a rank is at a prompt."""
+    return f"rank {rank} is waiting at a breakpoint ({where}); handle.debug() opens its prompt here"
+
+
+def _show(text: str) -> None:
+    if text:
+        print(text, end="" if text.endswith("\n") else "\n", flush=True)
+
+
+def serve_prompts(handle, only: Optional[int] = None) -> None:
+    """Answer the ranks at a prompt from this cell, until none is at one or steps, or the run ends.
+
+    Args:
+        handle: the run's :class:`~nbddp.kernel.handle.RunHandle`: watched here when no monitor
+            thread does (a blocking run), stopped on ``q``, ended on Interrupt (which raises).
+        only: serve this rank's prompts only.
+    """
+    relay: PromptRelay = handle._relay
+    while not handle._done.is_set():
+        if handle._thread is None:
+            handle.poll()  # a blocking run: the cell's thread is the run's watch
+        waiting = {r: st for r, st in relay.waiting().items() if only in (None, r)}
+        if not waiting:
+            if not _stepping(relay, only):
+                return
+            threading.Event().wait(0.05)
+            continue
+        rank, st = min(waiting.items())
+        _show(relay.output(rank, st.out))
+        try:
+            line = ask(relay.prompt(rank))
+        except Headless:
+            if handle.debug_mode == "stop":  # debug="always": it waits, for a cell that can ask
+                if relay.headless_told < st.seq:
+                    print(waiting_line(rank, st.where) + " (this cell cannot ask for input; Stop or Interrupt "
+                          "ends the run)", file=sys.stderr, flush=True)
+                    relay.headless_told = st.seq
+                return
+            relay.answer(rank, st.seq, "c")
+            print(skipped_line(rank, st.where), file=sys.stderr, flush=True)
+            continue
+        if line is None:  # Interrupt at the prompt: the run ends, every rank reaped; raises
+            handle.end_interrupted()
+        if line.strip() in QUIT_COMMANDS:  # before the rank quits: its end is a stop, not a failure
+            with handle._lock:
+                handle._begin_shutdown("interrupt")
+        relay.answer(rank, st.seq, line)
+
+
+def _stepping(relay: PromptRelay, only: Optional[int]) -> bool:
+    """True while a rank answered here runs a step (``n``, ``s``) toward its next prompt; shows its output."""
+    busy = False
+    for rank in list(relay._answered):
+        if only not in (None, rank):
+            continue
+        st = relay.state(rank)
+        if st is not None and st.state == "running":
+            busy = True
+        elif st is not None and st.state == "done":
+            _show(relay.output(rank))
+    return busy
