@@ -129,6 +129,14 @@ class PromptRelay:
         self._answered[rank] = seq
         debugging.DebugAnswer(seq, line).write(self.run_dir, rank)
 
+    def stepping(self, only: Optional[int] = None) -> bool:
+        """True while a rank answered from here has yet to read its answer, or runs toward its next prompt (``n``)."""
+        for rank, seq in self._answered.items():
+            st = self.state(rank) if only in (None, rank) else None
+            if st is not None and (st.state == "running" or (st.state == "prompt" and st.seq == seq)):
+                return True
+        return False
+
     @staticmethod
     def prompt(rank: int) -> str:
         return debugging.PROMPT.format(rank=rank)
@@ -191,14 +199,10 @@ def serve_prompts(handle, only: Optional[int] = None) -> None:
 
 
 def _stepping(relay: PromptRelay, only: Optional[int]) -> bool:
-    """True while a rank answered here runs a step (``n``, ``s``) toward its next prompt; shows its output."""
-    busy = False
+    """True while a rank answered here is still on its way to its next prompt; shows the output of those done."""
+    if relay.stepping(only):
+        return True
     for rank in list(relay._answered):
-        if only not in (None, rank):
-            continue
-        st = relay.state(rank)
-        if st is not None and st.state == "running":
-            busy = True
-        elif st is not None and st.state == "done":
+        if only in (None, rank):
             _show(relay.output(rank))
-    return busy
+    return False

@@ -536,7 +536,11 @@ class RunHandle:
                     print(line, file=sys.stderr, flush=True)
                 self._emit("notice", line)
             elif self._thread is not None:  # a background run: the panel says it, handle.debug() answers
-                self._emit("breakpoint", waiting_line(rank, state.where))
+                self._debug_told = waiting_line(rank, state.where)
+                self._emit("breakpoint", self._debug_told)
+        if self._debug_told and not self._relay.waiting() and not self._relay.stepping():
+            self._debug_told = ""  # the debugger let the ranks go on
+            self._emit("breakpoint", "")
 
     def _tell_quiet(self, beats: Dict[int, Heartbeat], quiet: float) -> None:
         """No rank has made progress, and none lags: say where every rank is; the run goes on."""

@@ -115,6 +115,7 @@ class RelayPdb(pdb.Pdb):
         global _seq
         _seq += 1
         seq = _seq
+        self._left = False  # stopped again (a breakpoint set with `b`): the next `c` leaves again
         _set_debugging(self, True)
         debugging.DebugState(self.rank, "prompt", seq, self.where(), self._out.size()).write(self.run_dir)
         while True:
@@ -131,16 +132,18 @@ class RelayPdb(pdb.Pdb):
         self._leave()
 
     def set_quit(self) -> None:
+        # The run ends (the kernel asked every rank to stop before sending `q`): the ranks that
+        # wait at ctx.breakpoint are not let go into a collective with a rank about to exit.
         super().set_quit()
-        self._leave()
+        self._leave(release=False)
 
-    def _leave(self) -> None:
+    def _leave(self, release: bool = True) -> None:
         if self._left:
             return
         self._left = True
         debugging.DebugState(self.rank, "done", _seq, self.where(), self._out.size()).write(self.run_dir)
         _set_debugging(self, False)
-        if self._on_leave is not None:
+        if release and self._on_leave is not None:
             self._on_leave()
 
 
@@ -222,9 +225,11 @@ def breakpoint_at(ctx, rank: int, number: int, frame) -> None:
     waiter = _Waiter()
     _set_debugging(waiter, True)
     try:
-        while not debugging.is_released(run_dir, number):
-            if read_stop_request(run_dir) is not None:
+        while True:
+            if read_stop_request(run_dir) is not None:  # q, Interrupt, Stop, or a rank failed
                 raise KeyboardInterrupt(f"nbddp: the run was stopped while rank {rank} was at a breakpoint")
+            if debugging.is_released(run_dir, number):
+                break
             time.sleep(POLL_S)
     finally:
         _set_debugging(waiter, False)

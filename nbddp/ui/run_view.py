@@ -188,6 +188,12 @@ class RunView:
         elif kind == "notice":  # no rank has made progress for long: where they are
             self._on_line(payload)
             self._status("warn", f"<b>No progress</b>: {html.escape(payload)}")
+        elif kind == "breakpoint":  # a rank at a pdb prompt ("" once it went on): handle.debug() answers
+            if payload:
+                self._on_line(payload)
+                self._status("warn", f"<b>At a breakpoint</b>: {html.escape(payload)}")
+            else:
+                self._status("info", "Training: the debugger let the ranks go on")
         elif kind == "end":
             self._on_end(payload)
 
