@@ -137,3 +137,12 @@ def test_interrupt_at_the_prompt_ends_every_rank_and_the_kernel_stays_usable(deb
     assert survivors(launch["pids"]) == {}, "no live or zombie rank"
     reply, out = execute(kc, "print('still here', 1 + 1)")
     assert reply["status"] == "ok" and "still here 2" in out
+
+
+def test_a_bad_debug_value_is_refused_before_anything_starts(tmp_path):
+    from nbddp import spawn_train
+    from nbddp.contract.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"debug='yes': use True .* False, or 'always'"):
+        spawn_train(HELD, nprocs=2, runs_dir=str(tmp_path), debug="yes")
+    assert not (tmp_path).exists() or not any(tmp_path.iterdir())
