@@ -72,3 +72,14 @@ def test_the_panel_shows_the_notice_in_its_log_and_status():
     assert "<b>No progress</b>: nbddp: no rank has made progress for 120 s" in view.status.value, view.status.value
     assert "jp-warn-color1" in view.status.value
     assert wait_for(lambda: "load_batch" in view.log.value, 5), view.log.value
+
+
+def test_time_at_a_debugger_prompt_is_no_quiet_spell():
+    """A rank sat at a pdb prompt (heartbeats say "debugging"): the handle pauses the quiet watch,
+    and the run is judged afresh once the debugger lets the ranks go on."""
+    watch = QuietWatch(stall_timeout_s=5, launched_at=0.0)
+    beats = {r: Heartbeat(r, state="running", progress_time=1.0) for r in (0, 1)}
+    assert watch.quiet_for(beats, 2.0) is None
+    watch.pause(60.0)  # at the prompt from 2 s to 60 s
+    assert watch.quiet_for(beats, 61.0) is None
+    assert watch.quiet_for(beats, 66.0) is not None, "quiet for long after the prompt: told"
