@@ -158,19 +158,23 @@ def _show(text: str) -> None:
         print(text, end="" if text.endswith("\n") else "\n", flush=True)
 
 
-def serve_prompts(handle, only: Optional[int] = None) -> None:
+def serve_prompts(handle, only: Optional[int] = None, interrupted: Optional[list] = None) -> None:
     """Answer the ranks at a prompt from this cell, until none is at one or steps, or the run ends.
 
     Args:
         handle: the run's :class:`~nbddp.kernel.handle.RunHandle`: watched here when no monitor
             thread does (a blocking run), stopped on ``q``, ended on Interrupt (which raises).
         only: serve this rank's prompts only.
+        interrupted: the flag list of :func:`~nbddp.kernel.handle.interrupts_held`: an Interrupt
+            between two prompts (a rank stepping) returns at once, for the caller to end the run.
     """
     relay: PromptRelay = handle._relay
-    while not handle._done.is_set():
+    while not handle._done.is_set() and not interrupted:
         if handle._thread is None:
             handle.poll()  # a blocking run: the cell's thread is the run's watch
-        waiting = {r: st for r, st in relay.waiting().items() if only in (None, r)}
+        # A rank that has ended, or a run being stopped (a failure elsewhere), has no prompt to answer.
+        waiting = {} if handle._shutdown is not None else {
+            r: st for r, st in relay.waiting().items() if only in (None, r) and r not in handle._ends}
         if not waiting:
             if not _stepping(relay, only):
                 return

@@ -297,7 +297,10 @@ class RunHandle:
         if self._done.is_set() or not self._relay.waiting():
             print("nbddp: no rank is waiting at a breakpoint" + (" (the run has ended)" if self._done.is_set() else ""))
             return
-        serve_prompts(self, only=rank)
+        with interrupts_held() as came:
+            serve_prompts(self, only=rank, interrupted=came)
+        if came and not self._done.is_set():
+            self.end_interrupted()  # an Interrupt while a rank stepped: the run ends, as at the prompt
 
     @property
     def max_restarts(self) -> int:
@@ -417,7 +420,7 @@ class RunHandle:
                         self._abandon(exc)
                         return
                     if self.debug_mode != "skip" and not self._done.is_set() and self._relay.waiting():
-                        serve_prompts(self)  # a rank at a breakpoint: its prompt in this cell
+                        serve_prompts(self, interrupted=came)  # a rank at a breakpoint: its prompt in this cell
                     time.sleep(0.05)
                 if deadline is not None and time.time() > deadline:
                     break
