@@ -139,6 +139,21 @@ def test_interrupt_at_the_prompt_ends_every_rank_and_the_kernel_stays_usable(deb
     assert reply["status"] == "ok" and "still here 2" in out
 
 
+def test_a_background_run_says_where_a_rank_waits_and_q_in_handle_debug_ends_it(debug_kernel, tmp_path):
+    km, kc = debug_kernel
+    runs = tmp_path / "runs"
+    reply, out = execute(kc, f"import time\nh = spawn_train({HELD!r}, nprocs=2, runs_dir={str(runs)!r}, block=False)\n"
+                             "while h.at_breakpoint is None and h.running: time.sleep(0.1)\nprint(h.at_breakpoint)")
+    assert reply["status"] == "ok", out
+    assert "rank 1 is waiting at a breakpoint (debugging.py:17)" in out
+    commands = iter(["p secret", "q"])
+    reply, out, prompts, ename = run_cell(kc, "h.debug()", lambda prompt, out: next(commands))
+    assert prompts == ["(Pdb) [rank 1] "] * 2 and "107" in out
+    assert ename == "TrainingInterrupted", out
+    launch = json.loads(next(runs.glob("*/.nbddp/launch.json")).read_text())
+    assert survivors(launch["pids"]) == {}, "no live or zombie rank"
+
+
 def test_a_bad_debug_value_is_refused_before_anything_starts(tmp_path):
     from nbddp import spawn_train
     from nbddp.contract.errors import ConfigError

@@ -301,6 +301,8 @@ class RunHandle:
             serve_prompts(self, only=rank, interrupted=came)
         if came and not self._done.is_set():
             self.end_interrupted()  # an Interrupt while a rank stepped: the run ends, as at the prompt
+        if self._shutdown is not None:  # q ended the run: this cell raises TrainingInterrupted, as a blocking run's
+            self.wait()
 
     @property
     def max_restarts(self) -> int:
