@@ -139,16 +139,32 @@ def test_interrupt_at_the_prompt_ends_every_rank_and_the_kernel_stays_usable(deb
     assert reply["status"] == "ok" and "still here 2" in out
 
 
+CELL = """
+import torch, torch.distributed as dist
+
+def cell_held(ctx):
+    total = torch.zeros(1)
+    dist.all_reduce(total)
+    secret = ctx.rank * 100 + 7
+    ctx.breakpoint(rank=1)
+    return secret  # the line rank 1 stops at
+"""
+
+
 def test_a_background_run_says_where_a_rank_waits_and_q_in_handle_debug_ends_it(debug_kernel, tmp_path):
+    """A function from a cell: pdb lists the cell's lines in the rank, where no cell is a file."""
     km, kc = debug_kernel
     runs = tmp_path / "runs"
-    reply, out = execute(kc, f"import time\nh = spawn_train({HELD!r}, nprocs=2, runs_dir={str(runs)!r}, block=False)\n"
+    reply, out = execute(kc, CELL)
+    assert reply["status"] == "ok", out
+    reply, out = execute(kc, f"import time\nh = spawn_train(cell_held, nprocs=2, runs_dir={str(runs)!r}, block=False)\n"
                              "while h.at_breakpoint is None and h.running: time.sleep(0.1)\nprint(h.at_breakpoint)")
     assert reply["status"] == "ok", out
-    assert "rank 1 is waiting at a breakpoint (debugging.py:17)" in out
-    commands = iter(["p secret", "q"])
+    assert "rank 1 is waiting at a breakpoint (" in out and ".py:8)" in out, out  # IPython drops the cell's first blank line
+    commands = iter(["p secret", "l", "q"])
     reply, out, prompts, ename = run_cell(kc, "h.debug()", lambda prompt, out: next(commands))
-    assert prompts == ["(Pdb) [rank 1] "] * 2 and "107" in out
+    assert prompts == ["(Pdb) [rank 1] "] * 3 and "107" in out
+    assert "->\t    return secret  # the line rank 1 stops at" in out, out
     assert ename == "TrainingInterrupted", out
     launch = json.loads(next(runs.glob("*/.nbddp/launch.json")).read_text())
     assert survivors(launch["pids"]) == {}, "no live or zombie rank"

@@ -94,6 +94,21 @@ def answer_path(run_dir: rundir.PathLike, rank: int) -> Path:
     return rundir.state_path(run_dir, f"debug.rank{rank}.in")
 
 
+def sources_path(run_dir: rundir.PathLike) -> Path:
+    """The source of notebook cells the run's code came from, for pdb's ``l`` in a rank (no cell is a file there)."""
+    return rundir.state_path(run_dir, "cell-sources.json")
+
+
+def keep_sources(run_dir: rundir.PathLike, sources: dict) -> None:
+    """Write ``{file name: text}`` of cells (kernel side, at the launch of a cell's function)."""
+    rundir.write_json_atomic(sources_path(run_dir), sources, mode=rundir.PRIVATE_FILE_MODE)
+
+
+def read_sources(run_dir: rundir.PathLike) -> dict:
+    obj = rundir.read_json(sources_path(run_dir))
+    return {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(obj, dict) else {}
+
+
 def release_path(run_dir: rundir.PathLike, number: int) -> Path:
     return rundir.state_path(run_dir, f"debug.release.{number}")
 

@@ -14,6 +14,8 @@ Kernel side.
 
 from __future__ import annotations
 
+import linecache
+import os
 import signal
 import sys
 import threading
@@ -30,6 +32,18 @@ QUIT_COMMANDS = ("q", "quit", "exit")
 
 class Headless(Exception):
     """No one can answer a prompt here (stdin not allowed, or no terminal)."""
+
+
+def keep_cell_sources(run_dir: Path, target) -> None:
+    """A notebook function's cell, kept in the run's state folder: pdb's ``l`` in a rank shows it.
+
+    IPython compiles a cell under a file name that exists only in the kernel's ``linecache``."""
+    code = getattr(target, "__code__", None)
+    if code is None or os.path.exists(code.co_filename):
+        return
+    lines = linecache.getlines(code.co_filename)
+    if lines:
+        debugging.keep_sources(run_dir, {code.co_filename: "".join(lines)})
 
 
 def can_prompt() -> bool:

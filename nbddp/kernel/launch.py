@@ -28,7 +28,7 @@ from ..contract.errors import ConfigError, NbddpError, TrainingInterrupted
 from .forkserver import prepare as _prepare_forkserver, server_death, server_pid, start_server
 from .forkserver import start_method as _forkserver_start_method
 from ..contract.gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
-from .debugger import DEBUG_CHOICES, can_prompt
+from .debugger import DEBUG_CHOICES, can_prompt, keep_cell_sources
 from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
 from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV
 from .restarts import RestartPolicy, check_policy as check_restart_policy
@@ -264,6 +264,8 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
     # the run folder exists.
     visible_devices = cuda_visible_devices(plan.gpus) if plan.gpus else None
     run_dir = _prepare_run_dir(plan, world)
+    if plan.payload is not None:
+        keep_cell_sources(run_dir, target)
     leases.note(str(run_dir))
     launcher = _Generations(plan, world, backend, run_dir, visible_devices, threads_per_proc, start_method,
                             {**debug_env(debug), **(env or {})}, all_values, restarts["max_restarts"])

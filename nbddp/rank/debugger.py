@@ -16,6 +16,7 @@ Worker side.
 from __future__ import annotations
 
 import io
+import linecache
 import os
 import pdb
 import sys
@@ -100,6 +101,8 @@ class RelayPdb(pdb.Pdb):
         super().__init__(stdin=_Input(self._next_command), stdout=self._out, nosigint=True, readrc=False)
         self.use_rawinput = False
         self.prompt = ""  # the notebook shows its own, "(Pdb) [rank 1] "
+        for name, text in debugging.read_sources(run_dir).items():  # a notebook cell's lines, for `l`
+            linecache.cache[name] = (len(text), None, text.splitlines(keepends=True), name)
         self._left = False
         self._state_before: Optional[str] = None
 
