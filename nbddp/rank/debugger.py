@@ -72,6 +72,15 @@ class _Output(io.TextIOBase):
         self._file.close()
 
 
+_outputs: dict = {}  # one open output file per path for the process's life: a breakpoint in a loop opens none more
+
+
+def _output(path: Path) -> _Output:
+    if path not in _outputs:
+        _outputs[path] = _Output(path)
+    return _outputs[path]
+
+
 class _Input(io.TextIOBase):
     """pdb's input: each ``readline`` is one prompt, answered by the kernel."""
 
@@ -96,7 +105,7 @@ class RelayPdb(pdb.Pdb):
 
     def __init__(self, run_dir: Path, rank: int, on_leave: Optional[Callable[[], None]] = None):
         self.run_dir, self.rank, self._on_leave = Path(run_dir), rank, on_leave
-        self._out = _Output(debugging.output_path(run_dir, rank))
+        self._out = _output(debugging.output_path(run_dir, rank))
         # nosigint: SIGINT is nbddp's stop request in a rank, never pdb's "break into the debugger".
         super().__init__(stdin=_Input(self._next_command), stdout=self._out, nosigint=True, readrc=False)
         self.use_rawinput = False
