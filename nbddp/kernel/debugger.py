@@ -24,8 +24,6 @@ from typing import Dict, Optional
 
 from ..contract import debugging
 
-#: What ``spawn_train(debug=...)`` accepts.
-DEBUG_CHOICES = (False, True, "always")
 #: The commands that end the run from the prompt (pdb's quit).
 QUIT_COMMANDS = ("q", "quit", "exit")
 

@@ -28,7 +28,7 @@ from ..contract.errors import ConfigError, NbddpError, TrainingInterrupted
 from .forkserver import prepare as _prepare_forkserver, server_death, server_pid, start_server
 from .forkserver import start_method as _forkserver_start_method
 from ..contract.gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
-from .debugger import DEBUG_CHOICES, can_prompt, keep_cell_sources
+from .debugger import can_prompt, keep_cell_sources
 from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
 from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV
 from .restarts import RestartPolicy, check_policy as check_restart_policy
@@ -209,7 +209,7 @@ def spawn_train(
         >>> result.value, result.run_dir
     """
     _check_launch_args(nprocs, timeout_s, name)
-    if not any(debug is choice for choice in DEBUG_CHOICES):
+    if not (debug is True or debug is False or (isinstance(debug, str) and debug == "always")):
         raise ConfigError(f"debug={debug!r}: use True (breakpoint() opens pdb in the notebook), False, or 'always' "
                           "(stop at a breakpoint even where no one can answer a prompt)")
     if plans.is_task_config(target):
