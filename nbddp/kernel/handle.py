@@ -313,7 +313,8 @@ class RunHandle:
         """Call ``callback(kind, payload)`` for ``"line"``, ``"update"`` (rank 0 rewrote its current line
         with ``\r``: a progress bar), ``"metrics"``, ``"progress"``, ``"restart"`` (a
         :class:`nbddp.kernel.restarts.Restart`, before its back-off), ``"notice"`` (a line: no rank has made
-        progress for long, and where each one is; see :mod:`nbddp.kernel.stall`) and ``"end"``."""
+        progress for long, and where each one is; see :mod:`nbddp.kernel.stall`), ``"breakpoint"`` (a background
+        run's rank waits at a pdb prompt: the line saying where; ``""`` once the debugger let it go on) and ``"end"``."""
         self._listeners.append(callback)
 
     def stop(self, wait: bool = True, timeout: Optional[float] = None, reason: str = "stop") -> None:
