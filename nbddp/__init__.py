@@ -38,6 +38,7 @@ contract  ``contract.leases``                   advisory per-GPU leases between 
 contract  ``contract.plans``                    every launch's plan (``LaunchPlan``): target, world, name, resume
 contract  ``contract.checkpoint``               atomic save, weights-only load, export files
 contract  ``contract.debugging``                the files a rank's debugger and the notebook talk through
+contract  ``contract.observe``                  ``profile=`` and ``trackers=`` checked; the profile record, the tracker ids
 kernel    ``kernel.launch``                     ``spawn_train``: plan, run folder, store, environment, start
 kernel    ``kernel.rendezvous``                 where the ranks meet: a private FileStore, or a TCP store for env://
 kernel    ``kernel.forkserver``                 the warm server workers fork from; pre-warmed in a kernel
@@ -52,6 +53,7 @@ kernel    ``kernel.debugger``                   a rank's pdb prompt in the cell 
 kernel    ``kernel.procs``                      ``cleanup`` of an earlier launch's workers, proven by marker
 kernel    ``kernel.export``,                    weights out of a run folder; prediction in the kernel
           ``kernel.inference``
+kernel    ``kernel.profiles``                   ``result.profile``: the ranks' profiles side by side, who waits for whom
 kernel    ``kernel.sweep``, ``kernel.slots``,   ``nbddp.sweep``: Optuna trials on every free GPU or CPU slot; the study
           ``kernel.study``, ``kernel.trials``   in SQLite in the runs folder; one trial's launch, pruning and end
 kernel    ``ui``                                ``TrainingPanel``, charts, TensorBoard, a sweep's live table
@@ -66,6 +68,8 @@ rank      ``rank.reaper``,                      a rank as its children's subreap
           ``rank.forkserver_reaper``            the warm server likewise for the ranks it forked
 rank      ``rank.engine``                       training and evaluation loops that stop every rank together
 rank      ``rank.sync_bn``                      SyncBatchNorm that works on CPU (gloo) as on GPUs
+rank      ``rank.profiling``                    torch.profiler on the worker's steps: traces and a per-rank record
+rank      ``rank.trackers``                     rank 0's MLflow / W&B thread: metrics, settings, weights
 task      ``tasks.classification.planning``     the built-in worker's preflight and plan (run in the kernel)
 task      ``tasks.classification.worker``       ``train(ctx, cfg)``: the built-in worker (run in each rank)
 task      ``tasks.classification.data``,        class folders, samplers, transforms; the decoded tensor cache;
@@ -88,11 +92,12 @@ SIDES = {
     "contract.targets": "contract", "contract.protocol": "contract", "contract.cells": "contract",
     "contract.fieldspec": "contract", "contract.cluster": "contract", "contract.gpus": "contract",
     "contract.leases": "contract", "contract.private": "contract", "contract.plans": "contract", "contract.checkpoint": "contract",
-    "contract.conventions": "contract", "contract.debugging": "contract",
+    "contract.conventions": "contract", "contract.debugging": "contract", "contract.observe": "contract",
     "kernel": "kernel", "kernel.launch": "kernel", "kernel.rendezvous": "kernel", "kernel.forkserver": "kernel",
     "kernel.handle": "kernel", "kernel.report": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
     "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",
     "kernel.export": "kernel", "kernel.inference": "kernel", "kernel.debugger": "kernel",
+    "kernel.profiles": "kernel",
     "kernel.sweep": "kernel", "kernel.slots": "kernel", "kernel.study": "kernel", "kernel.trials": "kernel",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
@@ -100,6 +105,7 @@ SIDES = {
     "rank": "rank", "rank.runtime": "rank", "rank.heartbeat": "rank", "rank.rank_errors": "rank",
     "rank.elastic": "rank", "rank.dist": "rank", "rank.engine": "rank", "rank.sync_bn": "rank",
     "rank.calls": "rank", "rank.debugger": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
+    "rank.profiling": "rank", "rank.trackers": "rank",
     "tasks": "task", "tasks.classification": "task", "tasks.classification.planning": "task",
     "tasks.classification.worker": "task", "tasks.classification.data": "task",
     "tasks.classification.tensor_data": "task", "tasks.classification.decode_data": "task",

@@ -19,6 +19,7 @@ from .rundir import NAME_RULE, name_problem
 from .errors import ConfigError
 from .fieldspec import GROUPS, RESUME_FREE, RESUME_MORE, Check, Widget, spec, specs, utf8_problem
 from .gpus import IDLE, IDLE_RULE
+from .observe import TRACKERS
 
 DATA_PIPELINES = ("pil", "tensor", "decode")
 OPTIMIZERS = ("sgd", "adamw")
@@ -59,6 +60,15 @@ def _normal_gpus(gpus: Any) -> Any:
         return tuple(int(g) for g in (gpus or ()))
     except (TypeError, ValueError):
         return gpus
+
+
+def _normal_trackers(value: Any) -> Any:
+    """A tuple of lower-case tracker names from a tuple, a list or ``"mlflow,wandb"``; else as it came."""
+    if isinstance(value, str):
+        value = [w for w in value.replace(" ", ",").split(",") if w]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(dict.fromkeys(v.strip().lower() for v in value))
+    return value
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,8 @@ class TrainConfig:
         oom: ``"fail"`` (out of memory ends the run) or ``"halve"`` (restart with half the
             per-rank batch and twice ``grad_accum_steps``: the same global batch and schedule;
             the run's ``config.json`` keeps the new values).
+        trackers: where the run's metrics also go besides TensorBoard: ``("mlflow",)``,
+            ``("wandb",)`` or both (``"mlflow,wandb"`` on the command line); see ``spawn_train``.
     """
 
     data_path: str = spec("data/digits", help="class-folder tree root/<class>/<image>", check=_PATH, metavar="DIR",
@@ -272,9 +284,16 @@ class TrainConfig:
                                 "(restart with half the batch per rank and twice the gradient accumulation)"),
                     widget=Widget("choice", "Out of memory", "advanced"), resume=RESUME_FREE, launch=True)
 
+    trackers: tuple = spec((), group="choices", metavar="NAMES", resume=RESUME_FREE,
+                           help="where the run's metrics, settings and exported weights also go, besides "
+                           "TensorBoard: mlflow, wandb or mlflow,wandb (one tracker run per run folder)",
+                           widget=Widget("combo", "Trackers", "advanced", options=("", "mlflow", "wandb", "mlflow,wandb"),
+                                         placeholder="mlflow, wandb"))
+
     def __post_init__(self):
         # Normalise containers and paths so the config stays hashable, JSON-able and picklable.
         object.__setattr__(self, "gpus", _normal_gpus(self.gpus))
+        object.__setattr__(self, "trackers", _normal_trackers(self.trackers))
         for name in ("data_path", "runs_dir"):
             object.__setattr__(self, name, os.fspath(getattr(self, name)))
         if self.weights is not None:
@@ -340,6 +359,8 @@ class TrainConfig:
             bad("sync_bn", f"is refused while freeze_layers=True: {FREEZE_REASON}. Turn one of them off.")
         if name_problem(self.name):
             bad("name", f"{NAME_RULE}; e.g. name='digits-resnet34'")
+        if not isinstance(self.trackers, tuple) or any(t not in TRACKERS for t in self.trackers):
+            bad("trackers", f"must be tracker names from {sorted(TRACKERS)}, e.g. ('mlflow',) or 'mlflow,wandb'")
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -69,6 +69,9 @@ class LaunchSpec:
     cwd: Optional[str] = None  # the kernel's working directory at the launch
     master_port: Optional[int] = None  # MASTER_PORT the ranks see (the TCP store's, or a free port)
     store_path: Optional[str] = None  # the private FileStore nbddp's own group meets in (nbddp.kernel.rendezvous)
+    # spawn_train(profile=..., trackers=...): {"profile": ProfileOptions, "trackers": TrackerPlan,
+    # "by_optimizer": the schedule follows optimizer steps (the built-in worker)} (nbddp.contract.observe)
+    observe: Optional[dict] = None
 
 
 #: A rank's entry, named (``module:function``) so that the launcher hands it to the ranks

@@ -75,6 +75,8 @@ LAUNCH_RECORD = "launch.json"
 PROGRESS = "progress.json"
 RESULT = "result.pkl"
 STOP = "stop"
+PROFILE = "profile"  # Chrome traces and their summaries (spawn_train(profile=...))
+TRACKERS = "trackers.json"  # the tracker runs this run folder logs into (spawn_train(trackers=...))
 
 # The export folder (also used on its own, copied out of the run).
 EXPORT_PTH = "model.pth"
@@ -193,6 +195,29 @@ def export_dir(run_dir: PathLike) -> Path:
 
 def tensorboard_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / TENSORBOARD
+
+
+def profile_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / PROFILE
+
+
+def profile_trace_path(run_dir: PathLike, rank: int, window: int = 0) -> Path:
+    """Rank ``rank``'s Chrome trace of profiler window ``window`` (Perfetto, TensorBoard's profiler view)."""
+    return profile_dir(run_dir) / (f"rank{rank}.pt.trace.json.gz" if not window else
+                                   f"rank{rank}.{window}.pt.trace.json.gz")
+
+
+def profile_summary_path(run_dir: PathLike, rank: int) -> Path:
+    return profile_dir(run_dir) / f"rank{rank}.summary.json"
+
+
+def memory_snapshot_path(run_dir: PathLike, rank: int) -> Path:
+    """Rank ``rank``'s CUDA allocator history at an out-of-memory error (pytorch.org/memory_viz opens it)."""
+    return profile_dir(run_dir) / f"rank{rank}.memory.pickle"
+
+
+def trackers_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / TRACKERS
 
 
 def state_dir(run_dir: PathLike) -> Path:

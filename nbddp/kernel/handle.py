@@ -88,6 +88,21 @@ class TrainResult:
         v = self.value.get("weights_path") if isinstance(self.value, dict) else None
         return Path(v) if v else None
 
+    @property
+    def profile(self):
+        """Per rank, where the profiled steps' time went and who waits for whom
+        (:class:`nbddp.kernel.profiles.ProfileSummary`), for a run launched with ``profile=``; else ``None``."""
+        from .profiles import summarize
+
+        return summarize(self.run_dir, self.world_size)
+
+    @property
+    def trackers(self) -> Dict[str, Dict[str, Any]]:
+        """The tracker runs the run logged into (``trackers=``): ``{"mlflow": {"run_id": ..., "uri": ...}}``."""
+        from ..contract.observe import read_tracker_ids
+
+        return read_tracker_ids(self.run_dir)
+
     def __repr__(self) -> str:
         return (f"TrainResult(run_dir={str(self.run_dir)!r}, world_size={self.world_size}, "
                 f"backend={self.backend!r}, seconds={self.seconds:.1f}, metrics=[{len(self.metrics)} records], "

@@ -8,6 +8,7 @@ user (:mod:`nbddp.kernel.rendezvous`), the environment set for the children (and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import socket
@@ -41,6 +42,7 @@ from .shutdown import STOP_TIMEOUT_S
 from .stacks import flight_recorder_env
 from ..contract.system import cpu_cores, kill_group_or_process, start_time
 from ..contract.plans import LaunchPlan
+from ..contract.observe import check_trackers, profile_options, tracker_plan
 
 @contextlib.contextmanager
 def _patched_env(values: Dict[str, Optional[str]]):
@@ -117,6 +119,8 @@ def spawn_train(
     oom: Optional[str] = None,
     restart_backoff_s: float = 1.0,
     debug: Union[bool, str] = False,
+    profile: Union[bool, dict, None] = None,
+    trackers: Optional[Sequence[str]] = None,
 ) -> Union[TrainResult, RunHandle]:
     """Run a DDP worker function in one process per GPU (nccl) or ``nprocs`` CPU processes (gloo).
 
@@ -195,6 +199,20 @@ def spawn_train(
             a collective (the stall detector, paused at the prompt, still names a hung rank).
             Where no one can answer (nbmake, a script, CI) a breakpoint is skipped with a warning
             line; ``"always"`` stops there anyway (``handle.debug()`` or a terminal answers).
+        profile: ``True`` or a dict: ``torch.profiler`` on every rank, with no profiler code in the
+            worker. Its schedule (``wait``/``warmup``/``active`` steps, ``repeat`` windows; default
+            5/2/5/1) advances on each new ``step`` the worker reports (``ctx.log(step=...)``,
+            ``ctx.progress(step=...)``), and on the built-in worker's optimizer steps. Also
+            ``record_shapes``, ``with_stack``, ``ranks`` (default every rank) and ``memory``
+            (GPUs: the CUDA allocator's history; an out-of-memory error keeps its snapshot in
+            ``profile/`` and says how to open it). Each rank writes a Chrome trace,
+            ``profile/rank<r>.pt.trace.json.gz``; ``result.profile`` puts the ranks side by side:
+            computation, communication, data loading, idle, top operators, the rank the others wait for.
+        trackers: ``["mlflow"]``, ``["wandb"]`` or both (a config's own ``trackers``): rank 0 sends
+            every value the run logs, the launch's settings (as parameters) and at the end the
+            exported weights to one tracker run per run folder, which restarts and ``resume=``
+            continue. MLflow: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<runs_dir>/mlflow.db``;
+            W&B: offline unless ``WANDB_MODE``/``WANDB_API_KEY`` say otherwise. TensorBoard stays.
 
     Returns:
         A ``TrainResult`` (``block=True``) or a ``RunHandle`` (``block=False``).
@@ -218,6 +236,9 @@ def spawn_train(
     max_restarts = 0 if max_restarts is None else max_restarts
     oom = "fail" if oom is None else oom
     check_restart_policy(max_restarts, oom, restart_backoff_s)
+    if trackers is None and plans.is_task_config(target):
+        trackers = target.trackers
+    trackers = check_trackers(trackers)  # a missing package is refused here, before anything starts
     if start_method not in ("spawn", "forkserver"):
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
@@ -231,7 +252,8 @@ def spawn_train(
                        stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s, echo=echo,
                        on_event=on_event, start_method=start_method, env=env, resume=resume,
                        all_values=all_values, call=call, argv=argv, debug=debug,
-                       restarts=dict(max_restarts=max_restarts, oom=oom, backoff_s=restart_backoff_s))
+                       restarts=dict(max_restarts=max_restarts, oom=oom, backoff_s=restart_backoff_s),
+                       observe=dict(profile=profile, trackers=trackers))
     except BaseException:
         leases.release()  # the handle releases them at the run's end; twice is harmless
         raise
@@ -254,7 +276,7 @@ def debug_mode(debug: Union[bool, str]) -> str:
 
 def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, kwargs, args, block, name,
             runs_dir, timeout_s, threads_per_proc, grace_s, stall_timeout_s, stop_timeout_s, echo, on_event,
-            start_method, env, resume, all_values, call, argv, restarts, debug) -> Union[TrainResult, RunHandle]:
+            start_method, env, resume, all_values, call, argv, restarts, debug, observe) -> Union[TrainResult, RunHandle]:
     """:func:`spawn_train` once its GPUs are resolved and leased."""
     plan = plans.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
@@ -263,12 +285,13 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
     # that could escape an allocation. Refuses unknown or repeated ids, listing the GPUs, before
     # the run folder exists.
     visible_devices = cuda_visible_devices(plan.gpus) if plan.gpus else None
+    observed = _observe(plan, world, backend, **observe)
     run_dir = _prepare_run_dir(plan, world)
     if plan.payload is not None:
         keep_cell_sources(run_dir, target)
     leases.note(str(run_dir))
     launcher = _Generations(plan, world, backend, run_dir, visible_devices, threads_per_proc, start_method,
-                            {**debug_env(debug), **(env or {})}, all_values, restarts["max_restarts"])
+                            {**debug_env(debug), **(env or {})}, all_values, restarts["max_restarts"], observed)
     spec, meet, child_env, tmp_dir = launcher.prepare(restart=0)
     try:
         if start_method == "forkserver":
@@ -297,7 +320,7 @@ class _Generations:
 
     def __init__(self, plan: LaunchPlan, world: int, backend: str, run_dir: Path, visible_devices: Optional[str],
                  threads_per_proc: Optional[int], start_method: str, env: Optional[Dict[str, str]], all_values: bool,
-                 max_restarts: int):
+                 max_restarts: int, observe: Optional[dict] = None):
         self.plan, self.world, self.backend, self.run_dir = plan, world, backend, run_dir
         self.start_method, self.env, self.all_values = start_method, env, all_values
         self.max_restarts = max_restarts
@@ -305,6 +328,7 @@ class _Generations:
         self.timeout = plan.process_group_timeout()
         self.threads = threads_per_proc or max(1, cpu_cores() // world)
         self.config = plan.config
+        self.observe = observe
 
     def prepare(self, restart: int) -> Tuple[LaunchSpec, Rendezvous, Dict[str, Optional[str]], str]:
         """The spec, meeting point, environment and private temp folder of launch number ``restart``."""
@@ -333,7 +357,7 @@ class _Generations:
                               parent_pid=None if warm else os.getpid(), threads=self.threads, timeout_s=self.timeout,
                               env=snapshot, kernel=(os.getpid(), start_time(os.getpid())),
                               all_values=self.all_values, call=plan.call, argv=plan.argv, payload=plan.payload,
-                              cwd=os.getcwd(), master_port=meet.master_port)
+                              cwd=os.getcwd(), master_port=meet.master_port, observe=self.observe)
         except BaseException:
             meet.close()
             remove_private_tmp(tmp_dir)
@@ -470,6 +494,22 @@ def _leased(value: Union[str, Sequence[int], None]) -> Tuple[List[int], Leases]:
                           + "; ".join(f"GPU {i} {who}" for i, who in sorted(lost.items()))
                           + ". Launch again when one is free, or choose GPUs explicitly to share one.")
     return ids, Leases(taken)
+
+
+def _observe(plan: LaunchPlan, world: int, backend: str, profile: Any,
+             trackers: Tuple[str, ...]) -> Optional[dict]:
+    """What the ranks record beside the run (``profile=``, ``trackers=``), checked before anything starts."""
+    options = profile_options(profile, world, backend)
+    if options is None and not trackers:
+        return None
+    if plan.config is not None:
+        params = {k: v for k, v in dataclasses.asdict(plan.config).items() if k not in ("resume", "trackers")}
+    else:
+        params = {"target": plan.target, "args": list(plan.args), **{f"kwargs.{k}": v for k, v in plan.kwargs.items()},
+                  "call": plan.call, "argv": list(plan.argv)}
+    params.update(world_size=world, backend=backend, gpus=list(plan.gpus))
+    return {"profile": options, "by_optimizer": plan.config is not None,
+            "trackers": tracker_plan(trackers, plan.name, plan.runs_dir, params)}
 
 
 def _world(plan: LaunchPlan) -> Tuple[int, str]:

@@ -97,6 +97,9 @@ class Context:
         # What writes checkpoints in the background (``checkpoint.BackgroundSaver``), if anything:
         # the heartbeat says when it writes, and a failure's shutdown then lets the write end.
         self.background_writer = None
+        # spawn_train(profile=..., trackers=...): this rank's profiler, rank 0's tracker thread.
+        self._profiler = None
+        self._trackers = None
         rundir.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
 
     # -- progress and metrics ---------------------------------------------------------
@@ -129,7 +132,8 @@ class Context:
         return Heartbeat(rank=self.rank, pid=os.getpid(), state=state, epoch=self.epoch, step=self.step,
                          phase=self.phase, waiting=self.waiting, progress_time=self._progress_time,
                          beat_time=time.time(), stopping=self._stop_reason is not None,
-                         writing=bool(getattr(self.background_writer, "writing", False)))
+                         writing=bool(getattr(self.background_writer, "writing", False))
+                         or bool(getattr(self._trackers, "finishing", False)))
 
     def log(self, **metrics: Any) -> None:
         """Record metrics: rank 0's go live to the notebook and to the run's ``metrics.jsonl``.
@@ -138,6 +142,8 @@ class Context:
         (log values reduced over ranks, e.g. with :func:`nbddp.rank.dist.reduce_value`).
         """
         self.heartbeat(metrics.get("epoch"), metrics.get("step"))
+        if self._profiler is not None:
+            self._profiler.reported(metrics.get("step"))
         if not self.is_main:
             return
         if self._metrics_file is None:
@@ -146,6 +152,17 @@ class Context:
         record.update({k: json_value(v) for k, v in metrics.items()})
         self._metrics_file.write(json.dumps(record) + "\n")
         self._log_to_tensorboard(record)
+        if self._trackers is not None:
+            self._trackers.log(record)
+
+    def track(self, **values: Any) -> None:
+        """Values for the run's trackers only (``spawn_train(trackers=...)``), not ``metrics.jsonl``.
+
+        For values too frequent for the cell (a loss every step): ``ctx.track(train_loss_step=loss,
+        step=global_step)``. Rank 0 only; a no-op without trackers.
+        """
+        if self._trackers is not None:
+            self._trackers.log({"time": time.time(), **{k: json_value(v) for k, v in values.items()}})
 
     # Keys that place a record, not values to chart.
     _AXIS_KEYS = ("step", "epoch", "time")
@@ -237,6 +254,8 @@ class Context:
         Written at most 5 times a second, so calling it every step costs nothing.
         """
         self.heartbeat(fields.get("epoch"), fields.get("step"))
+        if self._profiler is not None:
+            self._profiler.reported(fields.get("step"))
         now = time.time()
         if self.is_main and now - self._progress_written >= 0.2:
             self._progress_written = now
@@ -290,7 +309,31 @@ class Context:
         self._breakpoints += 1
         debugger.breakpoint_at(self, rank, self._breakpoints, sys._getframe(1))
 
+    def start_observing(self, observe: Optional[dict]) -> None:
+        """Start what ``spawn_train(profile=..., trackers=...)`` asked for (after the process group)."""
+        if not observe:
+            return
+        if observe.get("profile") is not None:
+            from .profiling import start_profiler
+
+            self._profiler = start_profiler(self.run_dir, self.rank, observe["profile"], self.device,
+                                            by_optimizer=bool(observe.get("by_optimizer")))
+        if observe.get("trackers") is not None:
+            from .trackers import start_trackers
+
+            self._trackers = start_trackers(self.run_dir, self.rank, observe["trackers"])
+
+    def stop_observing(self, ok: bool) -> None:
+        """The profile's last window and record; the trackers' last values, artifacts and end."""
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            profiler.close()
+        trackers, self._trackers = self._trackers, None
+        if trackers is not None:
+            trackers.finish(ok)
+
     def close(self) -> None:
+        self.stop_observing(ok=False)
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
@@ -612,7 +655,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
 
     code, _ = run_rank(ctx, (lambda: None) if own_group else init_process_group, spec.target, spec.args,
                        spec.kwargs, watch=spec.kernel, all_values=spec.all_values, call=spec.call, argv=spec.argv,
-                       payload=spec.payload)
+                       payload=spec.payload, observe=spec.observe)
     # Nothing the rank started outlives it: a child in a session of its own, without the run's
     # marker, with stdio on /dev/null, forked from a thread or without a parent-death signal.
     reaper.end_descendants()
@@ -623,7 +666,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
 
 def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., Any]], args: tuple, kwargs: dict,
              watch: Optional[tuple] = None, all_values: bool = False, call: str = calls.CTX, argv: tuple = (),
-             payload: Optional[bytes] = None) -> tuple:
+             payload: Optional[bytes] = None, observe: Optional[dict] = None) -> tuple:
     """Run one rank's target around heartbeats and error records; shared by every launcher.
 
     ``target`` is a spec (``"pkg.mod:fn"``, ``"/path/file.py:fn"``), loaded once the process
@@ -645,18 +688,23 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
     try:
         init_process_group()
         beat.state = "running"
+        ctx.start_observing(observe)
         value = _call_user_code(ctx, target, args, kwargs, call, argv, payload)
         if ctx.rank == 0 or all_values:
             write_result(ctx.run_dir, to_cpu(value), ctx.rank)
         beat.state = "finishing"
         if dist.is_initialized():
             dist.destroy_process_group()
+        ctx.stop_observing(ok=True)  # after the group: no rank waits for rank 0's trackers
         beat.state = "done"
     except BaseException as exc:  # noqa: BLE001 - every failure must become a record
         code = 1
         during_init = beat.state == "starting"
         beat.state = "failed"
         record = _error_record(exc, ctx, during_init=during_init)
+        note = ctx._profiler.on_error(exc) if ctx._profiler is not None else None
+        if note:
+            record.message = f"{record.message}\n{note}"
         record.write(ctx.run_dir)
         if record.secondary or record.root_rank not in (None, ctx.rank):
             # A consequence of another rank's failure: one line here, so the notebook's echo of

@@ -1,0 +1,219 @@
+"""Looking inside a run: the profiler's settings and per-rank record, and the trackers' plan.
+
+Both sides read these: the kernel checks ``spawn_train(profile=..., trackers=...)`` before any
+process starts and reads what the ranks wrote; the ranks (:mod:`nbddp.rank.profiling`,
+:mod:`nbddp.rank.trackers`) act on them.
+
+    record           file                           writer                      reader
+    ProfileRecord    profile/rank<r>.summary.json   rank r (profiling)          kernel (kernel.profiles)
+    tracker ids      trackers.json                  rank 0 (trackers)           rank 0 of a restart / resume, kernel
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from . import rundir
+from .errors import ConfigError
+
+PathLike = Union[str, os.PathLike]
+
+#: The profiler's settings a user may give, and their defaults (steps are the worker's reported
+#: steps, or the built-in worker's optimizer steps). ``wait`` skips the first, slower steps.
+PROFILE_DEFAULTS = dict(wait=5, warmup=2, active=5, repeat=1, record_shapes=False, with_stack=False,
+                        memory=False, ranks=None)
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """``spawn_train(profile=...)``, checked: ``torch.profiler.schedule``'s steps and what each step records.
+
+    Attributes:
+        wait / warmup / active / repeat: the schedule (``torch.profiler.schedule``); ``repeat`` windows.
+        record_shapes / with_stack: recorded for every operator (more cost inside the window).
+        memory: the CUDA allocator's history on every rank (GPU only); an out-of-memory error keeps
+            its snapshot in the run folder.
+        ranks: the ranks that profile (``None``: every rank).
+    """
+
+    wait: int = 5
+    warmup: int = 2
+    active: int = 5
+    repeat: int = 1
+    record_shapes: bool = False
+    with_stack: bool = False
+    memory: bool = False
+    ranks: Optional[Tuple[int, ...]] = None
+
+    def profiles(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+
+def profile_options(value: Any, world_size: int, backend: str) -> Optional[ProfileOptions]:
+    """``spawn_train(profile=value)`` checked, or ``None`` for no profiling.
+
+    Raises:
+        ConfigError: an unknown key, a bad count, a rank outside the world, or ``memory`` on CPU.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"profile={value!r}: pass True, or a dict with any of {sorted(PROFILE_DEFAULTS)}")
+    unknown = sorted(set(value) - set(PROFILE_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"profile: unknown key(s) {unknown}; the keys are {sorted(PROFILE_DEFAULTS)}")
+    options = {**PROFILE_DEFAULTS, **value}
+    for key, low in (("wait", 0), ("warmup", 0), ("active", 1), ("repeat", 1)):
+        v = options[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigError(f"profile[{key!r}]={v!r}: an integer >= {low} (steps of the schedule)")
+    for key in ("record_shapes", "with_stack", "memory"):
+        if not isinstance(options[key], bool):
+            raise ConfigError(f"profile[{key!r}]={options[key]!r}: True or False")
+    options["ranks"] = _ranks(options["ranks"], world_size)
+    if options["memory"] and backend != "nccl":
+        raise ConfigError("profile={'memory': True} records the CUDA allocator's history: it needs GPUs "
+                          "(gpus=[...]). On CPU, profile=True shows time per operator; drop 'memory'.")
+    return ProfileOptions(**options)
+
+
+def _ranks(value: Any, world_size: int) -> Optional[Tuple[int, ...]]:
+    if value is None:
+        return None
+    ranks = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if (not isinstance(ranks, (list, tuple)) or not ranks
+            or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in ranks)):
+        raise ConfigError(f"profile['ranks']={value!r}: a rank or a list of ranks in 0..{world_size - 1} "
+                          "(None: every rank)")
+    return tuple(sorted(set(ranks)))
+
+
+@dataclass
+class ProfileRecord:
+    """One rank's profiled steps, summed over its windows (milliseconds).
+
+    The four parts add up to ``wall_ms``: time a collective was in flight (``comm_ms``, on any
+    thread or device stream), else time in the data loader (``data_ms``), else time in any other
+    operator (``compute_ms``), else nothing recorded (``idle_ms``: Python between operators,
+    waiting on a lock or on the GPU).
+    """
+
+    rank: int
+    steps: int = 0
+    wall_ms: float = 0.0
+    compute_ms: float = 0.0
+    comm_ms: float = 0.0
+    data_ms: float = 0.0
+    idle_ms: float = 0.0
+    device: str = "cpu"  # "cuda": the parts are read from the GPU's kernels, else from the CPU's operators
+    top_ops: List[Dict[str, Any]] = field(default_factory=list)  # name, self_ms, calls (most time first)
+    traces: List[str] = field(default_factory=list)  # trace files, relative to the run folder
+    memory_snapshot: Optional[str] = None
+
+    def write(self, run_dir: PathLike) -> None:
+        path = rundir.profile_summary_path(run_dir, self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rundir.write_json_atomic(path, dataclasses.asdict(self))
+
+
+def read_profile_records(run_dir: PathLike, world_size: int) -> Dict[int, ProfileRecord]:
+    """Every rank's :class:`ProfileRecord` that exists."""
+    out = {}
+    names = {f.name for f in dataclasses.fields(ProfileRecord)}
+    for rank in range(world_size):
+        data = rundir.read_json(rundir.profile_summary_path(run_dir, rank))
+        if isinstance(data, dict) and data.get("rank") == rank:
+            out[rank] = ProfileRecord(**{k: v for k, v in data.items() if k in names})
+    return out
+
+
+#: Tracker name -> (module that must import, the extra that installs it).
+TRACKERS = {"mlflow": ("mlflow", "nbddp[mlflow]"), "wandb": ("wandb", "nbddp[wandb]")}
+
+
+def check_trackers(value: Any) -> Tuple[str, ...]:
+    """``trackers=...`` as a tuple of known names whose package is installed.
+
+    Raises:
+        ConfigError: an unknown name, or a tracker whose package is missing (with the pip command).
+    """
+    if value is None:
+        return ()
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"trackers={value!r}: a list of tracker names, e.g. ['mlflow'] or ['wandb']")
+    out: List[str] = []
+    for name in names:
+        key = name.strip().lower()
+        if key not in TRACKERS:
+            raise ConfigError(f"trackers: unknown tracker {name!r}; nbddp logs to {sorted(TRACKERS)} "
+                              "(TensorBoard always)")
+        module, extra = TRACKERS[key]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"trackers: {key!r} needs the {module} package, which is not installed in this "
+                              f"Python. Install it with:  pip install '{extra}'  (or pip install {module})")
+        if key not in out:
+            out.append(key)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TrackerPlan:
+    """What rank 0 sends to the trackers, decided in the kernel.
+
+    Attributes:
+        names: the trackers (``"mlflow"``, ``"wandb"``).
+        experiment: the MLflow experiment / W&B project (the launch's name unless the user set one).
+        params: the launch's settings (the config's fields, or the target and its arguments).
+        mlflow_uri: MLflow's tracking URI (``MLFLOW_TRACKING_URI``, else SQLite in the runs folder).
+        artifact_root: where a new MLflow experiment in the local store keeps its artifacts.
+        wandb_mode: ``"offline"`` unless the user configured W&B (``WANDB_MODE``, ``WANDB_API_KEY``).
+    """
+
+    names: Tuple[str, ...]
+    experiment: str
+    params: Dict[str, str]
+    mlflow_uri: Optional[str] = None
+    artifact_root: Optional[str] = None
+    wandb_mode: Optional[str] = None
+
+
+def tracker_plan(names: Sequence[str], experiment: str, runs_dir: PathLike, params: Dict[str, Any],
+                 environ: Optional[Dict[str, str]] = None) -> Optional[TrackerPlan]:
+    """The plan for ``names`` (``None`` when there are none), with offline defaults."""
+    if not names:
+        return None
+    environ = os.environ if environ is None else environ
+    runs = Path(runs_dir).absolute()
+    uri = environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{runs / 'mlflow.db'}"
+    mode = environ.get("WANDB_MODE") or ("online" if environ.get("WANDB_API_KEY") else "offline")
+    flat = {k: _param(v) for k, v in params.items()}
+    return TrackerPlan(tuple(names), environ.get("MLFLOW_EXPERIMENT_NAME") or experiment, flat, uri,
+                       str(runs / "mlartifacts"), mode)
+
+
+def _param(value: Any) -> str:
+    """A setting as the text a tracker shows (MLflow keeps parameters as strings of <= 6000 characters)."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def read_tracker_ids(run_dir: PathLike) -> Dict[str, Dict[str, Any]]:
+    """The tracker runs this run folder logs into: ``{"mlflow": {"run_id": ...}, "wandb": {"id": ...}}``."""
+    data = rundir.read_json(rundir.trackers_path(run_dir))
+    return data if isinstance(data, dict) else {}
+
+
+def write_tracker_ids(run_dir: PathLike, ids: Dict[str, Dict[str, Any]]) -> None:
+    rundir.write_json_atomic(rundir.trackers_path(run_dir), ids, durable=True)
+
+
+__all__ = ["ProfileOptions", "ProfileRecord", "TrackerPlan", "profile_options", "check_trackers", "tracker_plan",
+           "read_profile_records", "read_tracker_ids", "write_tracker_ids", "TRACKERS", "PROFILE_DEFAULTS"]

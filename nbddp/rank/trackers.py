@@ -1,0 +1,223 @@
+"""``spawn_train(..., trackers=["mlflow", "wandb"])`` in rank 0: every logged value, off the training thread.
+
+Only rank 0 talks to a tracker. ``ctx.log`` puts each record on a queue (microseconds); a
+daemon thread imports the tracker's package, opens the run and sends what came, in batches, so
+the training thread never waits for a database or a network. One run folder is one tracker run:
+its id is kept in ``trackers.json``, so a restart (``max_restarts``) and a ``resume=`` of the same
+folder continue the same MLflow run / W&B run. At the end the exported weights go as artifacts
+and the tracker run is marked finished (or failed; a restart marks it running again).
+
+A tracker that fails (a server away, a full disk) is reported once in rank 0's log and dropped:
+the training goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..contract import rundir
+from ..contract.observe import TrackerPlan, read_tracker_ids, write_tracker_ids
+
+_AXIS_KEYS = ("step", "epoch", "time")
+_END = object()
+
+
+def metric_values(record: Dict[str, Any]) -> Dict[str, float]:
+    """The numbers of a ``ctx.log`` record a tracker charts (axis keys and text left out)."""
+    return {k: float(v) for k, v in record.items()
+            if k not in _AXIS_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class TrackerThread:
+    """Rank 0's trackers, fed through a queue and served by one daemon thread.
+
+    Args:
+        run_dir: the run folder (``trackers.json``, the export folder).
+        plan: what the kernel decided (:class:`~nbddp.contract.observe.TrackerPlan`).
+    """
+
+    def __init__(self, run_dir: os.PathLike, plan: TrackerPlan):
+        self.run_dir, self.plan = Path(run_dir), plan
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="nbddp-trackers", daemon=True)
+        self._logged = 0
+        self.finishing = False  # the heartbeat says "writing" meanwhile: a failure's shutdown lets it end
+
+    def start(self) -> "TrackerThread":
+        self._thread.start()
+        return self
+
+    def log(self, record: Dict[str, Any]) -> None:
+        """Queue a ``ctx.log`` record (rank 0's training thread: no I/O here)."""
+        values = metric_values(record)
+        axis = record.get("step", record.get("epoch"))
+        step = axis if isinstance(axis, int) and not isinstance(axis, bool) else self._logged
+        self._logged += 1
+        if values:
+            self._queue.put((values, step, int(record.get("time", time.time()) * 1000)))
+
+    def finish(self, ok: bool, timeout_s: float = 300.0) -> None:
+        """Send what is queued, the exported weights (``ok``) and the run's end; wait for it."""
+        if not self._thread.is_alive():
+            return
+        self.finishing = True
+        try:
+            self._queue.put((_END, ok))
+            self._thread.join(timeout_s)
+        finally:
+            self.finishing = False
+
+    def _serve(self) -> None:
+        backends = []
+        for name in self.plan.names:
+            try:
+                backends.append(_BACKENDS[name](self.run_dir, self.plan))
+            except Exception as exc:  # noqa: BLE001 - a tracker must not end the training
+                _warn(name, "could not start", exc)
+        while True:
+            batch, end = _drain(self._queue)
+            for backend in list(backends):
+                try:
+                    if batch:
+                        backend.log(batch)
+                    if end is not None:
+                        backend.end(end[1], _artifacts(self.run_dir) if end[1] else [])
+                except Exception as exc:  # noqa: BLE001
+                    _warn(backend.name, "failed", exc)
+                    backends.remove(backend)
+            if end is not None:
+                return
+
+
+def _drain(q: "queue.SimpleQueue") -> Tuple[List[tuple], Optional[tuple]]:
+    """Wait for one item, then take whatever else is queued: ``(metric items, end item or None)``."""
+    items = [q.get()]
+    while len(items) < 500:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            break
+    end = next((i for i in items if i[0] is _END), None)
+    return [i for i in items if i[0] is not _END], end
+
+
+def _artifacts(run_dir: Path) -> List[Path]:
+    """The exported weights and what describes them (the built-in worker's ``export/``)."""
+    folder = rundir.export_dir(run_dir)
+    return sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+
+
+def _warn(name: str, what: str, exc: BaseException) -> None:
+    print(f"tracker {name} {what}: {type(exc).__name__}: {exc}; training goes on without it", flush=True)
+
+
+def _remember(run_dir: Path, name: str, ids: Dict[str, Any]) -> None:
+    known = read_tracker_ids(run_dir)
+    known[name] = ids
+    write_tracker_ids(run_dir, known)
+
+
+class _MLflow:
+    """One MLflow run per run folder, through ``MlflowClient`` (no global active run)."""
+
+    name = "mlflow"
+
+    def __init__(self, run_dir: Path, plan: TrackerPlan):
+        import logging
+
+        from mlflow.tracking import MlflowClient
+
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its database set-up would fill the cell
+
+        self.client = MlflowClient(tracking_uri=plan.mlflow_uri)
+        known = read_tracker_ids(run_dir).get(self.name) or {}
+        if known.get("uri") == plan.mlflow_uri and known.get("run_id"):
+            self.run_id = known["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")  # a restart or resume continues it
+            return
+        experiment = self._experiment(plan)
+        run = self.client.create_run(experiment, run_name=run_dir.name, tags={"nbddp.run_dir": str(run_dir)})
+        self.run_id = run.info.run_id
+        _remember(run_dir, self.name, {"run_id": self.run_id, "uri": plan.mlflow_uri, "experiment_id": experiment})
+        from mlflow.entities import Param
+
+        params = [Param(k, v) for k, v in plan.params.items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def _experiment(self, plan: TrackerPlan) -> str:
+        found = self.client.get_experiment_by_name(plan.experiment)
+        if found is not None:
+            return found.experiment_id
+        where = (Path(plan.artifact_root) / plan.experiment).as_uri() if plan.artifact_root else None
+        try:
+            return self.client.create_experiment(plan.experiment, artifact_location=where)
+        except Exception:  # another launch created it meanwhile
+            found = self.client.get_experiment_by_name(plan.experiment)
+            if found is None:
+                raise
+            return found.experiment_id
+
+    def log(self, batch: List[tuple]) -> None:
+        from mlflow.entities import Metric
+
+        metrics = [Metric(k, v, ts, step) for values, step, ts in batch for k, v in values.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def end(self, ok: bool, files: List[Path]) -> None:
+        for path in files:
+            self.client.log_artifact(self.run_id, str(path), artifact_path="export")
+        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+class _WandB:
+    """One W&B run per run folder: its id chosen once and kept, ``resume="allow"`` on every launch."""
+
+    name = "wandb"
+
+    def __init__(self, run_dir: Path, plan: TrackerPlan):
+        import wandb
+
+        known = read_tracker_ids(run_dir).get(self.name) or {}
+        run_id = known.get("id") or uuid.uuid4().hex[:12]
+        if not known:
+            _remember(run_dir, self.name, {"id": run_id, "project": plan.experiment, "mode": plan.wandb_mode})
+        self.wandb = wandb
+        self.run = wandb.init(project=plan.experiment, id=run_id, name=run_dir.name, resume="allow",
+                              mode=plan.wandb_mode, dir=str(run_dir), config=dict(plan.params),
+                              settings=wandb.Settings(console="off", silent=True))
+
+    def log(self, batch: List[tuple]) -> None:
+        for values, step, _ in batch:
+            self.run.log({**values, "step": step})
+
+    def end(self, ok: bool, files: List[Path]) -> None:
+        if files:
+            artifact = self.wandb.Artifact(f"{self.run.id}-export", type="model")
+            for path in files:
+                artifact.add_file(str(path))
+            self.run.log_artifact(artifact)
+        self.run.finish(exit_code=0 if ok else 1)
+        teardown = getattr(self.wandb, "teardown", None)
+        if teardown is not None:
+            teardown()  # its service process ends with the run, not with the rank's os._exit
+
+
+_BACKENDS = {"mlflow": _MLflow, "wandb": _WandB}
+
+
+def start_trackers(run_dir: os.PathLike, rank: int, plan: Optional[TrackerPlan]) -> Optional[TrackerThread]:
+    """Rank 0's tracker thread, started; ``None`` on other ranks or without trackers."""
+    if plan is None or rank != 0:
+        return None
+    return TrackerThread(run_dir, plan).start()
+
+
+__all__ = ["TrackerThread", "start_trackers", "metric_values"]
