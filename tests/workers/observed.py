@@ -11,11 +11,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import nbddp
 
 
-def train(ctx, steps: int = 6, fail_once_at: int = -1, slow_rank: int = -1):
+def train(ctx, steps: int = 6, fail_once_at: int = -1, slow_rank: int = -1, checkpoint: bool = True):
     """``steps`` DDP steps, each logged; a checkpoint after each, so a restart or resume continues.
 
     ``fail_once_at``: rank 0 raises ``nbddp.Retryable`` at that step in the first launch (a restart
     heals it). ``slow_rank``: that rank works longer each step, so the others wait for it.
+    ``checkpoint=False``: no checkpoint (whose write on rank 0 would make rank 0 the slow one).
     """
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2)))
@@ -38,9 +39,10 @@ def train(ctx, steps: int = 6, fail_once_at: int = -1, slow_rank: int = -1):
         loss.backward()
         opt.step()
         if ctx.rank == slow_rank:
-            time.sleep(0.03)
+            time.sleep(0.1)
         ctx.log(step=step, loss=loss.item(), lr=0.1)
-        ctx.save_checkpoint({"model": model.module.state_dict(), "step": step})
+        if checkpoint:
+            ctx.save_checkpoint({"model": model.module.state_dict(), "step": step})
         if step == fail_once_at and restart == 0 and ctx.rank == 0:
             raise nbddp.Retryable("the data server went away")
     return {"start": start, "rank": ctx.rank}

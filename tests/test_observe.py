@@ -1,0 +1,120 @@
+"""Looking inside a run with one argument each: profile= (every rank's trace, result.profile) and trackers=.
+
+Real 2-rank CPU runs of a worker with no profiler or tracker code (tests/workers/observed.py),
+sharing one runs folder (and so one MLflow SQLite store, made once). MLflow runs offline in
+``<runs>/mlflow.db``; W&B in offline mode.
+"""
+
+import gzip
+import json
+import sys
+
+import pytest
+
+from nbddp import ConfigError, TrainConfig, spawn_train
+from nbddp.contract import rundir
+from conftest import WORKERS
+
+OBSERVED = f"{WORKERS / 'observed.py'}:train"
+WINDOW = {"wait": 1, "warmup": 1, "active": 3}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("observed-runs")
+
+
+@pytest.fixture(autouse=True)
+def offline_trackers(monkeypatch):
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def profiled(runs):
+    """One launch, profiled and tracked: rank 1 sleeps 0.1 s a step, so rank 0 waits for it."""
+    return spawn_train(OBSERVED, nprocs=2, runs_dir=runs, name="profiled", echo=False, profile=WINDOW,
+                       trackers=["mlflow"], kwargs=dict(steps=6, slow_rank=1, checkpoint=False))
+
+
+def mlflow_client(result):
+    from mlflow.tracking import MlflowClient
+
+    ids = result.trackers["mlflow"]
+    return MlflowClient(ids["uri"]), ids
+
+
+def trace_names(path):
+    with gzip.open(path, "rt") as f:
+        return {e.get("name", "") for e in json.load(f)["traceEvents"]}
+
+
+def test_every_rank_writes_a_trace_and_the_summary_names_who_waits(profiled):
+    for rank in (0, 1):
+        names = trace_names(rundir.profile_trace_path(profiled.run_dir, rank))
+        assert {"ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"} <= names, sorted(names)[:20]
+        assert any("allreduce" in n for n in names)
+    summary = profiled.profile
+    assert sorted(summary.ranks) == [0, 1]
+    assert all(r.steps == 3 and r.comm_ms > 0 and r.top_ops for r in summary.ranks.values())
+    for r in summary.ranks.values():  # the four parts are the profiled steps' whole time
+        assert r.compute_ms + r.comm_ms + r.data_ms + r.idle_ms == pytest.approx(r.wall_ms, abs=0.01)
+    assert summary.waited_for == 1  # rank 0 spends rank 1's sleep in the all-reduce
+    text = str(summary)
+    assert "communication" in text and "data loading" in text and "idle" in text
+    assert "the others wait for rank 1" in text
+    assert text.count("top operators") == 2 and "<table>" in summary._repr_html_()
+
+
+def test_one_mlflow_run_holds_every_value_and_the_settings(profiled):
+    client, ids = mlflow_client(profiled)
+    experiment = client.get_experiment_by_name("profiled")
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in runs] == [ids["run_id"]]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(ids["run_id"], "loss")
+    assert [m.step for m in history] == list(range(6))
+    assert [m.value for m in history] == pytest.approx([m["loss"] for m in profiled.metrics])
+    assert run.data.params["kwargs.steps"] == "6" and run.data.params["world_size"] == "2"
+
+
+def test_a_restart_and_a_resume_continue_the_same_mlflow_run(runs):
+    first = spawn_train(OBSERVED, nprocs=2, runs_dir=runs, name="healed", echo=False, trackers=["mlflow"],
+                        max_restarts=1, restart_backoff_s=0, kwargs=dict(steps=5, fail_once_at=2))
+    assert len(first.restarts) == 1
+    again = spawn_train(OBSERVED, nprocs=2, runs_dir=runs, name="healed", echo=False, trackers=["mlflow"],
+                        resume=first.run_dir, kwargs=dict(steps=7))
+    assert again.run_dir == first.run_dir and again.value["start"] == 5
+    client, ids = mlflow_client(again)
+    experiment = client.get_experiment_by_name("healed")
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [ids["run_id"]]
+    steps = [m.step for m in client.get_metric_history(ids["run_id"], "loss")]
+    # 0-2 before the failure, 3-4 after the restart, 5-6 in the resumed launch
+    assert sorted(set(steps)) == list(range(7)), steps
+    assert client.get_run(ids["run_id"]).info.status == "FINISHED"
+
+
+def test_wandb_offline_writes_one_run(runs):
+    result = spawn_train(OBSERVED, nprocs=2, runs_dir=runs, name="wb", echo=False, trackers="wandb",
+                         kwargs=dict(steps=3, checkpoint=False))
+    ids = result.trackers["wandb"]
+    assert ids["mode"] == "offline"
+    written = sorted((result.run_dir / "wandb").glob("offline-run-*"))
+    assert [p.name.rsplit("-", 1)[1] for p in written] == [ids["id"]]
+    assert (written[0] / f"run-{ids['id']}.wandb").stat().st_size > 0
+
+
+def test_a_missing_tracker_package_and_memory_on_cpu_are_refused_before_anything_starts(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed: its import fails
+    with pytest.raises(ConfigError, match=r"pip install 'nbddp\[mlflow\]'"):
+        spawn_train(OBSERVED, nprocs=2, runs_dir=tmp_path, trackers=["mlflow"])
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    config = TrainConfig(data_path=str(tmp_path / "no-data"), runs_dir=str(tmp_path), trackers="wandb")
+    with pytest.raises(ConfigError, match=r"pip install 'nbddp\[wandb\]'"):
+        spawn_train(config)
+    with pytest.raises(ConfigError, match="CUDA allocator.*needs GPUs"):
+        spawn_train(OBSERVED, nprocs=2, runs_dir=tmp_path, profile={"memory": True})
+    with pytest.raises(ConfigError, match="unknown key"):
+        spawn_train(OBSERVED, nprocs=2, runs_dir=tmp_path, profile={"steps": 3})
+    assert list(tmp_path.iterdir()) == []  # no run folder: nothing started
