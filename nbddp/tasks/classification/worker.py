@@ -398,6 +398,7 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
         def on_step(step, loss, _base=epoch * steps_per_epoch):
             if writer is not None:
                 writer.add_scalar("train_loss_step", loss, _base + step)
+                ctx.track(train_loss_step=loss, step=_base + step)  # to spawn_train(trackers=...), if any
 
         def checkpoint(done: EpochStats, _epoch=epoch) -> None:
             t_save = time.perf_counter()
