@@ -26,6 +26,7 @@ from ..contract.observe import TrackerPlan, read_tracker_ids, write_tracker_ids
 
 _AXIS_KEYS = ("step", "epoch", "time")
 _END = object()
+_FLUSH = object()
 
 
 def metric_values(record: Dict[str, Any]) -> Dict[str, float]:
@@ -47,6 +48,7 @@ class TrackerThread:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="nbddp-trackers", daemon=True)
         self._logged = 0
+        self._sent = threading.Event()
         self.finishing = False  # the heartbeat says "writing" meanwhile: a failure's shutdown lets it end
 
     def start(self) -> "TrackerThread":
@@ -61,6 +63,12 @@ class TrackerThread:
         self._logged += 1
         if values:
             self._queue.put((values, step, int(record.get("time", time.time()) * 1000)))
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Send what is queued now and wait until it is sent (the end of a benchmark's block)."""
+        self._sent.clear()
+        self._queue.put((_FLUSH,))
+        self._sent.wait(timeout_s)
 
     def finish(self, ok: bool, timeout_s: float = 300.0) -> None:
         """Send what is queued, the exported weights (``ok``) and the run's end; wait for it."""
@@ -91,20 +99,31 @@ class TrackerThread:
                 except Exception as exc:  # noqa: BLE001
                     _warn(backend.name, "failed", exc)
                     backends.remove(backend)
+            self._sent.set()
             if end is not None:
                 return
 
 
-def _drain(q: "queue.SimpleQueue") -> Tuple[List[tuple], Optional[tuple]]:
-    """Wait for one item, then take whatever else is queued: ``(metric items, end item or None)``."""
+#: Seconds the thread gathers records before it sends them: one batch then costs the training
+#: thread's share of the interpreter (a tracker's client is Python: SQLAlchemy, protobuf) once per
+#: interval instead of once per step.
+FLUSH_S = 3.0
+
+
+def _drain(q: "queue.SimpleQueue", flush_s: float = FLUSH_S) -> Tuple[List[tuple], Optional[tuple]]:
+    """Wait for one item, then gather for ``flush_s`` (or until the end): ``(metric items, end item or None)``."""
     items = [q.get()]
-    while len(items) < 500:
+    deadline = time.monotonic() + flush_s
+    while items[-1][0] not in (_END, _FLUSH) and len(items) < 5000:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
         try:
-            items.append(q.get_nowait())
+            items.append(q.get(timeout=left))
         except queue.Empty:
             break
-    end = next((i for i in items if i[0] is _END), None)
-    return [i for i in items if i[0] is not _END], end
+    end = items[-1] if items[-1][0] is _END else None
+    return [i for i in items if i[0] not in (_END, _FLUSH)], end
 
 
 def _artifacts(run_dir: Path) -> List[Path]:
