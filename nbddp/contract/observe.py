@@ -136,9 +136,11 @@ def read_profile_records(run_dir: PathLike, world_size: int) -> Dict[int, Profil
 
 #: Tracker name -> (module that must import, the extra that installs it).
 TRACKERS = {"mlflow": ("mlflow", "nbddp[mlflow]"), "wandb": ("wandb", "nbddp[wandb]")}
+#: What MLflow's SQLite store needs beside ``mlflow`` (mlflow-skinny leaves them out).
+SQL_MODULES = ("sqlalchemy", "alembic")
 
 
-def check_trackers(value: Any) -> Tuple[str, ...]:
+def check_trackers(value: Any, environ: Optional[Dict[str, str]] = None) -> Tuple[str, ...]:
     """``trackers=...`` as a tuple of known names whose package is installed.
 
     Raises:
@@ -159,6 +161,13 @@ def check_trackers(value: Any) -> Tuple[str, ...]:
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"trackers: {key!r} needs the {module} package, which is not installed in this "
                               f"Python. Install it with:  pip install '{extra}'  (or pip install {module})")
+        uri = (os.environ if environ is None else environ).get("MLFLOW_TRACKING_URI") or "sqlite:"
+        missing = [m for m in SQL_MODULES if key == "mlflow" and uri.startswith("sqlite:")
+                   and importlib.util.find_spec(m) is None]
+        if missing:
+            raise ConfigError(f"trackers: MLflow's local SQLite store needs {' and '.join(missing)}, not installed "
+                              f"in this Python. Install them with:  pip install '{extra}'  (or set "
+                              "MLFLOW_TRACKING_URI to your MLflow server)")
         if key not in out:
             out.append(key)
     return tuple(out)
