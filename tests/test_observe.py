@@ -118,3 +118,13 @@ def test_a_missing_tracker_package_and_memory_on_cpu_are_refused_before_anything
     with pytest.raises(ConfigError, match="unknown key"):
         spawn_train(OBSERVED, nprocs=2, runs_dir=tmp_path, profile={"steps": 3})
     assert list(tmp_path.iterdir()) == []  # no run folder: nothing started
+
+
+def test_the_panel_shows_the_profile_and_the_tracker_run_at_the_end(profiled):
+    from nbddp.ui.run_view import RunView
+
+    view = RunView(worker=True, on_idle=lambda: None, plan=(None, None))
+    view._show_result(profiled)
+    shown = view.status.value
+    assert "Finished." in shown and "the others wait for rank 1" in shown and "<table>" in shown
+    assert f"mlflow run <code>{profiled.trackers['mlflow']['run_id']}</code>" in shown

@@ -58,6 +58,9 @@ class TrainingPanel:
         gpus: a worker's starting GPU choice (default: every GPU).
         runs_dir: where a worker's run folders go (default: ``spawn_train``'s, ``runs``).
         name: suffix of a worker's run folders (default: file and function name).
+        profile: ``spawn_train``'s ``profile=`` for every run of the panel; the end of a run shows the
+            ranks' profiles side by side.
+        trackers: ``spawn_train``'s ``trackers=`` (a config's own ``trackers`` is in the Advanced section).
 
     Attributes:
         handle: the :class:`RunHandle` of the current or last run (``None`` before the first).
@@ -85,9 +88,12 @@ class TrainingPanel:
     def __init__(self, target: Union[TrainConfig, str, Callable[..., Any], None] = None, *,
                  kwargs: Optional[dict] = None, choices: Optional[Dict[str, Sequence]] = None,
                  nprocs: Optional[int] = None, gpus: Optional[Sequence[int]] = None,
-                 runs_dir: Optional[str] = None, name: Optional[str] = None):
+                 runs_dir: Optional[str] = None, name: Optional[str] = None,
+                 profile: Union[bool, dict, None] = None, trackers: Optional[Sequence[str]] = None):
         prewarm()  # the forkserver starts while the user fills in the panel (NBDDP_PREWARM=0: off)
         self._worker: Optional[str] = None  # the worker's spec; None for the built-in classifier
+        # spawn_train's profile= and trackers= (a config's own trackers field is in the form)
+        self._observe = {k: v for k, v in (("profile", profile), ("trackers", trackers)) if v is not None}
         self._gpus = list_gpus()  # NVML / nvidia-smi: the kernel never initialises CUDA
         if target is None or isinstance(target, TrainConfig):
             if any(v is not None for v in (kwargs, choices, nprocs, gpus, runs_dir, name)):
@@ -271,11 +277,11 @@ class TrainingPanel:
         if self._worker is None:
             cfg = self.config
             self._view.plan = (cfg.epochs, None)
-            return cfg, {}, tuple(cfg.gpus), cfg.nprocs
+            return cfg, dict(self._observe), tuple(cfg.gpus), cfg.nprocs
         kwargs = self.worker_kwargs
         gpus, nprocs = self._devices.chosen()
         self._view.plan = planned(kwargs)
-        launch = dict(kwargs=kwargs, runs_dir=self._runs_dir, name=self._name)
+        launch = dict(kwargs=kwargs, runs_dir=self._runs_dir, name=self._name, **self._observe)
         launch.update(gpus=list(gpus)) if gpus else launch.update(nprocs=nprocs)
         return self._worker, launch, gpus, nprocs
 

@@ -351,6 +351,11 @@ class RunView:
             facts.append(f"{len(r.restarts)} restart{'s' if len(r.restarts) > 1 else ''} on the way")
         if r.weights_path:
             facts.append(f"weights <code>{html.escape(str(r.weights_path))}</code>")
+        facts += [f"{name} run <code>{html.escape(str(ids.get('run_id') or ids.get('id')))}</code>"
+                  for name, ids in sorted(r.trackers.items())]
+        profile = r.profile
+        if profile is not None:  # below the facts: the ranks side by side (spawn_train(profile=...))
+            facts.append(profile._repr_html_())
         if r.stopped:
             self.progress_bar.bar_style = "warning"
             self._status("warn", "<b>Stopped</b> at your request; every worker exited. " + " · ".join(facts))
