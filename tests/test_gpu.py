@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nbddp import TrainConfig, WorkerError, spawn_train
+from nbddp import ConfigError, TrainConfig, WorkerError, spawn_train
+from nbddp.contract import rundir
 from nbddp.contract.gpus import list_gpus
 from conftest import EXAMPLES, WORKERS, free_port, make_tree, survivors, wait_for
 
@@ -263,3 +264,27 @@ def test_the_decode_pipeline_decodes_jpegs_on_the_gpu_as_the_cpu_does(tmp_path, 
     cfg = TrainConfig(data_path=str(root), model="resnet18", image_size=64, epochs=1, batch_size=8, gpus=GPUS[:1],
                       data_pipeline="decode", runs_dir=str(runs_dir), amp=True)
     assert spawn_train(cfg, echo=False).metrics[0]["images_per_s"] > 0
+
+
+@needs_gpu
+def test_profile_memory_keeps_the_allocator_history_at_an_out_of_memory_error(runs_dir):
+    with pytest.raises(WorkerError) as info:
+        spawn_train(f"{WORKERS / 'observed.py'}:out_of_memory", gpus=GPUS[:1], runs_dir=runs_dir, echo=False,
+                    profile={"memory": True, "wait": 0, "warmup": 0, "active": 2})
+    err = info.value
+    assert err.exc_type == "OutOfMemoryError" and "pytorch.org/memory_viz" in str(err)
+    snapshot = rundir.memory_snapshot_path(err.run_dir, 0)
+    assert str(snapshot) in str(err) and snapshot.stat().st_size > 0
+    import pickle
+
+    with open(snapshot, "rb") as f:
+        history = pickle.load(f)
+    assert history["segments"] and any(history["device_traces"])  # allocations, with their stacks
+    # the trace of the profiled steps is there too, on the GPU's activity
+    assert rundir.profile_trace_path(err.run_dir, 0).is_file()
+
+
+def test_profile_memory_is_refused_on_cpu_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        spawn_train(f"{WORKERS / 'observed.py'}:train", nprocs=1, runs_dir=tmp_path, profile={"memory": True})
+    assert list(tmp_path.iterdir()) == []

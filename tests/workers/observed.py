@@ -46,3 +46,13 @@ def train(ctx, steps: int = 6, fail_once_at: int = -1, slow_rank: int = -1, chec
         if step == fail_once_at and restart == 0 and ctx.rank == 0:
             raise nbddp.Retryable("the data server went away")
     return {"start": start, "rank": ctx.rank}
+
+
+def out_of_memory(ctx):
+    """Allocate a little on the GPU each step, then far more than any GPU has."""
+    kept = []
+    for step in range(3):
+        kept.append(torch.ones(1024, 1024, device=ctx.device))
+        ctx.log(step=step, held_mib=4 * len(kept))
+    kept.append(torch.empty(2**44, dtype=torch.uint8, device=ctx.device))  # 16 TiB
+    return len(kept)
