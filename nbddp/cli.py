@@ -17,7 +17,7 @@ import dataclasses
 import json
 import sys
 import typing
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 from .contract.config import TrainConfig, read_config_file
 from .contract.errors import ConfigError
@@ -145,6 +145,20 @@ def _run_target(ns: argparse.Namespace) -> tuple:
     return ns.target, (), dict(argv=None, call=ns.call, kwargs=parse_kwargs(ns.kwargs))
 
 
+def _profile_flag(text: Optional[str]) -> Any:
+    """``--profile`` alone (``True``), or its JSON object of settings; ``None`` without the flag."""
+    if text is None:
+        return None
+    if text.strip().lower() == "true":
+        return True
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--profile {text!r} is not valid JSON ({exc}); pass it alone, or an object such as "
+                          """'{"wait": 5, "active": 3}'""") from None
+    return value
+
+
 def parse_kwargs(text: str) -> dict:
     """The ``--kwargs`` JSON object.
 
@@ -187,6 +201,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--run-dir", default=None, help="run folder (default: runs/<time>-<name>)")
     r.add_argument("--max-restarts", type=int, default=0,
                    help="restarts after a failure a restart heals (a rank killed, a hang; see nbddp.kernel.restarts)")
+    r.add_argument("--trackers", default=None, metavar="NAMES",
+                   help="also send the run's metrics, settings and weights to mlflow, wandb or mlflow,wandb")
+    for p in (t, r):
+        p.add_argument("--profile", nargs="?", const="true", default=None, metavar="JSON",
+                       help="profile every rank (torch.profiler): alone, or a JSON object of settings, e.g. "
+                       """'{"wait": 5, "active": 3}'; prints the ranks side by side at the end""")
     sub.add_parser("gpus", help="list the GPUs (without initialising CUDA)")
     argv = list(sys.argv[1:] if argv is None else argv)
     script_argv = _split_script_command(argv)
@@ -213,8 +233,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if ns.command == "run":
             gpus = _gpus_word(ns.gpus) if ns.gpus else None  # "idle" is resolved by spawn_train, in the kernel
             target, args, how = _run_target(ns)
-            result = spawn_train(target, *args, nprocs=ns.nprocs, gpus=gpus, max_restarts=ns.max_restarts, **how)
+            trackers = [w for w in (ns.trackers or "").replace(" ", ",").split(",") if w] or None
+            result = spawn_train(target, *args, nprocs=ns.nprocs, gpus=gpus, max_restarts=ns.max_restarts,
+                                 trackers=trackers, profile=_profile_flag(ns.profile), **how)
             print(f"result: {result.value!r}\nrun folder: {result.run_dir}")
+            if result.profile is not None:
+                print(result.profile)
             return 0
         cfg = build_config(ns)
         if ns.run_dir:
@@ -223,7 +247,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             cfg = cfg.replace(gpus=tuple(resolve_gpus(IDLE)))  # the GPUs idle now, named in the line below
         where = f"GPUs {list(cfg.gpus)}" if cfg.gpus else f"{cfg.nprocs} CPU process(es)"
         print(f"training {cfg.model} on {cfg.data_path} with {where}", flush=True)
-        result = spawn_train(cfg)
+        result = spawn_train(cfg, profile=_profile_flag(ns.profile))
+        if result.profile is not None:
+            print(result.profile)
         v = result.value
         print(f"\nbest val_accuracy {v['best_accuracy']:.4f} at epoch {v['best_epoch'] + 1}; "
               f"exported weights: {result.weights_path}\nrun folder: {result.run_dir}")

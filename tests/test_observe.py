@@ -105,10 +105,16 @@ def test_wandb_offline_writes_one_run(runs):
     assert (written[0] / f"run-{ids['id']}.wandb").stat().st_size > 0
 
 
-def test_a_missing_tracker_package_and_memory_on_cpu_are_refused_before_anything_starts(monkeypatch, tmp_path):
+def test_a_missing_tracker_package_and_memory_on_cpu_are_refused_before_anything_starts(monkeypatch, tmp_path,
+                                                                                           capsys):
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed: its import fails
     with pytest.raises(ConfigError, match=r"pip install 'nbddp\[mlflow\]'"):
         spawn_train(OBSERVED, nprocs=2, runs_dir=tmp_path, trackers=["mlflow"])
+    from nbddp import cli
+
+    assert cli.main(["run", OBSERVED, "--nprocs", "2", "--trackers", "mlflow,wandb"]) == 2  # the command line too
+    assert "pip install 'nbddp[mlflow]'" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "wandb", None)
     config = TrainConfig(data_path=str(tmp_path / "no-data"), runs_dir=str(tmp_path), trackers="wandb")
     with pytest.raises(ConfigError, match=r"pip install 'nbddp\[wandb\]'"):

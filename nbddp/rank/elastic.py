@@ -11,6 +11,7 @@ Worker side: never imports IPython or ipywidgets.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -30,6 +31,7 @@ from ..contract.private import compile_cache_env, open_private_file
 from ..contract.system import cpu_cores, start_time
 from .runtime import Context, run_rank, run_rank_hook
 from ..contract.plans import LaunchPlan
+from ..contract.observe import check_trackers, tracker_plan
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,15 @@ def _private_compile_caches() -> None:
         print(f"nbddp: {exc}; torch's default cache folders are used", file=sys.stderr)
 
 
+def _trackers_of(plan: LaunchPlan) -> Optional[dict]:
+    """A config's ``trackers`` under torchrun/srun: rank 0 sends to them as under ``spawn_train``."""
+    names = check_trackers(getattr(plan.config, "trackers", None) or None)
+    if not names:
+        return None
+    params = {k: v for k, v in dataclasses.asdict(plan.config).items() if k not in ("resume", "trackers")}
+    return {"trackers": tracker_plan(names, plan.name, plan.runs_dir, params), "by_optimizer": True}
+
+
 def run_under_launcher(le: LauncherEnv, plan: LaunchPlan, choose_run_dir: Callable[[], Path]) -> tuple:
     """Run ``plan``'s target as rank ``le.rank``; returns ``(exit_code, value)`` like ``run_rank``.
 
@@ -163,7 +174,7 @@ def run_under_launcher(le: LauncherEnv, plan: LaunchPlan, choose_run_dir: Callab
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
     ctx = Context(le.rank, le.local_rank, le.world_size, device, dist.get_backend(), run_dir)
     try:
-        return run_rank(ctx, lambda: None, plan.target, plan.args, plan.kwargs)
+        return run_rank(ctx, lambda: None, plan.target, plan.args, plan.kwargs, observe=_trackers_of(plan))
     finally:
         sys.stdout, sys.stderr = sys.stdout.stream, sys.stderr.stream
         log.close()
