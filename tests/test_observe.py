@@ -134,3 +134,23 @@ def test_the_panel_shows_the_profile_and_the_tracker_run_at_the_end(profiled):
     shown = view.status.value
     assert "Finished." in shown and "the others wait for rank 1" in shown and "<table>" in shown
     assert f"mlflow run <code>{profiled.trackers['mlflow']['run_id']}</code>" in shown
+
+
+def test_trackers_in_the_config_the_panel_and_the_command_line(tmp_path):
+    from nbddp.cli import _add_config_flags, build_config
+    from nbddp.ui.form import ConfigForm
+    import argparse
+
+    cfg = TrainConfig(data_path=str(tmp_path), trackers=("mlflow",))
+    form = ConfigForm(cfg, on_gpu=False)
+    box = form.inputs["trackers"]
+    assert box.value == "mlflow"
+    box.value = "mlflow, wandb"
+    assert cfg.replace(**form.values()).trackers == ("mlflow", "wandb")
+    p = argparse.ArgumentParser()
+    _add_config_flags(p)
+    p.add_argument("--config", default=None)
+    ns = p.parse_args(["--data-path", str(tmp_path), "--trackers", "wandb", "--gpus", ""])
+    assert build_config(ns).trackers == ("wandb",)
+    with pytest.raises(ConfigError, match="trackers"):
+        TrainConfig(data_path=str(tmp_path), trackers="neptune")

@@ -42,6 +42,7 @@ def _make(w: Widget, value: Any, help_: str, values: tuple) -> W.Widget:
     if w.kind == "choice":
         return field(W.Dropdown, w.label, options=list(values), value=value, tooltip=help_)
     if w.kind == "combo":
+        value = ",".join(value) if isinstance(value, tuple) else value  # trackers: ("mlflow", "wandb")
         return field(W.Combobox, w.label, value=value, options=w.options, ensure_option=False,
                      placeholder=w.placeholder, tooltip=help_)
     return field(W.Text, w.label, value="" if value is None else str(value), placeholder=w.placeholder,
