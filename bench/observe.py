@@ -143,6 +143,18 @@ def main(argv=None) -> dict:
                   "blocks' time in CPU")
         print(f"{name:>18}: x{result[name]['ratio']:.4f} of a plain step ({result[name]['plain_step_ms']:.2f} ms), "
               f"median of {len(ratios)} rounds of {steps} steps each")
+    # What the waiting profiler adds to a step, alone: one reported step each call (no training).
+    probe = RankProfiler(work / "probe", 0, options, torch.device("cpu"))
+    probe.start()
+    n = 20000
+    t0 = time.perf_counter()
+    for i in range(n):
+        probe.reported(i)
+    added_us = (time.perf_counter() - t0) / n * 1e6
+    probe.close()
+    result["profiler waiting"]["added_us_per_step"] = added_us
+    print(f"{'profiler waiting':>18}: adds {added_us:.1f} us per reported step, alone "
+          f"({100 * added_us / 1000 / result['profiler waiting']['plain_step_ms']:.3f}% of the plain step)")
     for ctx in [plain, *variants.values()]:
         ctx.stop_observing(ok=True)
         ctx.close()

@@ -52,7 +52,7 @@ def trace_names(path):
 def test_every_rank_writes_a_trace_and_the_summary_names_who_waits(profiled):
     for rank in (0, 1):
         names = trace_names(rundir.profile_trace_path(profiled.run_dir, rank))
-        assert {"ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"} <= names, sorted(names)[:20]
+        assert len({n for n in names if n.startswith("ProfilerStep#")}) == 3, sorted(names)[:20]  # active steps
         assert any("allreduce" in n for n in names)
     summary = profiled.profile
     assert sorted(summary.ranks) == [0, 1]

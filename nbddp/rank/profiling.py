@@ -3,9 +3,9 @@
 The worker writes no profiler code. The schedule (``torch.profiler.schedule``: wait, warmup,
 active, repeat) advances on each new ``step`` the worker reports through ``ctx.log(step=...)`` or
 ``ctx.progress(step=...)``; for the built-in worker, on each optimizer step (a global optimizer
-hook), so gradient accumulation's micro-batches do not count. Outside the window the profiler
-records nothing (its cost is one ``prof.step()`` per step); once the last window is saved it is
-stopped altogether.
+hook), so gradient accumulation's micro-batches do not count. Outside a window no profiler
+exists: nbddp counts the wait steps itself and starts ``torch.profiler`` (warmup, then active
+steps) when a window begins, and stops it once the window is saved.
 
 Each window becomes a Chrome trace (``profile/rank<r>.pt.trace.json.gz``: Perfetto, TensorBoard's
 profiler view) and adds to the rank's :class:`~nbddp.contract.observe.ProfileRecord`: where the
@@ -72,20 +72,14 @@ class RankProfiler:
         self._memory = options.memory and device.type == "cuda"
 
     def start(self) -> None:
-        """Start recording the allocator (``memory``) and the profiler, in its first wait step."""
-        from torch.profiler import ProfilerActivity, profile, schedule
-
+        """Start recording the allocator (``memory``); the profiler starts when its first window does."""
         if self._memory:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         # Kineto logs each window's start and stop (and, without a GPU, a failed device count) to
         # stderr, which rank 0 echoes into the cell; read when the profiler first starts.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-        o = self.options
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self._prof = profile(activities=activities, record_shapes=o.record_shapes, with_stack=o.with_stack,
-                             schedule=schedule(wait=o.wait, warmup=o.warmup, active=o.active, repeat=o.repeat),
-                             on_trace_ready=self._ready)
-        self._prof.start()
+        if self.options.wait == 0:
+            self._open_window()
         if self.by_optimizer:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -98,19 +92,39 @@ class RankProfiler:
         self._last_step = step
         self._advance()
 
+    def _open_window(self) -> None:
+        """A ``torch.profiler`` for one window (warmup, then active steps), started now.
+
+        The wait steps are counted here rather than by torch's schedule: a step outside a
+        window then costs a counter, not a ``prof.step()`` (about 35 us each on a CPU).
+        """
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        o = self.options
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._prof = profile(activities=activities, record_shapes=o.record_shapes, with_stack=o.with_stack,
+                             schedule=schedule(wait=0, warmup=o.warmup, active=o.active, repeat=1),
+                             on_trace_ready=self._ready)
+        self._prof.start()
+
     def _advance(self) -> None:
-        if self._prof is None:
+        if self._advanced >= self._total:
             return
-        self._prof.step()
         self._advanced += 1
-        if self._advanced >= self._total:  # every window saved: no profiler left on the step's path
-            self._stop_profiler()
+        o = self.options
+        cycle = o.wait + o.warmup + o.active
+        if self._prof is not None:
+            self._prof.step()
+            if self._advanced % cycle == 0:  # the window's last active step ended: its trace is saved
+                self._stop_profiler()
+        if self._prof is None and self._advanced < self._total and self._advanced % cycle == o.wait:
+            self._open_window()
+        if self._advanced >= self._total and self._hook is not None:  # every window saved: nothing left
+            self._hook.remove()
+            self._hook = None
 
     def _stop_profiler(self) -> None:
         prof, self._prof = self._prof, None
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
         if prof is not None:
             prof.stop()  # a window cut short by the run's end is saved as far as it got
 
@@ -146,6 +160,9 @@ class RankProfiler:
 
     def close(self) -> None:
         """Stop (saving a window the run's end cut short) and write the record; never raises."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         try:
             self._stop_profiler()
         except Exception as exc:  # noqa: BLE001 - the run's own outcome matters more than its profile
