@@ -2,6 +2,7 @@
 
     python bench/digits.py [--epochs 6] [--model resnet34] [--pipeline pil] [--min-accuracy 0.90]
     python bench/digits.py --model resnet18 --epochs 2 --pipeline tensor --min-accuracy 0.7
+    python bench/digits.py --model resnet18 --epochs 2 --pipeline tensor --min-accuracy 0.7 --strategy fsdp
 
 The run of ``bash dev.sh train``: data/digits (10 classes, 1797 images of 32 px), ResNet34 from
 scratch at image_size 32, 2 CPU ranks (gloo), batch 32, lr 0.01, crop_scale 0.5, no flip, 6 epochs.
@@ -36,12 +37,12 @@ DIGITS = ROOT / "data" / "digits"
 VAL_IMAGES = 359  # 20% of 1797, split per class
 
 
-def run(epochs: int, model: str, pipeline: str, runs_dir: Path):
+def run(epochs: int, model: str, pipeline: str, runs_dir: Path, strategy: str = "ddp"):
     from nbddp import TrainConfig, spawn_train
 
     cfg = TrainConfig(data_path=str(DIGITS), model=model, image_size=32, epochs=epochs, batch_size=32,
                       lr=0.01, nprocs=2, crop_scale=0.5, hflip=False, runs_dir=str(runs_dir), name="digits",
-                      data_pipeline=pipeline, check_images=pipeline == "pil")
+                      data_pipeline=pipeline, check_images=pipeline == "pil", strategy=strategy)
     t0 = time.perf_counter()
     result = spawn_train(cfg, echo=False)
     return result, time.perf_counter() - t0
@@ -95,9 +96,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="resnet34")
     p.add_argument("--pipeline", choices=["pil", "tensor"], default="pil")
     p.add_argument("--min-accuracy", type=float, default=0.90)
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
+                   help="fsdp: every ResNet stage sharded over the 2 ranks (TrainConfig.strategy)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        result, wall = run(a.epochs, a.model, a.pipeline, Path(tmp) / "runs")
+        result, wall = run(a.epochs, a.model, a.pipeline, Path(tmp) / "runs", a.strategy)
         print(f"## {a.model} on data/digits, {a.epochs} epochs, {a.pipeline} pipeline, 2 CPU ranks: {wall:.0f} s\n")
         print("| epoch | train loss | val accuracy | seconds |\n|---|---|---|---|")
         for r in result.metrics:

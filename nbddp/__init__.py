@@ -106,6 +106,7 @@ SIDES = {
     "rank.elastic": "rank", "rank.dist": "rank", "rank.engine": "rank", "rank.sync_bn": "rank",
     "rank.calls": "rank", "rank.debugger": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
     "rank.profiling": "rank", "rank.trackers": "rank",
+    "rank.sharding": "rank", "rank.sharded_checkpoint": "rank",
     "tasks": "task", "tasks.classification": "task", "tasks.classification.planning": "task",
     "tasks.classification.worker": "task", "tasks.classification.data": "task",
     "tasks.classification.tensor_data": "task", "tasks.classification.decode_data": "task",

@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import typing
 from typing import Any, List, Optional, Union
 
-from .contract.config import TrainConfig, read_config_file
+from .contract.config import STRATEGIES, STRATEGY_ENV, TrainConfig, read_config_file
 from .contract.errors import ConfigError
 from .contract.fieldspec import flag_name, specs
 from .contract.gpus import IDLE
@@ -199,6 +200,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1, or 'idle' (the GPUs idle at launch)")
     r.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments")
     r.add_argument("--run-dir", default=None, help="run folder (default: runs/<time>-<name>)")
+    r.add_argument("--strategy", default=None, choices=STRATEGIES,
+                   help="ddp (default: every process holds the whole model) or fsdp (ctx.prepare shards it)")
     r.add_argument("--max-restarts", type=int, default=0,
                    help="restarts after a failure a restart heals (a rank killed, a hang; see nbddp.kernel.restarts)")
     r.add_argument("--trackers", default=None, metavar="NAMES",
@@ -219,6 +222,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     launcher = detect()
     try:
         if launcher is not None and ns.command in ("train", "run"):
+            if getattr(ns, "strategy", None) and ns.command == "run":  # ctx.strategy of a rank of torchrun/srun
+                os.environ[STRATEGY_ENV] = ns.strategy
             return _under_launcher(ns, launcher)  # a rank: the worker side only
         from .contract.gpus import resolve_gpus
         from .kernel.launch import spawn_train
@@ -235,7 +240,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             target, args, how = _run_target(ns)
             trackers = [w for w in (ns.trackers or "").replace(" ", ",").split(",") if w] or None
             result = spawn_train(target, *args, nprocs=ns.nprocs, gpus=gpus, max_restarts=ns.max_restarts,
-                                 trackers=trackers, profile=_profile_flag(ns.profile), **how)
+                                 trackers=trackers, profile=_profile_flag(ns.profile), strategy=ns.strategy,
+                                 **how)
             print(f"result: {result.value!r}\nrun folder: {result.run_dir}")
             if result.profile is not None:
                 print(result.profile)

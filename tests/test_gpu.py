@@ -288,3 +288,55 @@ def test_profile_memory_is_refused_on_cpu_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="needs GPUs"):
         spawn_train(f"{WORKERS / 'observed.py'}:train", nprocs=1, runs_dir=tmp_path, profile={"memory": True})
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- FSDP2
+@needs_gpu
+def test_fsdp_bf16_computes_in_bf16_keeps_fp32_weights_and_resumes(runs_dir):
+    """mixed_precision="bf16": bf16 parameters in compute, fp32 master weights; a sharded checkpoint on the GPU."""
+    worker = f"{WORKERS / 'sharded.py'}:train"
+    first = spawn_train(worker, gpus=GPUS[:1], strategy="fsdp", runs_dir=runs_dir, echo=False,
+                        kwargs=dict(steps=4, save_at=1, mixed_precision="bf16"))
+    assert first.value["compute_dtype"] == "torch.bfloat16"
+    assert first.value["master_dtype"] == ["torch.float32"]
+    resumed = spawn_train(worker, gpus=GPUS[:1], strategy="fsdp", runs_dir=runs_dir, echo=False,
+                          resume=first.run_dir, kwargs=dict(steps=4, resume=True, mixed_precision="bf16"))
+    assert resumed.value["resumed"] == 1
+    for k, v in first.value["weights"].items():
+        assert v.device.type == "cpu" and (v - resumed.value["weights"][k]).abs().max() <= 1e-3, k
+
+
+@needs_gpu
+def test_fsdp_cpu_offload_keeps_the_shards_in_host_memory_and_trains_alike(runs_dir):
+    worker = f"{WORKERS / 'sharded.py'}:train"
+    runs = {offload: spawn_train(worker, gpus=GPUS[:1], strategy="fsdp", runs_dir=runs_dir, echo=False,
+                                 kwargs=dict(steps=4, cpu_offload=offload)).value for offload in (False, True)}
+    assert runs[True]["param_devices"] == ["cpu"] and runs[False]["param_devices"] == ["cuda"]
+    for k, v in runs[False]["weights"].items():
+        assert (v - runs[True]["weights"][k]).abs().max() <= 1e-4, k
+
+
+@needs_gpu
+def test_builtin_worker_sharded_on_a_gpu_reports_memory_and_exports(tmp_path, runs_dir):
+    from nbddp import load_model
+
+    result = spawn_train(small_config(tmp_path, runs_dir, strategy="fsdp", channels_last=False), echo=False)
+    assert all(m["gpu_mem_alloc_gib"] > 0 for m in result.metrics)
+    model, classes = load_model(result.run_dir)
+    assert classes == ["a", "b", "c"]
+
+
+@needs_2_gpus
+def test_fsdp_holds_less_per_gpu_than_ddp(tmp_path):
+    """bench/shard_worker.py's small transformer on 2 GPUs: FSDP's peak per GPU below DDP's."""
+    import json
+
+    peaks = {}
+    for strategy in ("ddp", "fsdp"):
+        out = tmp_path / f"{strategy}.json"
+        spawn_train(str(Path(__file__).parents[1] / "bench" / "shard_worker.py"), gpus=GPUS[:2], echo=False,
+                    argv=["--strategy", strategy, "--size", "tiny", "--bf16", "--out", str(out)],
+                    runs_dir=tmp_path / "runs")
+        record = json.loads(out.read_text())
+        peaks[strategy] = max(r["total_bytes"] for r in record["ranks"])
+    assert peaks["fsdp"] <= 0.6 * peaks["ddp"]

@@ -24,6 +24,14 @@ from .observe import TRACKERS
 DATA_PIPELINES = ("pil", "tensor", "decode")
 OPTIMIZERS = ("sgd", "adamw")
 OOM_POLICIES = ("fail", "halve")
+#: How a launch spreads the model over its ranks: ``ddp`` (every rank holds the whole model, its
+#: gradients and optimizer state) or ``fsdp`` (each rank holds a shard of them: FSDP2's fully_shard).
+STRATEGIES = ("ddp", "fsdp")
+#: The environment variable that tells a rank its launch's strategy (``ctx.strategy``); torchrun and
+#: srun commands export it too.
+STRATEGY_ENV = "NBDDP_STRATEGY"
+_STRATEGY_WHY = ("'ddp' (every rank holds the whole model, its gradients and optimizer state) or 'fsdp' (each rank "
+                 "holds a shard of them: models beyond one device's memory)")
 #: The models the panel suggests (any torchvision classification model name works).
 COMMON_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
                  "efficientnet_b0", "efficientnet_b1", "regnet_y_400mf", "convnext_tiny", "densenet121", "vgg16_bn")
@@ -104,6 +112,11 @@ class TrainConfig:
         early_stop_patience: stop every rank together once validation accuracy has not
             improved for this many epochs (the export keeps the best epoch); 0: off.
         sync_bn: synchronise BatchNorm statistics across ranks (refused with ``freeze_layers``).
+        strategy: ``"ddp"`` (every rank holds the whole model) or ``"fsdp"`` (FSDP2: each rank
+            holds a shard of the parameters, gradients and optimizer state; every ResNet stage
+            is sharded, then the root). Checkpoints keep the whole model, so a run resumes on
+            another number of ranks, and a run may switch strategy when resumed; the export is one
+            plain state dict either way.
         freeze_layers: train only the classifier head.
         weights: weights file (``.pth`` / ``.safetensors`` / a run's export) to start from.
         val_fraction: fraction of each class held out for validation.
@@ -217,6 +230,12 @@ class TrainConfig:
     sync_bn: bool = spec(False, help="synchronise BatchNorm statistics across processes", check=_BOOL,
                          widget=Widget("check", "SyncBN (BatchNorm statistics over all processes)", "options"),
                          resume_why=_MODEL)
+    strategy: str = spec("ddp", group="choices", help="ddp (every process holds the whole model) or fsdp (each "
+                         "holds a shard of parameters, gradients and optimizer state)",
+                         check=Check("choice", values=STRATEGIES, why=_STRATEGY_WHY),
+                         widget=Widget("choice", "Strategy (ddp: whole model per process; fsdp: sharded)", "options",
+                                       attr="strategy_input"),
+                         resume=RESUME_FREE)
     freeze_layers: bool = spec(False, help="train only the classifier head", check=_BOOL,
                                widget=Widget("check", "Freeze layers (train only the head)", "options",
                                              attr="freeze_toggle"), resume_why=_MODEL)
@@ -451,4 +470,11 @@ def read_config_file(path: Union[str, Path]) -> dict:
     return data
 
 
-__all__ = ["TrainConfig", "utf8_problem"]
+def check_strategy(strategy: Any, what: str = "strategy") -> str:
+    """``strategy`` when it is one of :data:`STRATEGIES`; a ``ConfigError`` naming the choices otherwise."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ConfigError(f"{what}={strategy!r}: use {_STRATEGY_WHY}")
+    return strategy
+
+
+__all__ = ["TrainConfig", "utf8_problem", "STRATEGIES", "check_strategy"]

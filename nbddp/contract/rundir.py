@@ -176,9 +176,13 @@ def checkpoint_path(run_dir: PathLike, name: str = LAST) -> Path:
 
 
 def checkpoint_names(run_dir: PathLike) -> List[str]:
-    """File names of the checkpoints a run folder holds, sorted (empty if none)."""
+    """Names of the checkpoints a run folder holds, sorted (empty if none): ``.pt`` files and the
+    ``.dcp`` folders of checkpoints that hold modules and optimizers (sharded, one file per rank)."""
     folder = checkpoints_dir(run_dir)
-    return sorted(p.name for p in folder.glob(f"*{CHECKPOINT_SUFFIX}")) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted([p.name for p in folder.glob(f"*{CHECKPOINT_SUFFIX}")]
+                  + [p.name for p in folder.glob("*.dcp") if p.is_dir() and not p.name.startswith(".")])
 
 
 def run_dir_of_checkpoint(path: PathLike) -> Path:

@@ -155,7 +155,7 @@ def remove_private_tmp(path: Optional[str]) -> None:
 def _newest_checkpoint(run_dir: Path) -> Optional[str]:
     """``checkpoints/<name>.pt`` most recently written in the run folder, or None."""
     paths = [rundir.checkpoints_dir(run_dir) / n for n in rundir.checkpoint_names(run_dir)]
-    paths = [p for p in paths if p.is_file()]
+    paths = [p for p in paths if p.exists()]  # a file, or the folder of a sharded checkpoint
     if not paths:
         return None
     newest = max(paths, key=lambda p: p.stat().st_mtime)

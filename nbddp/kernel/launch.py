@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch.multiprocessing as mp
 
 from ..contract import debugging, plans, rundir
-from ..contract.config import MIN_TIMEOUT_S, TrainConfig
+from ..contract.config import MIN_TIMEOUT_S, STRATEGY_ENV, TrainConfig, check_strategy
 from ..contract.rundir import NAME_RULE, name_problem
 from ..contract.errors import ConfigError, NbddpError, TrainingInterrupted
 from .forkserver import prepare as _prepare_forkserver, server_death, server_pid, start_server
@@ -121,6 +121,7 @@ def spawn_train(
     debug: Union[bool, str] = False,
     profile: Union[bool, dict, None] = None,
     trackers: Optional[Sequence[str]] = None,
+    strategy: Optional[str] = None,
 ) -> Union[TrainResult, RunHandle]:
     """Run a DDP worker function in one process per GPU (nccl) or ``nprocs`` CPU processes (gloo).
 
@@ -213,6 +214,10 @@ def spawn_train(
             exported weights to one tracker run per run folder, which restarts and ``resume=``
             continue. MLflow: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<runs_dir>/mlflow.db``;
             W&B: offline unless ``WANDB_MODE``/``WANDB_API_KEY`` say otherwise. TensorBoard stays.
+        strategy: how ``ctx.prepare(model)`` spreads the model over the ranks: ``"ddp"`` (default:
+            every rank holds the whole model, its gradients and optimizer state) or ``"fsdp"``
+            (FSDP2: each rank holds a shard of them; see :meth:`nbddp.Context.prepare`). Ranks read
+            it as ``ctx.strategy``. (A ``TrainConfig`` says it in the config: ``cfg.replace(strategy="fsdp")``.)
 
     Returns:
         A ``TrainResult`` (``block=True``) or a ``RunHandle`` (``block=False``).
@@ -230,6 +235,7 @@ def spawn_train(
     if not (debug is True or debug is False or (isinstance(debug, str) and debug == "always")):
         raise ConfigError(f"debug={debug!r}: use True (breakpoint() opens pdb in the notebook), False, or 'always' "
                           "(stop at a breakpoint even where no one can answer a prompt)")
+    env = _with_strategy(target, strategy, env)
     if plans.is_task_config(target):
         max_restarts = target.max_restarts if max_restarts is None else max_restarts
         oom = target.oom if oom is None else oom
@@ -272,6 +278,17 @@ def debug_mode(debug: Union[bool, str]) -> str:
     if debug == "always":
         return "stop"
     return "prompt" if can_prompt() else "skip"
+
+
+def _with_strategy(target: Any, strategy: Optional[str], env: Optional[Dict[str, str]]) -> Dict[str, str]:
+    """The workers' environment with the launch's strategy in it (``ctx.strategy``), checked before anything starts."""
+    if plans.is_task_config(target):
+        if strategy is not None and strategy != target.strategy:
+            raise ConfigError(f"strategy={strategy!r} but the config says {target.strategy!r}: with a config, set it "
+                              f"there: cfg.replace(strategy={strategy!r})")
+        strategy = target.strategy
+    strategy = check_strategy("ddp" if strategy is None else strategy)
+    return {**(env or {}), STRATEGY_ENV: strategy}
 
 
 def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, kwargs, args, block, name,

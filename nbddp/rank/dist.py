@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import sys
 from typing import Iterator, Optional
 
 import torch
@@ -198,12 +199,32 @@ def data_parallel(model: torch.nn.Module, device: torch.device, **ddp_kwargs) ->
     gradients live in the buckets: no copy, no second gradient-sized buffer) and without the
     per-forward buffer broadcast (:func:`no_forward_buffer_sync`); ``ddp_kwargs`` add to them.
     """
+    refuse_ddp_of_sharded(model)  # a sharded model's gradients are shards: DDP would average unlike pieces
     if get_world_size() == 1:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     options = {"gradient_as_bucket_view": True, **no_forward_buffer_sync(), **ddp_kwargs}
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when ``model`` (or a module inside it) was sharded with FSDP2's ``fully_shard``."""
+    # Importing torch.distributed.fsdp takes a second: a model sharded with it has imported it
+    # already, and a DDP launch must not pay for it.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
+
+
+def refuse_ddp_of_sharded(model: torch.nn.Module) -> None:
+    """DDP around a model whose parameters are shards would average shards of different tensors."""
+    if is_sharded(model):
+        from ..contract.errors import ConfigError
+
+        raise ConfigError(
+            "the model is sharded (fully_shard was applied to it), and DistributedDataParallel around a sharded "
+            "model would all-reduce shards as if they were whole parameters. Launch with strategy='fsdp' "
+            "(ctx.prepare(model) then leaves your sharding as it is), or do not call fully_shard under DDP.")
 
 
 def no_forward_buffer_sync() -> dict:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..contract import rundir
 from .dist import init_process_group
 from ..contract.errors import ConfigError
+from ..contract.config import STRATEGY_ENV
 from ..contract.private import compile_cache_env, open_private_file
 from ..contract.system import cpu_cores, start_time
 from .runtime import Context, run_rank, run_rank_hook
@@ -172,6 +173,9 @@ def run_under_launcher(le: LauncherEnv, plan: LaunchPlan, choose_run_dir: Callab
     log.write(f"--- {le.kind} rank {le.rank}/{le.world_size} (restart {le.restart_count}) "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+    strategy = getattr(plan.config, "strategy", None)
+    if strategy:  # the built-in worker's config says it: ctx.strategy agrees
+        os.environ[STRATEGY_ENV] = strategy
     ctx = Context(le.rank, le.local_rank, le.world_size, device, dist.get_backend(), run_dir)
     try:
         return run_rank(ctx, lambda: None, plan.target, plan.args, plan.kwargs, observe=_trackers_of(plan))

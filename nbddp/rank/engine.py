@@ -316,8 +316,21 @@ def _grad_sync(model: torch.nn.Module, syncs: bool):
     Covers the forward and the backward, as DDP requires. A bare model (one process) has no
     ``no_sync`` and nothing to synchronise; a compiled DDP model passes it through.
     """
+    if syncs:
+        return contextlib.nullcontext()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: gradients stay unsharded until the last batch
+        return _fsdp_no_sync(model)
     no_sync = getattr(model, "no_sync", None)
-    return contextlib.nullcontext() if syncs or no_sync is None else no_sync()
+    return contextlib.nullcontext() if no_sync is None else no_sync()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _backward(run: _Epoch, loss: torch.Tensor, group: _Group) -> None:
@@ -503,10 +516,22 @@ class _Shard:
     memory: Optional[Tuple[float, float]] = None  # this rank's GPU memory peaks (gpu_memory_peaks)
 
 
+def _batches_to_match(model, loader) -> Optional[int]:
+    """Under FSDP, the most validation batches any rank has: every forward gathers parameters from
+    every rank, so a rank with fewer batches runs extra forwards (uncounted). ``None`` otherwise."""
+    if not is_dist() or not any(hasattr(m, "set_requires_gradient_sync") for m in model.modules()):
+        return None
+    counts = [None] * get_world_size()
+    dist.all_gather_object(counts, len(loader), group=cpu_group())
+    return max(counts)
+
+
 def _evaluate_shard(model, loader, device, amp_dtype, channels_last, batch_transform, ctx, keep: bool) -> _Shard:
     """This rank's batches; an exception is kept, to be raised after the ranks agree."""
     zero = torch.zeros((), dtype=torch.float64, device=device)
     shard = _Shard(zero, zero.clone())
+    most = _batches_to_match(model, loader)
+    x = None
     try:
         for i, batch in enumerate(loader):
             ctx.heartbeat(step=i, phase="eval")
@@ -519,6 +544,9 @@ def _evaluate_shard(model, loader, device, amp_dtype, channels_last, batch_trans
             shard.count += y.numel()
             if keep:
                 shard.predictions.append(p)
+        for _ in range(len(loader), most or 0):  # FSDP: the others' gathers need this rank (see above)
+            with _autocast(device, amp_dtype):
+                model(x[:1])
     except Exception as exc:  # noqa: BLE001 - re-raised by evaluate, after the ranks agree
         shard.error = exc
     return shard

@@ -69,6 +69,8 @@ class Context:
         backend: ``"nccl"`` or ``"gloo"``.
         run_dir: the run's folder (config, logs, metrics, checkpoints).
         is_main: True on rank 0, the rank that writes files.
+        strategy: ``"ddp"`` or ``"fsdp"``: how :meth:`prepare` spreads the model over the ranks
+            (``spawn_train(..., strategy=...)``; ``$NBDDP_STRATEGY`` under torchrun/srun).
     """
 
     def __init__(self, rank: int, local_rank: int, world_size: int, device: torch.device,
@@ -80,6 +82,9 @@ class Context:
         self.backend = backend
         self.run_dir = Path(run_dir)
         self.is_main = rank == 0
+        from .sharding import launch_strategy
+
+        self.strategy = launch_strategy()
         self.epoch: Optional[int] = None
         self.step: Optional[int] = None
         self.phase = "train"
@@ -199,24 +204,91 @@ class Context:
             self._tensorboard = SummaryWriter(str(rundir.tensorboard_dir(self.run_dir)), flush_secs=2)
         return self._tensorboard
 
+    # -- the model ---------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module, *, blocks=None, mixed_precision=None, reshard_after_forward: bool = True,
+                cpu_offload: bool = False, compile: bool = False, compile_backend: Optional[str] = None,
+                **ddp_kwargs: Any) -> torch.nn.Module:
+        """The model on this rank's device, wrapped as the launch's :attr:`strategy` says. Call it once.
+
+        ``"ddp"``: ``DistributedDataParallel`` around it (the bare model when this is the only
+        rank); ``ddp_kwargs`` go to DDP. ``"fsdp"``: FSDP2, ``fully_shard`` on each block, then on
+        the root; the model itself comes back, its parameters now shards (``DTensor``). A model
+        the worker sharded itself is left as it is. Build the optimizer after this call, from the
+        returned model's parameters.
+
+        Args:
+            model: the bare model (on the CPU or the device).
+            blocks: FSDP: the module classes (classes or class names) to shard one by one, e.g.
+                ``["TransformerBlock"]``; default: the model's repeated children (ResNet stages,
+                transformer layers).
+            mixed_precision: FSDP: ``"bf16"`` (bf16 parameters and compute, fp32 gradient
+                reduction and master weights), ``"fp16"``, or a ``MixedPrecisionPolicy``.
+            reshard_after_forward: FSDP: free each block's gathered parameters after its
+                forward (less memory, one more all-gather in backward).
+            cpu_offload: FSDP: keep the shards, gradients and optimizer state on the CPU.
+            compile: ``torch.compile`` the DDP wrapper, or each FSDP block.
+            compile_backend: ``torch.compile``'s backend (default inductor).
+
+        Raises:
+            ConfigError: a second call on the same model, DDP around a sharded model, a block class
+                the model lacks, FSDP options under ``"ddp"``.
+
+        Example:
+            >>> model = ctx.prepare(build_model(), mixed_precision="bf16")
+            >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        """
+        from .sharding import prepare
+
+        return prepare(model, self.device, self.strategy, blocks=blocks, mixed_precision=mixed_precision,
+                       reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, compile=compile,
+                       compile_backend=compile_backend, **ddp_kwargs)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict:
+        """Collective: ``model``'s whole, plain state dict on rank 0's CPU (empty on other ranks when sharded).
+
+        For an export of a sharded model: no ``DTensor``, no wrapper prefixes, and never more than
+        one full copy, on rank 0's CPU. Call it on every rank.
+        """
+        from .sharding import full_state_dict
+
+        return full_state_dict(model)
+
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, state: dict, name: str = rundir.LAST) -> Optional[Path]:
-        """Save ``state`` as the run's checkpoint ``name``: rank 0 writes, every rank waits.
+        """Save ``state`` as the run's checkpoint ``name``; call it on every rank (a collective).
 
-        Call it on every rank (it is a collective). ``state`` holds tensors and plain values
-        (numbers, strings, lists, dicts): e.g. ``{"model": model.module.state_dict(),
-        "optimizer": optimizer.state_dict(), "step": step}``. Rank 0 writes it atomically to
-        ``checkpoints/<name>.pt`` (weights-only loadable, so loading never runs code); then
-        every rank waits at a barrier, so no rank reads or moves on before the file is whole.
-        If the write fails (a full disk), every rank raises: the one that failed its own error.
+        Two forms:
+
+        * modules and optimizers among the values, as Lightning Fabric's ``save`` takes them:
+          ``{"model": model, "optimizer": optimizer, "step": step}``. Written with
+          ``torch.distributed.checkpoint`` to ``checkpoints/<name>.dcp/``: every rank writes its
+          own shard, in parallel (a sharded model is never gathered), and a later load reshards
+          to the world size it runs on. The other values are kept beside the shards.
+        * tensors and plain values (numbers, strings, lists, dicts): e.g. ``{"model":
+          model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}``. Rank 0
+          writes it to ``checkpoints/<name>.pt`` (weights-only loadable, so loading never runs
+          code). Sharded tensors (a sharded model's ``state_dict()``) are gathered and saved whole.
+
+        Either way the checkpoint is atomic (a half-written one is never ``name``) and every rank
+        waits until it is whole. If a write fails (a full disk), every rank raises: the one that
+        failed its own error.
 
         Returns:
             The path written (on every rank).
         """
         from ..contract.checkpoint import atomic_save, to_plain
         from .dist import agree_on_error, barrier
+        from .sharded_checkpoint import save as save_sharded, split_state
+        from .sharding import gather_dtensors, has_dtensors
 
-        path = rundir.checkpoint_path(self.run_dir, _checkpoint_name(name))
+        name = _checkpoint_name(name)
+        if isinstance(state, dict) and any(split_state(state)[:2]):
+            path = save_sharded(self.run_dir, name, state, self.is_main)
+            self._note_checkpoint(path, state)
+            return path
+        if has_dtensors(state):  # one tensor at a time, kept on rank 0 only
+            state = gather_dtensors(state, keep=self.is_main)
+        path = rundir.checkpoint_path(self.run_dir, name)
         error = None
         if self.is_main:
             try:
@@ -225,28 +297,51 @@ class Context:
                 error = exc
         agree_on_error(error, f"saving checkpoint {path.name}")
         barrier()
+        self._note_checkpoint(path, state)
+        return path
+
+    def _note_checkpoint(self, path: Path, state: Any) -> None:
         if self.is_main:  # where a restart continues from (nbddp.kernel.restarts)
             epoch, step = (state.get(k) if isinstance(state, dict) else None for k in ("epoch", "step"))
             note_checkpoint(self.run_dir, path, epoch if isinstance(epoch, int) else self.epoch,
                             step if isinstance(step, int) else self.step)
-        return path
 
-    def load_checkpoint(self, name: str = rundir.LAST) -> Optional[dict]:
-        """The run's checkpoint ``name`` loaded on this rank's device, or ``None`` if there is none.
+    def load_checkpoint(self, into: Union[dict, str, None] = None, name: str = rundir.LAST) -> Optional[dict]:
+        """The run's checkpoint ``name``, or ``None`` if there is none (a fresh run).
 
-        Loaded weights-only (a tampered file cannot run code). Every rank reads the same file,
-        so every rank continues from the same state.
+        With ``into`` (``{"model": model, "optimizer": optimizer}``), the checkpoint is loaded into
+        those modules and optimizers in place (a collective: call it on every rank) and the rest of
+        the saved state comes back (``{"step": ...}``). A checkpoint of modules and optimizers
+        (``checkpoints/<name>.dcp``) is resharded to this run's world size and sharding: a run
+        saved on 2 ranks continues on 1 or 3. Without ``into``, a ``.pt`` checkpoint comes back
+        whole, on this rank's device. Files are read weights-only (a tampered file cannot run code).
 
         Example:
-            >>> state = ctx.load_checkpoint()
+            >>> state = ctx.load_checkpoint({"model": model, "optimizer": optimizer})
             >>> start = 0 if state is None else state["step"] + 1
         """
         from ..contract.checkpoint import load_checkpoint
+        from .sharded_checkpoint import checkpoint_kinds, dcp_path, load as load_sharded, load_plain_into
 
-        path = rundir.checkpoint_path(self.run_dir, _checkpoint_name(name))
-        if not path.is_file():
+        if isinstance(into, str):  # ctx.load_checkpoint("best"), as before modules could be given
+            into, name = None, into
+        name = _checkpoint_name(name)
+        found = checkpoint_kinds(self.run_dir, name)
+        if not found:
             return None
-        return to_device(load_checkpoint(path), self.device)
+        newest = max(found, key=lambda p: p.stat().st_mtime)
+        if into is not None:
+            if newest == dcp_path(self.run_dir, name):
+                rest = load_sharded(self.run_dir, name, into)
+            else:
+                rest = load_plain_into(load_checkpoint(newest), into, newest)
+            return to_device(rest, self.device)
+        if newest == dcp_path(self.run_dir, name):
+            from ..contract.errors import ConfigError
+
+            raise ConfigError(f"checkpoint {newest} holds modules and optimizers (sharded, one file per rank); load it "
+                              "into them: state = ctx.load_checkpoint({'model': model, 'optimizer': optimizer})")
+        return to_device(load_checkpoint(newest), self.device)
 
     def progress(self, **fields: Any) -> None:
         """Report live progress (epoch, step, total, loss...), shown by the notebook's panel.

@@ -34,8 +34,9 @@ from ...rank.engine import (EpochStats, autocast_dtype, evaluate, grad_scaler, r
                             warmup_cosine_lambda)
 from ...contract.protocol import note_checkpoint
 from .models import build_model, freeze_except_head, load_pretrained
+from ...rank.sharding import (full_optimizer_state_dict, full_state_dict, load_full_optimizer_state_dict,
+                              load_full_state_dict, shard)
 from ...rank.sync_bn import convert_sync_batchnorm
-
 
 # ------------------------------------------------------------------------------ worker side
 def _rss_mb() -> float:
@@ -216,9 +217,15 @@ def _build(cfg: TrainConfig, ctx, num_classes: int) -> _Trainer:
     torch.backends.cudnn.benchmark = cuda
     channels_last = cfg.channels_last and cuda
     model = model.to(ctx.device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
-    ddp = data_parallel(model, ctx.device)  # the bare model when this is the only rank
-    if cfg.compile:
-        ddp = _compile(ddp, ctx)
+    if cfg.strategy == "fsdp":
+        # Each ResNet stage sharded, then the root; checkpoints, evaluation and the export use the
+        # model itself. compile=True compiles each stage (the gathers stay outside the graphs).
+        model = shard(model, compile=cfg.compile, compile_backend=_compile_backend(ctx) if cfg.compile else "inductor")
+        ddp = model
+    else:
+        ddp = data_parallel(model, ctx.device)  # the bare model when this is the only rank
+        if cfg.compile:
+            ddp = _compile(ddp, ctx)
     lr = cfg.lr * ctx.world_size if cfg.scale_lr else cfg.lr
     optimizer = _optimizer(cfg, [p for p in model.parameters() if p.requires_grad], lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -240,14 +247,18 @@ def _optimizer(cfg: TrainConfig, params: list, lr: float) -> torch.optim.Optimiz
 COMPILE_BACKEND_ENV = "NBDDP_COMPILE_BACKEND"
 
 
+def _compile_backend(ctx) -> str:
+    backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    if ctx.is_main:
+        print(f"torch.compile (backend {backend}): the first steps compile", flush=True)
+    return backend
+
+
 def _compile(ddp: torch.nn.Module, ctx) -> torch.nn.Module:
     """``torch.compile`` of the DDP wrapper, as PyTorch advises for DDP: dynamo's DDP optimiser
     then splits the graph at the gradient buckets, so their all-reduces still overlap the
     backward. The bare model (checkpoints, evaluation, export) stays as it is."""
-    backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
-    if ctx.is_main:
-        print(f"torch.compile (backend {backend}): the first steps compile", flush=True)
-    return torch.compile(ddp, backend=backend)
+    return torch.compile(ddp, backend=_compile_backend(ctx))
 
 
 def _compile_seconds() -> Optional[float]:
@@ -266,8 +277,13 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
     if not (cfg.resume and last.exists()):
         return _Progress()
     ck = load_checkpoint(last)
-    t.model.load_state_dict(ck["model"])
-    t.optimizer.load_state_dict(ck["optimizer"])
+    optimizer_state = optimizer_state_as(ck["optimizer"], t.model, by_name=cfg.strategy == "fsdp")
+    if cfg.strategy == "fsdp":  # whole tensors, keyed by name: each rank keeps its shard (any world size)
+        load_full_state_dict(t.model, ck["model"])
+        load_full_optimizer_state_dict(t.model, t.optimizer, optimizer_state)
+    else:
+        t.model.load_state_dict(ck["model"])
+        t.optimizer.load_state_dict(optimizer_state)
     t.scheduler.load_state_dict(ck["scheduler"])
     _rebuild_schedule(cfg, ctx, t, ck.get("config", {}).get("epochs"))
     if t.scaler is not None and ck.get("scaler"):
@@ -292,6 +308,21 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
         # The number of epochs done: the 0-based index of the next one.
         print(f"resumed from {last} at epoch {progress.start_epoch}", flush=True)
     return progress
+
+
+def optimizer_state_as(state: dict, model: torch.nn.Module, by_name: bool) -> dict:
+    """An optimizer's state dict keyed by parameter name (FSDP's whole state) or by index (``optimizer.state_dict()``).
+
+    A checkpoint of either strategy then resumes under the other: the index of a parameter is its
+    place among the model's trainable parameters, the order the optimizer was built in.
+    """
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    keys = list(state.get("state", {})) + [k for g in state.get("param_groups", []) for k in g.get("params", [])]
+    if not keys or all(isinstance(k, str) == by_name for k in keys):
+        return state
+    convert = (lambda i: names[i]) if by_name else {n: i for i, n in enumerate(names)}.__getitem__
+    return {"state": {convert(k): v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [convert(k) for k in g["params"]]} for g in state["param_groups"]]}
 
 
 def _rebuild_schedule(cfg: TrainConfig, ctx, t: _Trainer, planned: Any) -> None:
@@ -333,11 +364,20 @@ def _writer(cfg: TrainConfig, ctx):
     return writer
 
 
-def _checkpoint(t: _Trainer, progress: _Progress, epoch: int, cfg: TrainConfig, classes) -> dict:
+def _whole_states(cfg: TrainConfig, t: _Trainer) -> Optional[tuple]:
+    """Collective under FSDP: ``(model, optimizer)`` state dicts gathered whole on rank 0's CPU, one tensor
+    at a time (the checkpoint then holds the whole model, so it resumes on any number of ranks); else None."""
+    if cfg.strategy != "fsdp":
+        return None
+    return full_state_dict(t.model), full_optimizer_state_dict(t.model, t.optimizer)
+
+
+def _checkpoint(t: _Trainer, progress: _Progress, epoch: int, cfg: TrainConfig, classes,
+                whole: Optional[tuple] = None) -> dict:
     # Plain values only, so it loads with torch.load(weights_only=True).
     return {
-        "model": t.model.state_dict(),  # the bare model: no "module." prefix
-        "optimizer": t.optimizer.state_dict(),
+        "model": whole[0] if whole else t.model.state_dict(),  # the bare model: no "module." prefix
+        "optimizer": whole[1] if whole else t.optimizer.state_dict(),
         "scheduler": t.scheduler.state_dict(),
         "scaler": t.scaler.state_dict() if t.scaler is not None else None,
         "epoch": epoch,
@@ -509,11 +549,14 @@ def _save_mid_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _
     """
     ctx.heartbeat(epoch=epoch, step=done.steps, waiting=True)
     states = _gather_rng_states(ctx)
+    if cfg.strategy == "fsdp" and ctx.is_main:
+        t.saver.wait()  # one gathered copy at a time
+    whole = _whole_states(cfg, t)
     save_error = None
     if ctx.is_main:
         try:
             t0 = time.perf_counter()
-            ck = _checkpoint(t, progress, epoch, cfg, data.classes)
+            ck = _checkpoint(t, progress, epoch, cfg, data.classes, whole)
             ck.update(step=done.steps, rank_rng=states,
                       epoch_stats={"loss": done.loss, "images": done.images, "seconds": done.seconds,
                                    "optimizer_steps": done.optimizer_steps})
@@ -588,10 +631,13 @@ def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int
 def _save_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress, epoch: int,
                 improved: bool) -> None:
     """Rank 0 saves last.pt (and best.pt); every rank raises if that failed, the rest PeerError."""
+    if cfg.strategy == "fsdp" and ctx.is_main:
+        t.saver.wait()  # one gathered copy at a time
+    whole = _whole_states(cfg, t)
     save_error = None
     if ctx.is_main:
         try:
-            ck = _checkpoint(t, progress, epoch, cfg, data.classes)
+            ck = _checkpoint(t, progress, epoch, cfg, data.classes, whole)
             last, best = rundir.checkpoint_path(ctx.run_dir, rundir.LAST), rundir.checkpoint_path(ctx.run_dir, rundir.BEST)
             accuracy, classes = progress.best, list(data.classes)
 
@@ -626,8 +672,14 @@ def _final_pass(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Prog
                "weights_path": None}
     if progress.best_epoch < 0 or (progress.stopped and _interrupted(ctx)):
         return summary
-    best_state = load_checkpoint(rundir.checkpoint_path(ctx.run_dir, rundir.BEST))["model"]
-    t.model.load_state_dict(best_state)
+    best_path = rundir.checkpoint_path(ctx.run_dir, rundir.BEST)
+    if cfg.strategy == "fsdp":  # rank 0 reads the file; each rank keeps its shard of it
+        load_full_state_dict(t.model, load_checkpoint(best_path)["model"] if ctx.is_main else None)
+        # The broadcast frees what it sent: the export reads the file again, one plain copy on rank 0.
+        best_state = load_checkpoint(best_path)["model"] if ctx.is_main else None
+    else:
+        best_state = load_checkpoint(best_path)["model"]
+        t.model.load_state_dict(best_state)
     final = evaluate(t.model, data.loaders.val, ctx.device, t.amp_dtype, t.channels_last, gather_predictions=True,
                      batch_transform=data.loaders.val_transform, ctx=ctx)
     if ctx.is_main:

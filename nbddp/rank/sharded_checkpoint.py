@@ -1,0 +1,226 @@
+"""Checkpoints that hold modules and optimizers: ``ctx.save_checkpoint({"model": model, "optimizer": opt, ...})``.
+
+A state that names modules and optimizers is written with ``torch.distributed.checkpoint``
+(DCP): every rank writes its own shard of the parameters and optimizer state, in parallel, into
+``checkpoints/<name>.dcp/`` (a folder: DCP's ``.metadata``, one ``.distcp`` file per rank, and
+``extra.pt``, the state's plain values, weights-only). Loading reads the shards a rank needs
+for the current sharding, so a run saved on 2 ranks resumes on 1 or 3: DCP reshards.
+
+Atomic as a ``.pt`` checkpoint is: every rank writes into a temporary sibling folder, the ranks
+agree that every write succeeded, then rank 0 swaps the folder in with two renames (the old
+checkpoint, then the new, never a mix), so a half-written checkpoint is never ``last``.
+
+Modules are stored under their state dict keys without wrapper prefixes (DDP's ``module.``,
+compile's ``_orig_mod.``) and optimizers by parameter name (``get_state_dict``), so a DDP run's
+checkpoint loads into a sharded model and back. This module never imports the kernel side.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..contract import rundir
+from ..contract.errors import ConfigError, WeightsError
+
+#: The suffix of a sharded checkpoint's folder: ``checkpoints/last.dcp/``.
+DCP_SUFFIX = ".dcp"
+#: The plain values of the state (step, epoch, config...), beside the shards.
+EXTRA = "extra.pt"
+
+
+def dcp_path(run_dir: Any, name: str) -> Path:
+    """``checkpoints/<name>.dcp``: the folder of a checkpoint that holds modules and optimizers."""
+    return rundir.checkpoints_dir(run_dir) / f"{name}{DCP_SUFFIX}"
+
+
+def split_state(state: Dict[str, Any]) -> Tuple[Dict[str, nn.Module], Dict[str, torch.optim.Optimizer], dict]:
+    """``(modules, optimizers, rest)`` of a checkpoint's top-level entries."""
+    modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+    rest = {k: v for k, v in state.items() if k not in modules and k not in optimizers}
+    return modules, optimizers, rest
+
+
+def _owner(optimizer: torch.optim.Optimizer, modules: Dict[str, nn.Module], key: str) -> nn.Module:
+    """The module whose parameters ``optimizer`` updates (``get_optimizer_state_dict`` names them through it)."""
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for module in modules.values():
+        if params & {id(p) for p in module.parameters()}:
+            return module
+    raise ConfigError(f"checkpoint entry {key!r}: none of the checkpoint's modules ({', '.join(modules) or 'none'}) "
+                      "holds the parameters this optimizer updates; put the model it trains in the same dict, e.g. "
+                      "{'model': model, 'optimizer': optimizer}")
+
+
+def _state_dicts(modules: Dict[str, nn.Module], optimizers: Dict[str, torch.optim.Optimizer]) -> dict:
+    """Collective: each module's and optimizer's state dict, sharded tensors as shards (nothing gathered)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from .sharding import unwrap
+
+    out: dict = {k: get_model_state_dict(unwrap(m)) for k, m in modules.items()}
+    for k, opt in optimizers.items():
+        out[k] = get_optimizer_state_dict(unwrap(_owner(opt, modules, k)), opt)
+    return out
+
+
+def _broadcast_name(name: Optional[str]) -> str:
+    """Rank 0's choice of a name, known to every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return name
+    from .dist import cpu_group
+
+    box = [name]
+    dist.broadcast_object_list(box, src=0, group=cpu_group())
+    return box[0]
+
+
+def save(run_dir: Path, name: str, state: Dict[str, Any], is_main: bool) -> Path:
+    """Collective: write ``state`` (modules, optimizers, plain values) as ``checkpoints/<name>.dcp``.
+
+    Returns:
+        The checkpoint's folder (on every rank).
+
+    Raises:
+        The error of the rank whose write failed on that rank; ``PeerError`` on the others.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from ..contract.checkpoint import _remove_stale_export_dirs, _swap_in, atomic_save, to_plain
+    from .dist import agree_on_error, barrier
+
+    modules, optimizers, rest = split_state(state)
+    target = dcp_path(run_dir, name)
+    work = None
+    if is_main:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_export_dirs(target)  # left by a run killed between its writes and its swap
+        work = str(target.with_name(f".{target.name}{rundir.TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"))
+    work = Path(_broadcast_name(work))
+    error = None
+    try:
+        extra = to_plain(rest)  # refused (TypeError) before any shard is written
+        # Every rank writes its own shard: no rank gathers the model.
+        dcp.save(_state_dicts(modules, optimizers), checkpoint_id=str(work))
+        if is_main:
+            atomic_save(extra, work / EXTRA)
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+        error = exc
+    try:
+        agree_on_error(error, f"saving checkpoint {target.name}")
+    except BaseException:
+        if is_main:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    error = None
+    if is_main:
+        try:
+            _swap_in(work, target)
+        except OSError as exc:
+            shutil.rmtree(work, ignore_errors=True)
+            error = exc
+    agree_on_error(error, f"saving checkpoint {target.name}")
+    barrier()
+    return target
+
+
+def _metadata(folder: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a missing or torn .metadata: one clear error
+        raise WeightsError(f"cannot read checkpoint {folder} ({type(exc).__name__}: {exc}); it is incomplete or "
+                           "corrupt: use another checkpoint, or start without it") from None
+
+
+def _check_same_architecture(folder: Path, modules: dict, optimizers: dict) -> None:
+    """Refuse a checkpoint of another architecture before reading any shard, naming the differences."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = _metadata(folder).state_dict_metadata
+    held = sorted({k.split(".", 1)[0] for k in stored})
+    for key in list(modules) + list(optimizers):
+        if not any(k.startswith(f"{key}.") for k in stored):
+            raise ConfigError(f"checkpoint {folder} holds no {key!r} (it holds: {', '.join(held)}); save it under "
+                              "that name, or load the entries it holds")
+    for key, wanted in modules.items():
+        prefix = f"{key}."
+        have = {k[len(prefix):]: v for k, v in stored.items()
+                if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+        mine = {k: v for k, v in wanted.items() if isinstance(v, torch.Tensor)}
+        missing = sorted(set(mine) - set(have))
+        unexpected = sorted(set(have) - set(mine))
+        shapes = [f"{k}: checkpoint {list(have[k].size)}, model {list(v.size())}" for k, v in mine.items()
+                  if k in have and tuple(have[k].size) != tuple(v.size())]
+        if missing or unexpected or shapes:
+            parts = ([f"{len(missing)} of the model's tensors missing (first: {missing[0]})"] if missing else []) + \
+                    ([f"{len(unexpected)} not in the model (first: {unexpected[0]})"] if unexpected else []) + \
+                    ([f"{len(shapes)} of other shapes ({shapes[0]})"] if shapes else [])
+            raise ConfigError(f"checkpoint {folder} holds another architecture than {key!r}: {'; '.join(parts)}. "
+                              "Load it into the model it was saved from (same class and sizes), or start a new run "
+                              "(another run folder, or resume=False).")
+
+
+def load(run_dir: Path, name: str, into: Dict[str, Any]) -> Optional[dict]:
+    """Collective: load ``checkpoints/<name>.dcp`` into the modules and optimizers of ``into``, in place.
+
+    Each rank reads the pieces of the shards its current sharding needs (DCP reshards), so the
+    world size may differ from the run that saved it.
+
+    Returns:
+        The checkpoint's plain values (the rest of the state), or ``None`` when there is no such checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from ..contract.checkpoint import load_checkpoint
+    from .sharding import unwrap
+
+    folder = dcp_path(run_dir, name)
+    if not folder.is_dir():
+        return None
+    modules, optimizers, rest = split_state(into)
+    if rest:
+        raise ConfigError(f"ctx.load_checkpoint({{...}}) loads into modules and optimizers; {', '.join(map(repr, rest))} "
+                          "are neither: leave them out, they come back in the returned dict")
+    wanted = _state_dicts(modules, optimizers)
+    _check_same_architecture(folder, {k: wanted[k] for k in modules}, optimizers)
+    dcp.load(wanted, checkpoint_id=str(folder))
+    for k, m in modules.items():
+        set_model_state_dict(unwrap(m), wanted[k])
+    for k, opt in optimizers.items():
+        set_optimizer_state_dict(unwrap(_owner(opt, modules, k)), opt, wanted[k])
+    extra = folder / EXTRA
+    return load_checkpoint(extra) if extra.is_file() else {}
+
+
+def load_plain_into(state: dict, into: Dict[str, Any], path: Path) -> dict:
+    """A ``.pt`` checkpoint's state dicts loaded into the modules and optimizers of ``into``; returns the rest."""
+    from .sharding import load_full_state_dict, unwrap
+
+    modules, optimizers, _ = split_state(into)
+    for k in list(modules) + list(optimizers):
+        if k not in state:
+            raise ConfigError(f"checkpoint {path} holds no {k!r} (it holds: {', '.join(map(str, state))})")
+    for k, m in modules.items():
+        load_full_state_dict(unwrap(m), state[k])
+    for k, opt in optimizers.items():
+        opt.load_state_dict(state[k])
+    return {k: v for k, v in state.items() if k not in modules and k not in optimizers}
+
+
+def checkpoint_kinds(run_dir: Path, name: str) -> List[Path]:
+    """The checkpoints named ``name`` in the run: its ``.dcp`` folder and its ``.pt`` file, those that exist."""
+    return [p for p in (dcp_path(run_dir, name), rundir.checkpoint_path(run_dir, name)) if p.exists()]
+
+
+__all__ = ["DCP_SUFFIX", "dcp_path", "save", "load", "split_state"]
