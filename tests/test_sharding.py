@@ -153,3 +153,11 @@ def test_a_config_and_a_strategy_argument_that_disagree_are_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="cfg.replace\\(strategy='fsdp'\\)"):
         nbddp.spawn_train(TrainConfig(data_path=str(tmp_path)), strategy="fsdp")
+
+
+def test_python_m_nbddp_run_takes_the_strategy(tmp_path, capsys, monkeypatch):
+    from nbddp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--nprocs", "1", "--strategy", "fsdp", WORKER, "--kwargs", '{"steps": 1}']) == 0
+    assert "'strategy': 'fsdp'" in capsys.readouterr().out
