@@ -177,7 +177,8 @@ def parse_kwargs(text: str) -> dict:
     return value
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: ``train``, ``run`` and ``gpus``."""
     parser = argparse.ArgumentParser(prog="python -m nbddp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,9 +212,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                        help="profile every rank (torch.profiler): alone, or a JSON object of settings, e.g. "
                        """'{"wait": 5, "active": 3}'; prints the ranks side by side at the end""")
     sub.add_parser("gpus", help="list the GPUs (without initialising CUDA)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     script_argv = _split_script_command(argv)
-    ns = parser.parse_args(argv)
+    ns = _parser().parse_args(argv)
     ns.argv = script_argv
 
     from .rank.elastic import detect
@@ -225,46 +230,59 @@ def main(argv: Optional[List[str]] = None) -> int:
             if getattr(ns, "strategy", None) and ns.command == "run":  # ctx.strategy of a rank of torchrun/srun
                 os.environ[STRATEGY_ENV] = ns.strategy
             return _under_launcher(ns, launcher)  # a rank: the worker side only
-        from .contract.gpus import resolve_gpus
-        from .kernel.launch import spawn_train
-
-        if ns.command == "gpus":
-            from .contract.gpus import gpu_setup_problem, list_gpus
-
-            gpus = list_gpus()
-            print("\n".join(g.label() for g in gpus) or gpu_setup_problem()
-                  or "no GPU found: training runs on CPU processes")
-            return 0
-        if ns.command == "run":
-            gpus = _gpus_word(ns.gpus) if ns.gpus else None  # "idle" is resolved by spawn_train, in the kernel
-            target, args, how = _run_target(ns)
-            trackers = [w for w in (ns.trackers or "").replace(" ", ",").split(",") if w] or None
-            result = spawn_train(target, *args, nprocs=ns.nprocs, gpus=gpus, max_restarts=ns.max_restarts,
-                                 trackers=trackers, profile=_profile_flag(ns.profile), strategy=ns.strategy,
-                                 **how)
-            print(f"result: {result.value!r}\nrun folder: {result.run_dir}")
-            if result.profile is not None:
-                print(result.profile)
-            return 0
-        cfg = build_config(ns)
-        if ns.run_dir:
-            raise NbddpError("--run-dir is for torchrun/srun launches; spawn_train names its own run folder")
-        if cfg.gpus == IDLE:
-            cfg = cfg.replace(gpus=tuple(resolve_gpus(IDLE)))  # the GPUs idle now, named in the line below
-        where = f"GPUs {list(cfg.gpus)}" if cfg.gpus else f"{cfg.nprocs} CPU process(es)"
-        print(f"training {cfg.model} on {cfg.data_path} with {where}", flush=True)
-        result = spawn_train(cfg, profile=_profile_flag(ns.profile))
-        if result.profile is not None:
-            print(result.profile)
-        v = result.value
-        print(f"\nbest val_accuracy {v['best_accuracy']:.4f} at epoch {v['best_epoch'] + 1}; "
-              f"exported weights: {result.weights_path}\nrun folder: {result.run_dir}")
-        return 0
+        return {"gpus": _list_gpus, "run": _run, "train": _train}[ns.command](ns)
     except NbddpError as exc:
         print(f"nbddp: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _list_gpus(ns: argparse.Namespace) -> int:
+    """``python -m nbddp gpus``."""
+    from .contract.gpus import gpu_setup_problem, list_gpus
+
+    gpus = list_gpus()
+    print("\n".join(g.label() for g in gpus) or gpu_setup_problem()
+          or "no GPU found: training runs on CPU processes")
+    return 0
+
+
+def _run(ns: argparse.Namespace) -> int:
+    """``python -m nbddp run``: a worker function or a script, from the kernel side."""
+    from .kernel.launch import spawn_train
+
+    gpus = _gpus_word(ns.gpus) if ns.gpus else None  # "idle" is resolved by spawn_train, in the kernel
+    target, args, how = _run_target(ns)
+    trackers = [w for w in (ns.trackers or "").replace(" ", ",").split(",") if w] or None
+    result = spawn_train(target, *args, nprocs=ns.nprocs, gpus=gpus, max_restarts=ns.max_restarts,
+                         trackers=trackers, profile=_profile_flag(ns.profile), strategy=ns.strategy, **how)
+    print(f"result: {result.value!r}\nrun folder: {result.run_dir}")
+    if result.profile is not None:
+        print(result.profile)
+    return 0
+
+
+def _train(ns: argparse.Namespace) -> int:
+    """``python -m nbddp train``: the built-in worker, from the kernel side."""
+    from .contract.errors import NbddpError
+    from .contract.gpus import resolve_gpus
+    from .kernel.launch import spawn_train
+
+    cfg = build_config(ns)
+    if ns.run_dir:
+        raise NbddpError("--run-dir is for torchrun/srun launches; spawn_train names its own run folder")
+    if cfg.gpus == IDLE:
+        cfg = cfg.replace(gpus=tuple(resolve_gpus(IDLE)))  # the GPUs idle now, named in the line below
+    where = f"GPUs {list(cfg.gpus)}" if cfg.gpus else f"{cfg.nprocs} CPU process(es)"
+    print(f"training {cfg.model} on {cfg.data_path} with {where}", flush=True)
+    result = spawn_train(cfg, profile=_profile_flag(ns.profile))
+    if result.profile is not None:
+        print(result.profile)
+    v = result.value
+    print(f"\nbest val_accuracy {v['best_accuracy']:.4f} at epoch {v['best_epoch'] + 1}; "
+          f"exported weights: {result.weights_path}\nrun folder: {result.run_dir}")
+    return 0
 
 
 def _under_launcher(ns: argparse.Namespace, le) -> int:

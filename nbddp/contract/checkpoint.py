@@ -483,7 +483,7 @@ def _export_target(out_dir: Path) -> Path:
             raise ConfigError(
                 f"export folder {out_dir} holds files that are not part of an export ({shown}); an export "
                 "replaces its folder as a whole, so nbddp will not write there. Export into an empty or "
-                f"new folder, e.g. {str(Path(out_dir) / 'export')!r}.")
+                f"new folder, e.g. {str(Path(out_dir) / EXPORT)!r}.")
     return target
 
 

@@ -21,7 +21,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from ..contract.errors import WorkerError
 from ..contract import rundir
@@ -225,45 +225,25 @@ def foreign_key_note(rec: Optional[ErrorRecord], store_port: Optional[int]) -> s
             "FileStore only you can open, instead of a script or a function calling init_process_group itself.")
 
 
-def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
-                       server_died: Optional[str] = None, stacks=None,
-                       log_starts: Optional[Dict[int, int]] = None, store_port: Optional[int] = None) -> WorkerError:
-    """Compose the one exception the notebook shows for a failed run.
-
-    Args:
-        log_starts: each rank's log size when this launch started: only what the launch wrote
-            is quoted (a resumed or restarted run appends to its logs).
-        server_died: how the warm server the ranks forked from ended (``"signal 9"``), if it
-            died during the run: every rank then ends with it, without a word of its own.
-        stacks: where the live ranks were when the failure was seen (:class:`nbddp.kernel.stacks.Stacks`).
-        store_port: the kernel's ``env://`` store's port, when the ranks met there: a failed
-            rendezvous that a key of another user explains says so (:func:`foreign_key_note`).
-    """
-    records, beats = read_error_records(run_dir, world_size), read_heartbeats(run_dir, world_size)
-    logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}
-    starts = log_starts or {}
-    watchdog = frozenset(r for r in range(world_size) if aborted_by_watchdog(ends.get(r), logs[r], starts.get(r, 0)))
-    if stacks:  # a rank that raised is gone: its traceback says where it was
-        stacks = Stacks({**{r: from_traceback(r, rec.traceback) for r, rec in records.items()
-                            if rec.traceback and r not in stacks}, **stacks})
-    root = find_root_cause(ends, records, beats, watchdog, stacks)
-    rec, end, beat = records.get(root), ends.get(root), beats.get(root)
-    log_path = rundir.rank_log(run_dir, root)
+def _where(rec, beat):
+    """Where the root-cause rank was: the words, its epoch and its step (from its record, else its heartbeat)."""
     where_from = rec or beat
     epoch = where_from.epoch if where_from else None
     step = where_from.step if where_from else None
     if epoch is not None or step is not None:
-        where = f"at {where_words(epoch, step)}"
-    elif rec is None and beat is not None and beat.state == "running":
-        where = "no epoch or step reported yet (ctx.heartbeat says where a worker is)"
-    else:
-        where = "before its first step"
-    sig = signal_name(end.exitcode) if end else None
-    pid = end.pid if end else (beat.pid if beat else None)
+        return f"at {where_words(epoch, step)}", epoch, step
+    if rec is None and beat is not None and beat.state == "running":
+        return "no epoch or step reported yet (ctx.heartbeat says where a worker is)", epoch, step
+    return "before its first step", epoch, step
 
+
+def _headline(root: int, rec, end: Optional[RankEnd], beat, records, watchdog: frozenset,
+              server_died: Optional[str], log_path: Path, log_start: int):
+    """The error's kind and its first line: what happened to the root-cause rank."""
+    sig = signal_name(end.exitcode) if end else None
     if rec and not rec.secondary and rec.type == "SystemExit":
         # sys.exit(2) from argparse says why only on stderr: its last lines are the headline.
-        said = "\n".join("    " + line for line in tail(log_path, 6, starts.get(root, 0)).splitlines() if line.strip())
+        said = "\n".join("    " + line for line in tail(log_path, 6, log_start).splitlines() if line.strip())
         kind = "exit"
         headline = f"rank {root} exited with SystemExit({rec.message or 'None'})" + (
             f"; its last output:\n{said}" if said else "")
@@ -306,6 +286,55 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
             who = f"rank {gave_up[0]}" if len(gave_up) == 1 else "ranks " + ", ".join(map(str, gave_up))
             headline += (f"; {who} gave up waiting for it: {records[gave_up[0]].type}: "
                          f"{records[gave_up[0]].first_line[:160]}")
+    return kind, headline
+
+
+def _other_ranks(root: int, ends: Dict[int, RankEnd], records, beats, watchdog: frozenset,
+                 world_size: int) -> List[str]:
+    """One phrase per other rank: what it raised, or how it ended."""
+    others = []
+    for r in sorted(set(range(world_size)) - {root}):
+        o_rec, o_end = records.get(r), ends.get(r)
+        if o_rec:
+            others.append(f"rank {r}: {o_rec.type}: {o_rec.first_line[:160]}")
+        elif r in watchdog:
+            others.append(f"rank {r}: aborted by NCCL's watchdog while waiting for rank {root}")
+        elif o_end and o_end.by_launcher:
+            others.append(f"rank {r}: stopped by nbddp after rank {root} failed")
+        elif o_end:
+            others.append(f"rank {r}: {_ended(r, o_end, None, beats.get(r))}")
+    return others
+
+
+def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
+                       server_died: Optional[str] = None, stacks=None,
+                       log_starts: Optional[Dict[int, int]] = None, store_port: Optional[int] = None) -> WorkerError:
+    """Compose the one exception the notebook shows for a failed run.
+
+    Args:
+        log_starts: each rank's log size when this launch started: only what the launch wrote
+            is quoted (a resumed or restarted run appends to its logs).
+        server_died: how the warm server the ranks forked from ended (``"signal 9"``), if it
+            died during the run: every rank then ends with it, without a word of its own.
+        stacks: where the live ranks were when the failure was seen (:class:`nbddp.kernel.stacks.Stacks`).
+        store_port: the kernel's ``env://`` store's port, when the ranks met there: a failed
+            rendezvous that a key of another user explains says so (:func:`foreign_key_note`).
+    """
+    records, beats = read_error_records(run_dir, world_size), read_heartbeats(run_dir, world_size)
+    logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}
+    starts = log_starts or {}
+    watchdog = frozenset(r for r in range(world_size) if aborted_by_watchdog(ends.get(r), logs[r], starts.get(r, 0)))
+    if stacks:  # a rank that raised is gone: its traceback says where it was
+        stacks = Stacks({**{r: from_traceback(r, rec.traceback) for r, rec in records.items()
+                            if rec.traceback and r not in stacks}, **stacks})
+    root = find_root_cause(ends, records, beats, watchdog, stacks)
+    rec, end, beat = records.get(root), ends.get(root), beats.get(root)
+    log_path = rundir.rank_log(run_dir, root)
+    where, epoch, step = _where(rec, beat)
+    sig = signal_name(end.exitcode) if end else None
+    pid = end.pid if end else (beat.pid if beat else None)
+
+    kind, headline = _headline(root, rec, end, beat, records, watchdog, server_died, log_path, starts.get(root, 0))
 
     parts = [f"Training failed: {headline}",
              f"  {where} · pid {pid} · log: {log_path}"]
@@ -318,17 +347,7 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     if nccl:
         parts.append("NCCL's flight recorder, each rank's last collective: "
                      + "; ".join(f"rank {r}: {what}" for r, what in sorted(nccl.items())))
-    others = []
-    for r in sorted(set(range(world_size)) - {root}):
-        o_rec, o_end = records.get(r), ends.get(r)
-        if o_rec:
-            others.append(f"rank {r}: {o_rec.type}: {o_rec.first_line[:160]}")
-        elif r in watchdog:
-            others.append(f"rank {r}: aborted by NCCL's watchdog while waiting for rank {root}")
-        elif o_end and o_end.by_launcher:
-            others.append(f"rank {r}: stopped by nbddp after rank {root} failed")
-        elif o_end:
-            others.append(f"rank {r}: {_ended(r, o_end, None, beats.get(r))}")
+    others = _other_ranks(root, ends, records, beats, watchdog, world_size)
     if others:
         parts.append("Other ranks: " + "; ".join(others))
     if rec and rec.traceback:

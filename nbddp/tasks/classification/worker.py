@@ -424,10 +424,7 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
         if _early_stop_due(cfg, progress, epoch):
             progress.early_stopped = True
             if ctx.is_main:
-                stale = epoch - 1 - progress.best_epoch
-                print(f"early stop: val accuracy has not improved for {stale} epoch{'s' if stale != 1 else ''} "
-                      f"(early_stop_patience={cfg.early_stop_patience}; best {progress.best:.4f} at epoch "
-                      f"{progress.best_epoch + 1}); the export keeps epoch {progress.best_epoch + 1}", flush=True)
+                _say_early_stop(cfg, progress, epoch)
             return
         data.loaders.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         _seed_epoch(cfg.seed, epoch, ctx.rank)
@@ -458,11 +455,7 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
         if stats.stopped:
             progress.stopped = True
             if ctx.is_main:
-                if stats.steps:
-                    saved = f"the checkpoint holds it, a resumed run continues at step {stats.steps + 1}"
-                else:
-                    saved = f"the last checkpoint is epoch {epoch}" if epoch > 0 else "no epoch was completed"
-                print(f"stop requested: leaving epoch {epoch + 1} at step {stats.steps}; {saved}", flush=True)
+                _say_stopped(epoch, stats.steps)
             return
         t_eval = time.perf_counter()
         sync_buffers_from_main(t.model)
@@ -480,6 +473,23 @@ def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Pr
         progress.checkpoint_s += time.perf_counter() - t_save
         if clock is not None:
             clock.reset()
+
+
+def _say_early_stop(cfg: TrainConfig, progress: _Progress, epoch: int) -> None:
+    """Rank 0: why the run ends before ``cfg.epochs`` and which epoch the export keeps."""
+    stale = epoch - 1 - progress.best_epoch
+    print(f"early stop: val accuracy has not improved for {stale} epoch{'s' if stale != 1 else ''} "
+          f"(early_stop_patience={cfg.early_stop_patience}; best {progress.best:.4f} at epoch "
+          f"{progress.best_epoch + 1}); the export keeps epoch {progress.best_epoch + 1}", flush=True)
+
+
+def _say_stopped(epoch: int, steps: int) -> None:
+    """Rank 0: where a stop request left the run and what a resumed run continues from."""
+    if steps:
+        saved = f"the checkpoint holds it, a resumed run continues at step {steps + 1}"
+    else:
+        saved = f"the last checkpoint is epoch {epoch}" if epoch > 0 else "no epoch was completed"
+    print(f"stop requested: leaving epoch {epoch + 1} at step {steps}; {saved}", flush=True)
 
 
 class _CheckpointClock:
