@@ -94,7 +94,7 @@ SIDES = {
     "contract.leases": "contract", "contract.private": "contract", "contract.plans": "contract", "contract.checkpoint": "contract",
     "contract.conventions": "contract", "contract.debugging": "contract", "contract.observe": "contract",
     "kernel": "kernel", "kernel.launch": "kernel", "kernel.rendezvous": "kernel", "kernel.forkserver": "kernel",
-    "kernel.handle": "kernel", "kernel.report": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
+    "kernel.handle": "kernel", "kernel.ranks": "kernel", "kernel.report": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
     "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",
     "kernel.export": "kernel", "kernel.inference": "kernel", "kernel.debugger": "kernel",
     "kernel.profiles": "kernel",

@@ -296,9 +296,9 @@ def _under_launcher(ns: argparse.Namespace, le) -> int:
     if ns.command == "run":
         target, args, how = _run_target(ns)
         elastic.refuse_script_under_launcher(le, how["call"], how["argv"])
-        plan = plans.plan(target, args, kwargs=how["kwargs"])
+        plan = plans.plan(target, args, kwargs=how["kwargs"], place=False)
     else:
         cfg, run_dir = elastic.continue_or_start(build_config(ns), le, run_dir)
-        plan = plans.plan(cfg)  # every rank checks the same inputs, so all fail together
+        plan = plans.plan(cfg, place=False)  # every rank checks the same inputs, so all fail together
     elastic.run_job_rank(le, plan, run_dir)  # never returns: the rank leaves as spawned ranks do
     return 1

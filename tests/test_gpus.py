@@ -16,6 +16,7 @@ import torch
 
 from nbddp import ConfigError, TrainConfig, cli, spawn_train
 from nbddp.kernel import launch as launch_mod
+from nbddp.kernel import ranks as ranks_mod
 from nbddp.contract.gpus import (IDLE, IDLE_RULE, BusyGPUWarning, GPUInfo, _smi_process_counts, check_gpu_ids,
                         cuda_visible_devices, gpu_setup_problem, idle_gpus, list_gpus, preselected_gpus, resolve_gpus)
 from nbddp.tasks.classification import planning as classification
@@ -263,7 +264,7 @@ def no_workers(monkeypatch):
                     run_dir=spec.run_dir)
         raise Stopped
 
-    monkeypatch.setattr(launch_mod.mp, "start_processes", start_processes)
+    monkeypatch.setattr(ranks_mod.mp, "start_processes", start_processes)
     return seen
 
 

@@ -31,6 +31,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 from . import cells, conventions, rundir
 from .config import TrainConfig
 from .errors import ConfigError
+from .gpus import cuda_visible_devices
 from .targets import resolve_target
 
 #: Process-group timeout when none is given: a cold CUDA/NCCL start and a first cuDNN
@@ -56,6 +57,12 @@ class LaunchPlan:
     argv: Tuple[str, ...] = ()  # a script's command-line arguments
     payload: Optional[bytes] = None  # a function from a notebook cell, pickled by value
     source: Optional[str] = None     # that function's source, kept in the run folder
+    # Where it runs, decided with the rest of the plan (:func:`place`); a plan for a rank under
+    # torchrun/srun leaves them unset, since its launcher decided them.
+    world: int = 0                   # number of ranks: one per GPU, else nprocs
+    backend: str = ""                # "nccl" with GPUs, else "gloo"
+    visible_devices: Optional[str] = None  # CUDA_VISIBLE_DEVICES for the ranks (None without GPUs)
+    timeout: float = 0.0             # the process-group timeout in seconds (process_group_timeout())
 
     def process_group_timeout(self, on_gpu: Optional[bool] = None) -> float:
         """``timeout_s``, or the default for where the ranks run (GPUs when the plan names some)."""
@@ -74,7 +81,8 @@ def is_task_config(obj: Any) -> bool:
 def plan(target: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None, *,
          nprocs: Optional[int] = None, gpus: Optional[Sequence[int]] = None, name: Optional[str] = None,
          runs_dir: Union[str, os.PathLike, None] = None, timeout_s: Optional[float] = None,
-         resume: Any = None, call: str = conventions.CTX, argv: Optional[Sequence[Any]] = None) -> LaunchPlan:
+         resume: Any = None, call: str = conventions.CTX, argv: Optional[Sequence[Any]] = None,
+         place: bool = True) -> LaunchPlan:
     """The launch plan of a config (its task's plan) or of a worker function target.
 
     Args:
@@ -90,6 +98,8 @@ def plan(target: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         timeout_s: process-group timeout (default: the config's, or :data:`DEFAULT_TIMEOUT_S`).
         resume: a worker function's run to continue: a run folder, or ``True`` for the newest run
             of ``name`` that holds a checkpoint (a config says it in its own ``resume``).
+        place: decide where it runs too (:func:`place`): the kernel's launch; a rank under
+            torchrun/srun, whose launcher placed it, passes False.
 
     Raises:
         ConfigError / DataError / WeightsError: naming what is wrong and the fix.
@@ -106,16 +116,32 @@ def plan(target: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         if runs_dir is not None:
             target = target.replace(runs_dir=str(runs_dir))
         task_plan = importlib.import_module(_TASKS[type(target)]).plan(target)
-        return dataclasses.replace(task_plan, name=name or task_plan.name,
-                                   timeout_s=timeout_s or task_plan.timeout_s)
+        task_plan = dataclasses.replace(task_plan, name=name or task_plan.name,
+                                        timeout_s=timeout_s or task_plan.timeout_s)
+        return place_plan(task_plan) if place else task_plan
     what = _what_runs(target, args, kwargs, call, argv)
     gpus = tuple(gpus or ())
     if gpus and nprocs not in (None, len(gpus)):
         raise ConfigError(f"nprocs={nprocs} but gpus={list(gpus)}: one process per GPU; drop nprocs")
     name = name or default_name(what["target"])
     runs_dir = str(runs_dir if runs_dir is not None else rundir.RUNS_DIR)
-    return LaunchPlan(gpus=gpus, nprocs=nprocs, name=name, runs_dir=runs_dir, timeout_s=timeout_s,
-                      run_dir=run_to_resume(resume, runs_dir, name), **what)
+    found = LaunchPlan(gpus=gpus, nprocs=nprocs, name=name, runs_dir=runs_dir, timeout_s=timeout_s,
+                       run_dir=run_to_resume(resume, runs_dir, name), **what)
+    return place_plan(found) if place else found
+
+
+def place_plan(p: LaunchPlan) -> LaunchPlan:
+    """``p`` with where it runs: its number of ranks, backend, the ranks' ``CUDA_VISIBLE_DEVICES``
+    and process-group timeout. Unknown or repeated GPU ids are refused here, listing the GPUs,
+    before the run folder exists."""
+    world = len(p.gpus) if p.gpus else (p.nprocs or 1)
+    if not isinstance(world, int) or world < 1:
+        raise ConfigError(f"nprocs={p.nprocs!r}: must be an integer >= 1")
+    # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
+    # that could escape an allocation.
+    visible = cuda_visible_devices(p.gpus) if p.gpus else None
+    return dataclasses.replace(p, world=world, backend="nccl" if p.gpus else "gloo", visible_devices=visible,
+                               timeout=p.process_group_timeout())
 
 
 def _what_runs(target: Any, args: Sequence[Any], kwargs: Dict[str, Any], call: str,

@@ -369,7 +369,7 @@ class _StringsOnly(pickle.Unpickler):
 def read_torch_traceback(path: str) -> Optional[str]:
     """The traceback string torch's spawn wrapper pickled, if the file is ours and holds one.
 
-    The file sits in the launch's private temp folder (``nbddp.kernel.launch.private_tmp``); even so,
+    The file sits in the launch's private temp folder (``nbddp.kernel.ranks.private_tmp``); even so,
     only a regular file owned by this user is read (opened without following a link, checked on
     its descriptor), and nothing but a string is unpickled.
     """

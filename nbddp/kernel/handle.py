@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -25,16 +24,16 @@ from ..contract.conventions import MP_SPAWN
 from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
 from ..contract import rundir
-from ..contract.protocol import (Heartbeat, LaunchSpec, adopt_torch_error_file, clear_stop_request, has_result, read_checkpoint_note,
-                       read_error_records, read_heartbeats, read_progress, take_result, write_stop_request)
+from ..contract.protocol import (Heartbeat, LaunchSpec, clear_stop_request, has_result, read_checkpoint_note,
+                                 read_error_records, read_progress, take_result, write_stop_request)
 from .restarts import Restart, RestartPolicy
 from .stacks import Stacks, collect as collect_stacks
 from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
 from .debugger import PromptRelay, serve_prompts, skipped_line, waiting_line
 from .stall import QuietWatch, find_lagging_rank, where_all_are
-from .forkserver import server_death, server_pid
-from .procs import end_leftovers, end_recorded_tree, orphaned_group
-from ..contract.system import kill_group_or_process, start_time
+from .forkserver import server_death
+from .ranks import RankGroup
+from ..contract.system import start_time
 
 
 @dataclass
@@ -146,12 +145,6 @@ class _LineTail:
         return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines]
 
 
-def remove_private_tmp(path: Optional[str]) -> None:
-    """Remove the ranks' private temp folder (see :func:`nbddp.kernel.launch.private_tmp`); best effort."""
-    if path:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def _newest_checkpoint(run_dir: Path) -> Optional[str]:
     """``checkpoints/<name>.pt`` most recently written in the run folder, or None."""
     paths = [rundir.checkpoints_dir(run_dir) / n for n in rundir.checkpoint_names(run_dir)]
@@ -160,20 +153,6 @@ def _newest_checkpoint(run_dir: Path) -> Optional[str]:
         return None
     newest = max(paths, key=lambda p: p.stat().st_mtime)
     return f"{newest.parent.name}/{newest.name}"
-
-
-#: How long what the ranks started gets after SIGTERM, once the ranks are gone, before SIGKILL.
-_LEFTOVER_GRACE_S = 1.0
-
-
-def _end_group(pid: int) -> None:
-    """SIGTERM to the process group of a rank that just exited (it led it): what it started
-    there goes with it (see :func:`nbddp.kernel.procs.orphaned_group`)."""
-    if orphaned_group(pid):
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def _note_restarts(error: WorkerError, restarts: List[Restart], not_restarted: str) -> None:
@@ -197,6 +176,31 @@ def _open_store_port(spec: LaunchSpec) -> Optional[int]:
     return spec.store_port or (spec.master_port if spec.call == MP_SPAWN else None)
 
 
+def _success(spec: LaunchSpec, metrics: List[dict], seconds: float, stopped: bool,
+             restarts: List[Restart]) -> Union[TrainResult, BaseException]:
+    """Every rank exited 0 unasked: a success, with or without a value. Code that ends its
+    process itself (``os._exit(0)`` after training, common in scripts) returned nothing."""
+    run_dir = Path(spec.run_dir)
+    try:
+        values = [take_result(run_dir, r) if has_result(run_dir, r) else None
+                  for r in range(spec.world_size if spec.all_values else 1)]
+    except rundir.NotPrivate as exc:  # never unpickled: the exception says which file and why
+        return exc
+    return TrainResult(values[0], run_dir, metrics, seconds, spec.world_size, spec.backend, stopped=stopped,
+                       all_values=values if spec.all_values else None, restarts=list(restarts))
+
+
+def _stopped(spec: LaunchSpec, reason: Optional[str], ends: Dict[int, RankEnd]) -> TrainingInterrupted:
+    """An interrupted cell always ends in an exception, even when the workers obeyed the
+    stop request and returned: the user asked the cell to stop."""
+    run_dir = Path(spec.run_dir)
+    what = "interrupted" if reason == "interrupt" else "stopped"
+    records = read_error_records(run_dir, spec.world_size)
+    request = "the interrupt" if reason == "interrupt" else "the stop request"
+    return TrainingInterrupted.for_run(what, spec.world_size, run_dir, how=how_ranks_stopped(ends, records, request),
+                                       checkpoint=_newest_checkpoint(run_dir))
+
+
 class RunHandle:
     """A running (or finished) launch. ``spawn_train(..., block=False)`` returns one.
 
@@ -207,20 +211,20 @@ class RunHandle:
         >>> result = h.wait()
     """
 
-    def __init__(self, procs, spec: LaunchSpec, store, echo: bool, grace_s: float,
+    def __init__(self, ranks: RankGroup, echo: bool, grace_s: float,
                  stall_timeout_s: Optional[float] = None, stop_timeout_s: float = STOP_TIMEOUT_S,
-                 leases=None, log_starts: Optional[Dict[int, int]] = None, tmp_dir: Optional[str] = None,
-                 restarts: Optional[RestartPolicy] = None, debug: str = "prompt"):
-        # torch's ProcessContext of the workers (not a worker's ctx: that lives in the workers).
-        # store: the launch's meeting point (nbddp.kernel.rendezvous.Rendezvous, or a bare TCPStore);
-        # leases: its GPU leases (nbddp.contract.leases.Leases). Both are held until the run ends.
+                 leases=None, log_starts: Optional[Dict[int, int]] = None, restarts: Optional[RestartPolicy] = None,
+                 debug: str = "prompt"):
+        # ranks: this start of the ranks, which owns their processes, meeting point, temp folder
+        # and error files (nbddp.kernel.ranks.RankGroup); a restart replaces it with the next.
+        # leases: the run's GPU leases (nbddp.contract.leases.Leases), held until the run ends.
         # log_starts: each rank's log size before this launch (a resumed run appends to its logs):
         # the echo and the error quote only this launch's lines;
-        # tmp_dir: the ranks' private TMPDIR, removed once the run has ended;
-        # restarts: max_restarts and the launcher that starts each restart (nbddp.kernel.restarts);
+        # restarts: max_restarts and the launches a restart starts from (nbddp.kernel.restarts);
         # debug: what a breakpoint in a rank does: "prompt" (asked in a cell), "skip" (no one can
         # answer: continued, with a line) or "stop" (debug="always": it waits for a prompt).
-        self._procs, self.spec, self._store, self.echo, self.grace_s = procs, spec, store, echo, grace_s
+        self._ranks, self.echo, self.grace_s = ranks, echo, grace_s
+        spec = ranks.spec
         self._leases = leases
         self.stop_timeout_s = stop_timeout_s
         self.stall_timeout_s = stall_timeout_s
@@ -231,16 +235,12 @@ class RunHandle:
         self._policy = restarts
         self.restarts: List[Restart] = []  # made so far (a restart is a new launch in the same folder)
         self._restart_at: Optional[float] = None  # a restart waits for its back-off until then
-        self._launched_at = self.started_at  # this launch's start (the run's first, or its last restart)
-        self._quiet = QuietWatch(stall_timeout_s or 0.0, self._launched_at)
+        self._quiet = QuietWatch(stall_timeout_s or 0.0, ranks.started_at)
         self._failure_stacks: Optional[Stacks] = None  # where the live ranks were when a failure stopped them
-        self.pids = [p.pid for p in procs.processes]
         self.metrics: List[dict] = []
         self.progress: dict = {}
-        self._ends: Dict[int, RankEnd] = {}
         self._log_starts = dict(log_starts or {})
         self._log_tail = OutputTail(rundir.rank_log(self.run_dir, 0), start=self._log_starts.get(0, 0))
-        self._tmp_dir = tmp_dir
         self._echo = CellEcho("[rank0] ", log=rundir.rank_log(self.run_dir, 0))
         self._metrics_tail = _LineTail(rundir.metrics_path(self.run_dir))
         self._listeners: List[Callable[[str, Any], None]] = []
@@ -249,13 +249,24 @@ class RunHandle:
         self._outcome: Optional[Union[TrainResult, BaseException]] = None
         self._done = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        # The warm server the ranks forked from (none under spawn): if it dies, they die with it.
-        self._server = server_pid() if spec.parent_pid is None else None
         self.debug_mode = debug
         self._relay = PromptRelay(self.run_dir, self.world_size)
         self._debug_told = ""  # the last "waiting at a breakpoint" line said
 
     # -- public ----------------------------------------------------------------------
+    @property
+    def spec(self) -> LaunchSpec:
+        """What the ranks of the current start were started with."""
+        return self._ranks.spec
+
+    @property
+    def pids(self) -> List[int]:
+        """The process id of each rank of the current start, in rank order."""
+        return self._ranks.pids
+
+    _ends = property(lambda self: self._ranks.ends, doc="How each rank of the current start ended.")
+    _procs = property(lambda self: self._ranks.procs, doc="torch's processes of the current start.")
+
     @property
     def running(self) -> bool:
         return not self._done.is_set()
@@ -272,20 +283,12 @@ class RunHandle:
         with self._lock:
             if self._restart_at is not None or self._done.is_set():
                 return Stacks()
-            pids = self._answering_ranks()
+            pids = self._ranks.answering()
         return collect_stacks(self.run_dir, pids, timeout)
-
-    def _answering_ranks(self) -> Dict[int, int]:
-        """``{rank: pid}`` of the running ranks that can answer for their stack: those that have
-        beaten in this launch (a rank registers its stack signal before its first heartbeat; before
-        that, the signal's default action would end it)."""
-        beats = self._beats()
-        return {r: p.pid for r, p in enumerate(self._procs.processes)
-                if r not in self._ends and p.exitcode is None and r in beats}
 
     def _stacks_before_stopping(self) -> None:
         """A failure or a hang is about to stop the run: keep where every live rank is, for the error."""
-        pids = self._answering_ranks()
+        pids = self._ranks.answering()
         self._failure_stacks = collect_stacks(self.run_dir, pids, timeout=2.0) if pids else Stacks()
 
     @property
@@ -394,33 +397,23 @@ class RunHandle:
         with self._lock:
             if self._done.is_set():
                 return
-            self._kill_all(signal.SIGKILL)
-            self._reap_all()
+            self._ranks.abandon()
             self._outcome = RunAbandoned(
                 f"nbddp could not watch the run in {self.run_dir} ({type(exc).__name__}: {exc}); "
                 f"all {self.world_size} workers were stopped and reaped. Check that the run folder "
                 "still exists and is writable, then launch again.", run_dir=self.run_dir)
             self._outcome.__cause__ = exc
             self._release()
-            self._remove_torch_error_files()
-            remove_private_tmp(self._tmp_dir)
             self._done.set()
         self._emit("end", self._outcome)
 
     def _release(self) -> None:
         """Give back what the run held for its lifetime: its meeting point and its GPU leases."""
-        self._close_store()
+        self._ranks.close_store()
         if self._leases is not None:
             with contextlib.suppress(Exception):
                 self._leases.release()
             self._leases = None
-
-    def _close_store(self) -> None:
-        """Close the launch's meeting point (its port or private folder freed); each restart has its own."""
-        store, self._store = self._store, None
-        if store is not None and hasattr(store, "close"):
-            with contextlib.suppress(Exception):
-                store.close()
 
     def _wait_done(self, timeout: Optional[float]) -> None:
         # Jupyter's Interrupt (SIGINT) only sets a flag here, checked between polls: raised as
@@ -476,8 +469,8 @@ class RunHandle:
             if self._shutdown is not None:
                 self._shutdown.kill_now(time.time())
             else:
-                self._kill_all(signal.SIGKILL)
-            self._reap_all()
+                self._ranks.signal(signal.SIGKILL)
+            self._ranks.reap()
             if not self._done.is_set():
                 self._finish()
 
@@ -503,14 +496,8 @@ class RunHandle:
                 elif now >= self._restart_at:
                     self._relaunch()
                 return
-            for rank, p in enumerate(self._procs.processes):
-                if rank not in self._ends and p.exitcode is not None:  # exitcode reaps the child
-                    self._ends[rank] = RankEnd(rank, p.pid, p.exitcode, now, self._shutdown is not None)
-                    _end_group(p.pid)
-                    if p.exitcode != 0:
-                        self._adopt_torch_error_file(rank)
-            failed = [e for e in self._ends.values() if e.exitcode != 0 and not e.by_launcher]
-            if failed and self._shutdown is None:
+            self._ranks.see_exits(now, by_launcher=self._shutdown is not None)
+            if self._ranks.failed() and self._shutdown is None:
                 self._stacks_before_stopping()
                 self._begin_shutdown("failure")
             if self._shutdown is None and self.stall_timeout_s and now - self._stall_checked >= 1.0:
@@ -518,20 +505,15 @@ class RunHandle:
                 self._check_progress(now)
             if self._shutdown is not None:
                 self._shutdown.advance(now)
-            if len(self._ends) == self.world_size:
-                self._reap_all()
+            if self._ranks.all_ended:
+                self._ranks.reap()
                 self._restart_or_finish()
-
-    def _beats(self) -> Dict[int, Heartbeat]:
-        """This launch's heartbeats: a resumed or restarted run's folder still holds the earlier ones."""
-        return {r: b for r, b in read_heartbeats(self.run_dir, self.world_size).items()
-                if (b.beat_time or 0.0) >= self._launched_at}
 
     def _check_progress(self, now: float) -> None:
         """Stop a run with a hung rank (one that lags); explain, once, a run in which no rank moves."""
         if read_error_records(self.run_dir, self.world_size):
             return  # a failure is on its way: the error tells it
-        beats = self._beats()
+        beats = self._ranks.beats()
         if any(b.state == "debugging" for b in beats.values()):
             self._quiet.pause(now)  # the time at a prompt is no quiet spell
             return
@@ -565,7 +547,7 @@ class RunHandle:
 
     def _tell_quiet(self, beats: Dict[int, Heartbeat], quiet: float) -> None:
         """No rank has made progress, and none lags: say where every rank is; the run goes on."""
-        pids = self._answering_ranks()
+        pids = self._ranks.answering()
         where = collect_stacks(self.run_dir, pids, timeout=2.0).summary() if pids else ""
         line = (f"nbddp: no rank has made progress for {quiet:.0f} s{where_all_are(beats)}, and none is behind the "
                 f"others: {where or 'their stacks did not come (handle.stacks() asks again)'}. The run goes on; "
@@ -600,54 +582,18 @@ class RunHandle:
         if self._shutdown is not None or self._done.is_set():
             return
         write_stop_request(self.run_dir, reason)  # before any signal: ranks that obey may finish
-        self._shutdown = Shutdown(reason, time.time(), self.grace_s, self.stop_timeout_s, kill=self._kill_all,
+        self._shutdown = Shutdown(reason, time.time(), self.grace_s, self.stop_timeout_s, kill=self._ranks.signal,
                                   finishing=self._finishing, writing=self._writing)
 
     def _finishing(self, now: float, since: float) -> bool:
         """True while the workers may still be finishing after the stop request (see :func:`ranks_finishing`)."""
-        beats = self._beats()
-        running = [r for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None]
-        return ranks_finishing(now, since, self.grace_s, beats, running)
+        return ranks_finishing(now, since, self.grace_s, self._ranks.beats(), self._ranks.running())
 
     def _writing(self, now: float) -> bool:
         """True while a running rank writes a checkpoint in the background and its heartbeat is fresh."""
-        running = {r for r, p in enumerate(self._procs.processes) if r not in self._ends and p.exitcode is None}
+        running = set(self._ranks.running())
         return any(b.writing and r in running and now - (b.beat_time or 0.0) < self.grace_s + 2.0
-                   for r, b in self._beats().items())
-
-    def _kill_all(self, sig: int) -> None:
-        if self._restart_at is not None:  # between two launches: every process was reaped
-            return
-        for rank, p in enumerate(self._procs.processes):
-            if rank in self._ends or p.exitcode is not None:
-                continue
-            kill_group_or_process(p.pid, sig)  # each worker leads its own group, DataLoader workers included
-
-    def _reap_all(self) -> None:
-        if self._restart_at is not None:
-            return
-        now = time.time()
-        for rank, p in enumerate(self._procs.processes):
-            p.join(timeout=5)
-            if p.exitcode is None:  # cannot happen after SIGKILL, but never leave one behind
-                p.kill()
-                p.join()
-            if rank not in self._ends:
-                self._ends[rank] = RankEnd(rank, p.pid, p.exitcode, now, True)
-
-    def _adopt_torch_error_file(self, rank: int) -> None:
-        """A failure torch's spawn wrapper caught before nbddp's own handling becomes the rank's record."""
-        files = self._torch_error_files()
-        adopt_torch_error_file(self.run_dir, rank, self.pids[rank], files[rank] if rank < len(files) else None)
-
-    def _torch_error_files(self) -> List[Optional[str]]:
-        return list(getattr(self._procs, "error_files", None) or [])
-
-    def _remove_torch_error_files(self) -> None:
-        for path in self._torch_error_files():
-            if path:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+                   for r, b in self._ranks.beats().items())
 
     # -- restarts ------------------------------------------------------------------------
     def _restart_or_finish(self) -> None:
@@ -656,15 +602,13 @@ class RunHandle:
         if reason not in ("failure", None) or all(e.exitcode == 0 for e in self._ends.values()):
             self._finish()
             return
-        error = build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._server),
-                                   stacks=self._failure_stacks, log_starts=self._log_starts,
-                                   store_port=_open_store_port(self.spec))
+        error = self._worker_error()
         restart, why = (self._policy.next_restart(error, self.restarts, self._resumes_from())
                         if self._policy is not None else (None, ""))
         if restart is None:
             self._finish(error, why)
             return
-        self._end_launch()
+        self._ranks.close()
         self.restarts.append(restart)
         rundir.update_launch_record(self.run_dir, restarts=[r.as_dict() for r in self.restarts])
         if self.echo:
@@ -673,6 +617,11 @@ class RunHandle:
         self._emit("restart", restart)
         self._shutdown = None  # that launch's; a Stop or an Interrupt during the back-off makes a new one
         self._restart_at = time.time() + restart.backoff_s
+
+    def _worker_error(self) -> WorkerError:
+        return build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._ranks.server),
+                                  stacks=self._failure_stacks, log_starts=self._log_starts,
+                                  store_port=_open_store_port(self.spec))
 
     def _resumes_from(self) -> Optional[str]:
         """The checkpoint a restart would continue from, as the ranks noted it (else the newest file)."""
@@ -684,7 +633,7 @@ class RunHandle:
         restart = self.restarts[-1]
         self._log_starts = rundir.log_sizes(self.run_dir, self.world_size)  # the restart's own lines
         try:
-            procs, spec, store, tmp_dir = self._policy.launcher.relaunch(restart.number, restart.changes)
+            ranks = self._ranks.next(restart.number, restart.changes)
         except Exception as exc:  # noqa: BLE001 - the run must reach an end state
             self._restart_at = None
             error = NbddpError(f"restart {restart.number} of the run in {self.run_dir} could not start "
@@ -692,31 +641,15 @@ class RunHandle:
             error.__cause__ = exc
             self._finish(error)
             return
-        self._procs, self.spec, self._store, self._tmp_dir = procs, spec, store, tmp_dir
-        self.pids = [p.pid for p in procs.processes]
-        self._ends, self._shutdown, self._stall_checked, self._failure_stacks = {}, None, 0.0, None
-        self._launched_at = time.time()
-        self._quiet = QuietWatch(self.stall_timeout_s or 0.0, self._launched_at)
+        self._ranks = ranks
+        self._shutdown, self._stall_checked, self._failure_stacks = None, 0.0, None
+        self._quiet = QuietWatch(self.stall_timeout_s or 0.0, ranks.started_at)
         self._relay = PromptRelay(self.run_dir, self.world_size)
-        self._server = server_pid() if spec.parent_pid is None else None
         self._restart_at = None
+        spec = ranks.spec
         rundir.update_launch_record(
             self.run_dir, pids=self.pids, start_times=[start_time(p) for p in self.pids], store_path=spec.store_path,
-            port=spec.store_port, tmp_dir=tmp_dir, restarts=[r.as_dict() for r in self.restarts])
-
-    def _end_launch(self) -> None:
-        """What one launch leaves once its ranks have ended: leftovers, torch's error files, its meeting
-        point and temp folder; the run's GPU leases stay (a restart uses them)."""
-        self._remove_torch_error_files()
-        # Nothing a rank started outlives the run: its group, and marked processes that left it.
-        end_leftovers(self.run_dir, groups=self.pids, grace_s=_LEFTOVER_GRACE_S)
-        end_recorded_tree(self.run_dir, range(len(self.pids)), grace_s=_LEFTOVER_GRACE_S)  # a killed rank's
-        for p in self._procs.processes:
-            with contextlib.suppress(Exception):
-                p.close()
-        self._close_store()
-        remove_private_tmp(self._tmp_dir)
-        self._tmp_dir = None
+            port=spec.store_port, tmp_dir=ranks.tmp_dir, restarts=[r.as_dict() for r in self.restarts])
 
     def _finish(self, error: Optional[BaseException] = None, not_restarted: str = "") -> None:
         """End the run: its outcome (``error`` when already built), every resource given back.
@@ -724,39 +657,19 @@ class RunHandle:
         Args:
             not_restarted: why a run with ``max_restarts`` was not restarted after ``error``.
         """
-        self._end_launch()
+        self._ranks.close()
         self._read_streams(final=True)
         seconds = time.time() - self.started_at
         reason = self._shutdown.reason if self._shutdown else None
         all_ok = all(e.exitcode == 0 for e in self._ends.values())
         if error is not None or reason == "failure" or (not all_ok and reason is None):
-            outcome: Union[TrainResult, BaseException] = error or build_worker_error(
-                self.run_dir, self._ends, self.world_size, server_died=server_death(self._server),
-                stacks=self._failure_stacks, log_starts=self._log_starts, store_port=_open_store_port(self.spec))
+            outcome: Union[TrainResult, BaseException] = error or self._worker_error()
             if isinstance(outcome, WorkerError):
                 _note_restarts(outcome, self.restarts, not_restarted)
         elif all_ok and reason != "interrupt" and (has_result(self.run_dir) or reason is None):
-            # Every rank exited 0 unasked: a success, with or without a value. Code that ends its
-            # process itself (``os._exit(0)`` after training, common in scripts) returned nothing.
-            try:
-                values = [take_result(self.run_dir, r) if has_result(self.run_dir, r) else None
-                          for r in range(self.world_size if self.spec.all_values else 1)]
-                value = values[0]
-                values = values if self.spec.all_values else None
-                outcome = TrainResult(value, self.run_dir, self.metrics, seconds, self.world_size,
-                                      self.spec.backend, stopped=reason is not None, all_values=values,
-                                      restarts=list(self.restarts))
-            except rundir.NotPrivate as exc:  # never unpickled: the exception says which file and why
-                outcome = exc
+            outcome = _success(self.spec, self.metrics, seconds, reason is not None, self.restarts)
         else:
-            # An interrupted cell always ends in an exception, even when the workers obeyed the
-            # stop request and returned: the user asked the cell to stop.
-            what = "interrupted" if reason == "interrupt" else "stopped"
-            records = read_error_records(self.run_dir, self.world_size)
-            request = "the interrupt" if reason == "interrupt" else "the stop request"
-            outcome = TrainingInterrupted.for_run(what, self.world_size, self.run_dir,
-                                                  how=how_ranks_stopped(self._ends, records, request),
-                                                  checkpoint=_newest_checkpoint(self.run_dir))
+            outcome = _stopped(self.spec, reason, self._ends)
         self._outcome = outcome
         self._restart_at = None
         self._release()  # the GPUs' leases given back

@@ -9,75 +9,34 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import socket
-import sys
-import tempfile
 import threading
-import types
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
-
-import torch.multiprocessing as mp
 
 from ..contract import debugging, plans, rundir
 from ..contract.config import MIN_TIMEOUT_S, STRATEGY_ENV, TrainConfig, check_strategy
 from ..contract.rundir import NAME_RULE, name_problem
 from ..contract.errors import ConfigError, NbddpError, TrainingInterrupted
-from .forkserver import prepare as _prepare_forkserver, server_death, server_pid, start_server
+from .forkserver import prepare as _prepare_forkserver, server_death, server_pid
 from .forkserver import start_method as _forkserver_start_method
-from ..contract.gpus import IDLE, cuda_visible_devices, list_gpus, resolve_gpus
+from ..contract.gpus import IDLE, list_gpus, resolve_gpus
 from .debugger import can_prompt, keep_cell_sources
-from .handle import RunHandle, TrainResult, interrupts_held, remove_private_tmp
-from ..contract.protocol import MAX_RESTARTS_ENV, RESTART_ENV
+from .handle import RunHandle, TrainResult, interrupts_held
+from .ranks import Launches, RankGroup, remove_private_tmp
+from .ranks import private_tmp  # noqa: F401 - the name tests and tools knew
+from .ranks import ranks_env as _child_env  # noqa: F401 - the name tests and tools knew
 from .restarts import RestartPolicy, check_policy as check_restart_policy
 from ..contract.leases import LEASES_ENV, Leases, attempt
-from ..contract.private import compile_cache_env
-from .procs import MARKER_ENV, live_workers
-from ..contract.protocol import LaunchSpec, start_rank
-from .rendezvous import Rendezvous, rendezvous_for
+from .procs import live_workers
+from ..contract.protocol import LaunchSpec
+from .rendezvous import Rendezvous
 from .shutdown import STOP_TIMEOUT_S
-from .stacks import flight_recorder_env
-from ..contract.system import cpu_cores, kill_group_or_process, start_time
+from ..contract.system import start_time
 from ..contract.plans import LaunchPlan
 from ..contract.observe import check_trackers, profile_options, tracker_plan
-
-@contextlib.contextmanager
-def _patched_env(values: Dict[str, Optional[str]]):
-    """Set environment variables for the children to inherit; restore them afterwards."""
-    def apply(settings: Dict[str, Optional[str]]) -> None:
-        for k, v in settings.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        apply(values)
-        yield
-    finally:
-        apply(old)
-
-
-@contextlib.contextmanager
-def _bare_main():
-    """Spawned children re-import the parent's ``__main__`` (pytest, a script, ipykernel).
-
-    Workers load their function from a file, so they need none of it: a bare ``__main__``
-    during the start keeps IPython out of the workers and saves a second of start-up.
-    """
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
-
-
 
 
 def _check_launch_args(nprocs: Any, timeout_s: Any, name: Any) -> None:
@@ -297,18 +256,14 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
     """:func:`spawn_train` once its GPUs are resolved and leased."""
     plan = plans.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
-    world, backend = _world(plan)
-    # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
-    # that could escape an allocation. Refuses unknown or repeated ids, listing the GPUs, before
-    # the run folder exists.
-    visible_devices = cuda_visible_devices(plan.gpus) if plan.gpus else None
+    world, backend = plan.world, plan.backend  # placed with the plan: ranks, backend, GPUs, timeout
     observed = _observe(plan, world, backend, **observe)
     run_dir = _prepare_run_dir(plan, world)
     if plan.payload is not None:
         keep_cell_sources(run_dir, target)
     leases.note(str(run_dir))
-    launcher = _Generations(plan, world, backend, run_dir, visible_devices, threads_per_proc, start_method,
-                            {**debug_env(debug), **(env or {})}, all_values, restarts["max_restarts"], observed)
+    launcher = Launches(plan, run_dir, threads_per_proc, start_method, {**debug_env(debug), **(env or {})},
+                        all_values, restarts["max_restarts"], observed)
     spec, meet, child_env, tmp_dir = launcher.prepare(restart=0)
     try:
         if start_method == "forkserver":
@@ -319,124 +274,12 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
             stall_timeout_s = 0.75 * spec.timeout_s if backend == "nccl" else spec.timeout_s
         # Echo only what this launch writes: a resumed run appends to its rank logs.
         watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s,
-                     log_starts=rundir.log_sizes(run_dir, spec.world_size), tmp_dir=tmp_dir,
+                     log_starts=rundir.log_sizes(run_dir, spec.world_size),
                      restarts=RestartPolicy(launcher=launcher, **restarts), debug=debug_mode(debug))
-        return _start(spec, meet, leases, child_env, start_method, watch, on_event, block)
+        return _start(spec, meet, leases, child_env, launcher, tmp_dir, watch, on_event, block)
     except BaseException:
         meet.close()  # the handle closes it at the run's end; twice is harmless
         raise
-
-
-class _Generations:
-    """What every launch of one run shares, and how to start one: the first, then each restart.
-
-    A restart (:mod:`nbddp.kernel.restarts`) is a new launch in the same run folder, with a new meeting
-    point and temp folder, its number in ``NBDDP_RESTART_COUNT``, and the built-in worker's config
-    set to resume the folder (with ``changes``, the halved batch of an out-of-memory restart).
-    """
-
-    def __init__(self, plan: LaunchPlan, world: int, backend: str, run_dir: Path, visible_devices: Optional[str],
-                 threads_per_proc: Optional[int], start_method: str, env: Optional[Dict[str, str]], all_values: bool,
-                 max_restarts: int, observe: Optional[dict] = None):
-        self.plan, self.world, self.backend, self.run_dir = plan, world, backend, run_dir
-        self.start_method, self.env, self.all_values = start_method, env, all_values
-        self.max_restarts = max_restarts
-        self.visible_devices = visible_devices
-        self.timeout = plan.process_group_timeout()
-        self.threads = threads_per_proc or max(1, cpu_cores() // world)
-        self.config = plan.config
-        self.observe = observe
-
-    def prepare(self, restart: int) -> Tuple[LaunchSpec, Rendezvous, Dict[str, Optional[str]], str]:
-        """The spec, meeting point, environment and private temp folder of launch number ``restart``."""
-        plan = self.plan
-        # nbddp's own group meets in a FileStore only this user can open; env:// needs a TCP store.
-        debugging.clear(self.run_dir)  # an earlier launch's prompts are not this one's
-        tmp_dir = private_tmp(self.run_dir)
-        try:
-            meet = rendezvous_for(plan.call, plan.target, self.timeout, within=tmp_dir)
-        except BaseException:
-            remove_private_tmp(tmp_dir)
-            raise
-        try:
-            warm = self.start_method == "forkserver"
-            child_env = _child_env(self.run_dir, meet.master_port, self.threads, self.visible_devices, warm, self.env,
-                                   tmp_dir)
-            child_env.update({RESTART_ENV: str(restart), MAX_RESTARTS_ENV: str(self.max_restarts)})
-            # The kernel's whole environment as of this launch, with nbddp's variables on top: a
-            # forkserver's children would otherwise see the server's environment from its start, and
-            # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
-            snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
-            args = (self.config,) if self.config is not None and restart else tuple(plan.args)
-            spec = LaunchSpec(target=plan.target, args=args, kwargs=plan.kwargs, world_size=self.world,
-                              backend=self.backend, gpus=tuple(plan.gpus), store_host="127.0.0.1",
-                              store_port=meet.store_port, store_path=meet.store_path, run_dir=str(self.run_dir),
-                              parent_pid=None if warm else os.getpid(), threads=self.threads, timeout_s=self.timeout,
-                              env=snapshot, kernel=(os.getpid(), start_time(os.getpid())),
-                              all_values=self.all_values, call=plan.call, argv=plan.argv, payload=plan.payload,
-                              cwd=os.getcwd(), master_port=meet.master_port, observe=self.observe)
-        except BaseException:
-            meet.close()
-            remove_private_tmp(tmp_dir)
-            raise
-        return spec, meet, child_env, tmp_dir
-
-    def relaunch(self, restart: int, changes: Dict[str, list]):
-        """Start restart number ``restart``: ``(processes, spec, meeting point, temp folder)``.
-
-        The built-in worker's config resumes the run folder, with ``changes`` applied and kept
-        in its ``config.json``; a worker of your own finds its checkpoint with ``ctx.load_checkpoint()``.
-        """
-        if self.config is not None:
-            self.config = self.config.replace(resume=str(self.run_dir), **{k: v[1] for k, v in changes.items()})
-            self.config.save(rundir.config_path(self.run_dir))
-        rundir.prepare_launch(self.run_dir, self.world)
-        spec, meet, child_env, tmp_dir = self.prepare(restart)
-        try:
-            _start_helpers(self.start_method)  # a launch server that died is started again
-            meet.open()
-            with _patched_env(child_env), _bare_main(), _error_files_in(tmp_dir):
-                procs = mp.start_processes(start_rank, args=(spec,), nprocs=spec.world_size, join=False,
-                                           start_method=self.start_method)
-        except BaseException:
-            meet.close()
-            remove_private_tmp(tmp_dir)
-            raise
-        return procs, spec, meet, tmp_dir
-
-
-def private_tmp(run_dir: Path) -> str:
-    """A new folder for the ranks' temporary files (``TMPDIR``), mode 0700, in the system temp folder.
-
-    torch's ``start_processes`` names each rank's error file in the temp folder and deletes the
-    file before the rank writes it, so in a shared ``/tmp`` another user could plant a link
-    there; the ranks' own temporary files are theirs too. ``mkdtemp`` creates the folder
-    atomically, 0700; it stays short (Unix socket paths are limited) and off network file
-    systems. The handle removes it when the run ends; it names its run (:data:`rundir.TMP_OWNER`)
-    so that ``cleanup`` of another run folder, whose record names this folder, leaves it alone.
-    """
-    folder = tempfile.mkdtemp(prefix=rundir.TMP_PREFIX)
-    rundir.claim_tmp(folder, run_dir)
-    return folder
-
-
-@contextlib.contextmanager
-def _error_files_in(folder: str):
-    """torch's per-rank error files (``pytorch-errorfile-*``) go to ``folder``, not the shared temp folder.
-
-    Only torch's launcher module sees the change (its ``tempfile``), so no other thread of the
-    kernel puts its temporary files there meanwhile.
-    """
-    spawn = sys.modules.get("torch.multiprocessing.spawn")
-    if getattr(spawn, "tempfile", None) is not tempfile:  # another torch: the rank entry catches everything anyway
-        yield
-        return
-    shim = types.SimpleNamespace(NamedTemporaryFile=functools.partial(tempfile.NamedTemporaryFile, dir=folder))
-    spawn.tempfile = shim
-    try:
-        yield
-    finally:
-        spawn.tempfile = tempfile
 
 
 #: GPUs the caller of this thread's next launch leased itself (:func:`on_leased_gpus`).
@@ -529,14 +372,6 @@ def _observe(plan: LaunchPlan, world: int, backend: str, profile: Any,
             "trackers": tracker_plan(trackers, plan.name, plan.runs_dir, params)}
 
 
-def _world(plan: LaunchPlan) -> Tuple[int, str]:
-    """(number of ranks, backend): one rank per GPU with nccl, else ``nprocs`` CPU ranks with gloo."""
-    world = len(plan.gpus) if plan.gpus else (plan.nprocs or 1)
-    if not isinstance(world, int) or world < 1:
-        raise ConfigError(f"nprocs={plan.nprocs!r}: must be an integer >= 1")
-    return world, "nccl" if plan.gpus else "gloo"
-
-
 def _prepare_run_dir(plan: LaunchPlan, world: int) -> Path:
     """A new run folder, or the one to continue (refused while an earlier launch still runs in it)."""
     if plan.run_dir is None:
@@ -556,60 +391,20 @@ def _prepare_run_dir(plan: LaunchPlan, world: int) -> Path:
     return run_dir
 
 
-def _child_env(run_dir: Path, port: int, threads: int, visible_devices: Optional[str], warm: bool,
-               env: Optional[Dict[str, str]], tmp_dir: Optional[str] = None) -> Dict[str, Optional[str]]:
-    """The variables nbddp sets for the workers (``None`` removes one), the user's ``env`` on top."""
-    child_env: Dict[str, Optional[str]] = {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
-    }
-    if tmp_dir is not None:
-        child_env["TMPDIR"] = tmp_dir  # private to the run (see private_tmp)
-        # Compiled code the ranks load (torch.compile, Triton, extensions): in the user's own
-        # private cache, shared between runs, never torch's default in the shared /tmp.
-        child_env.update(compile_cache_env(fallback=tmp_dir))
-    if visible_devices is not None:
-        child_env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=visible_devices)
-        # NCCL's flight recorder: the last collectives of each rank, dumped into the run's private
-        # folder when the watchdog times one out; the error then names each rank's last one.
-        for var, value in flight_recorder_env(run_dir).items():
-            if var not in os.environ:
-                child_env[var] = value
-    # Every rank is on this machine: gloo pairs and NCCL's bootstrap listen on loopback, never
-    # on an address the server's network can reach (unless the user chose an interface).
-    if os.path.exists("/sys/class/net/lo"):
-        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if var not in os.environ:
-                child_env[var] = "lo"
-    child_env.update(env or {})
-    if not warm:
-        # The run's marker from the first instruction on, for cleanup to prove a spawned worker
-        # is this run's even before it opens its log (forked workers show the server's birth
-        # environment in /proc instead; their log on fd 1 marks them, see procs.carries_marker).
-        child_env[MARKER_ENV] = str(Path(run_dir).absolute())
-    return child_env
-
-
-def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[str, Optional[str]], start_method: str, watch: dict,
-           on_event: Optional[Callable[[str, Any], None]], block: bool) -> Union[TrainResult, RunHandle]:
+def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[str, Optional[str]], launches: Launches,
+           tmp_dir: str, watch: dict, on_event: Optional[Callable[[str, Any], None]],
+           block: bool) -> Union[TrainResult, RunHandle]:
     """Start the workers and hand them to a RunHandle; wait for the end when ``block``."""
     # From the first worker on, an Interrupt must not leave a process nobody knows of (a cold
     # start waits seconds for the forkserver): it is held back until the handle owns the
     # processes and the launch record names them, then handled like any other.
     with interrupts_held() as interrupted:
-        _start_helpers(start_method)
         try:
-            meet.open()  # env://'s store listens from here on: after a warm server's cold start, not during it
-            with _patched_env(child_env), _bare_main(), _error_files_in(watch["tmp_dir"]):
-                procs = mp.start_processes(start_rank, args=(spec,), nprocs=spec.world_size, join=False,
-                                           start_method=start_method)
-        except BaseException as exc:
-            remove_private_tmp(watch["tmp_dir"])
-            if isinstance(exc, (EOFError, OSError)):  # the server's connection broke: it died
-                raise _start_failed(spec, start_method, bool(interrupted)) from exc
-            raise
+            ranks = RankGroup.start(launches, spec, meet, child_env, tmp_dir)
+        except (EOFError, OSError) as exc:  # the server's connection broke: it died
+            raise _start_failed(spec, launches.start_method, bool(interrupted)) from exc
         try:
-            handle = RunHandle(procs, spec, meet, leases=leases, **watch)
+            handle = RunHandle(ranks, leases=leases, **watch)
             if on_event is not None:
                 handle.subscribe(on_event)
             rundir.update_launch_record(
@@ -617,10 +412,10 @@ def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[s
                 gpus=list(spec.gpus), pids=handle.pids, start_times=[start_time(p) for p in handle.pids],
                 parent_pid=os.getpid(), store=meet.kind, port=spec.store_port, store_path=spec.store_path,
                 host=socket.gethostname(),
-                started=handle.started_at, tmp_dir=watch["tmp_dir"])  # for cleanup, should the kernel die first
+                started=handle.started_at, tmp_dir=tmp_dir)  # for cleanup, should the kernel die first
         except BaseException:
-            _kill_started(procs)
-            remove_private_tmp(watch["tmp_dir"])
+            ranks.kill_started()
+            remove_private_tmp(tmp_dir)
             raise
         if not block and not interrupted:
             handle.start_background()
@@ -642,21 +437,3 @@ def _start_failed(spec: LaunchSpec, start_method: str, interrupted: bool) -> Bas
     what = f"the launch server died ({death})" if death else "starting the workers failed"
     return NbddpError(f"{what} while starting the workers of {spec.run_dir}; launch again (a new server "
                       "starts), or use start_method='spawn'.")
-
-
-def _start_helpers(start_method: str) -> None:
-    """Start multiprocessing's resource tracker and the warm server before the launch's environment
-    is set: they stay for later launches, and must carry no run's marker (``cleanup`` would take
-    them for what a rank started) nor its ports."""
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
-    if start_method == "forkserver":
-        start_server()
-
-
-def _kill_started(procs) -> None:
-    """End and reap the processes of a launch that failed before its handle took them over."""
-    for p in procs.processes:
-        kill_group_or_process(p.pid)
-        p.join(timeout=10)
