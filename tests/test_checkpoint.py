@@ -253,6 +253,24 @@ def test_a_background_save_writes_a_snapshot_and_reports_its_error_later(tmp_pat
     assert load_checkpoint(path)["w"].sum() == 0, "the failed write left the previous checkpoint"
 
 
+def test_a_save_in_the_callers_thread_is_on_disk_at_once_and_reports_its_error_as_a_background_one(tmp_path):
+    from nbddp.contract.checkpoint import BackgroundSaver
+
+    saver, path = BackgroundSaver(background=False), tmp_path / "last.pt"
+    done = []
+    saver.save({"w": torch.zeros(10)}, path, then=done.append)
+    assert load_checkpoint(path)["w"].sum() == 0 and len(done) == 1 and not saver.writing  # no wait needed
+
+    def full(obj, p):
+        raise OSError(28, "No space left on device", str(p))
+
+    saver.save({"w": torch.ones(10)}, path, write=full)  # as in the background: raised by the next save or wait
+    with pytest.raises(OSError, match="No space left"):
+        saver.wait()
+    saver.wait()  # reported once
+    assert load_checkpoint(path)["w"].sum() == 0, "the failed write left the previous checkpoint"
+
+
 def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
     """A process killed while its writer thread is inside torch.save: the old file loads, the temp file is cleanable."""
     path = tmp_path / "last.pt"

@@ -81,9 +81,17 @@ class BackgroundSaver:
     step cannot change what is being written, and hands it to a thread that writes it with
     ``write`` (default :func:`atomic_save`: temp file, fsync, rename). A crash during a write
     leaves the previous checkpoint whole. Call :meth:`wait` before the run ends or reads the file.
+
+    With ``background=False`` (CPU ranks) the file is written at once, in the caller's thread,
+    with the same error flow (a failure is raised by the next :meth:`save` or :meth:`wait`). A
+    writer thread only pays where the training leaves the CPU idle (on a GPU): next to CPU
+    training it competes for the cores and for the GIL, which the step's many short operations
+    re-take each time (measured on 2 cores: the epochs it overlapped ran at 0.7x instead of
+    losing the ~1 s the write takes).
     """
 
-    def __init__(self):
+    def __init__(self, background: bool = True):
+        self.background = background
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._pinned: dict = {}
@@ -92,22 +100,25 @@ class BackgroundSaver:
              then: Optional[Callable[[float], None]] = None) -> None:
         """Write ``obj`` to ``path`` in the background; ``then(seconds)`` runs once it is on disk."""
         self.wait()
+        if not self.background:  # nothing changes obj while it is written: no snapshot
+            self._write(obj, path, write or atomic_save, then)
+            return
         snapshot = self._snapshot(obj, ())
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking copies into pinned memory are done
-        write = write or atomic_save
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                write(snapshot, path)
-                if then is not None:
-                    then(time.perf_counter() - t0)
-            except BaseException as exc:  # noqa: BLE001 - raised by the next save or wait
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name="nbddp-checkpoint-writer", daemon=True)
+        self._thread = threading.Thread(target=self._write, args=(snapshot, path, write or atomic_save, then),
+                                        name="nbddp-checkpoint-writer", daemon=True)
         self._thread.start()
+
+    def _write(self, snapshot: Any, path: PathLike, write: Callable[[Any, PathLike], Any],
+               then: Optional[Callable[[float], None]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            write(snapshot, path)
+            if then is not None:
+                then(time.perf_counter() - t0)
+        except BaseException as exc:  # noqa: BLE001 - raised by the next save or wait
+            self._error = exc
 
     def wait(self) -> None:
         """Block until the last write is on disk; raise its error, if it failed."""

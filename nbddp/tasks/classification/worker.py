@@ -232,7 +232,9 @@ def _build(cfg: TrainConfig, ctx, num_classes: int) -> _Trainer:
         optimizer, lr_lambda=warmup_cosine_lambda(cfg.epochs, cfg.lrf, cfg.warmup_epochs))
     amp_dtype = autocast_dtype(ctx.device) if cfg.amp else None
     scaler = grad_scaler(ctx.device, amp_dtype)  # fp16 only (GPUs before compute capability 8.0)
-    return _Trainer(model, ddp, optimizer, scheduler, scaler, amp_dtype, channels_last, compiled=cfg.compile)
+    # A checkpoint writer thread overlaps a GPU's step; next to CPU ranks it only slows them.
+    return _Trainer(model, ddp, optimizer, scheduler, scaler, amp_dtype, channels_last, compiled=cfg.compile,
+                    saver=BackgroundSaver(background=ctx.device.type != "cpu"))
 
 
 def _optimizer(cfg: TrainConfig, params: list, lr: float) -> torch.optim.Optimizer:
