@@ -114,6 +114,14 @@ class PromptRelay:
         return {r: st for r, st in debugging.ranks_at_prompt(self.run_dir, self.world_size).items()
                 if st.seq > self._answered.get(r, 0)}
 
+    def first_waiting_line(self) -> Optional[str]:
+        """:func:`waiting_line` of the lowest rank at a prompt, or None."""
+        waiting = self.waiting()
+        if not waiting:
+            return None
+        rank, state = min(waiting.items())
+        return waiting_line(rank, state.where)
+
     def new_stops(self) -> Dict[int, debugging.DebugState]:
         """The waiting ranks not told of yet (each prompt once)."""
         found = {r: st for r, st in self.waiting().items() if st.seq > self._told.get(r, 0)}
@@ -212,6 +220,41 @@ def serve_prompts(handle, only: Optional[int] = None, interrupted: Optional[list
             with handle._lock:
                 handle._begin_shutdown("interrupt")
         relay.answer(rank, st.seq, line)
+
+
+def open_prompt(handle, rank: Optional[int]) -> None:
+    """:meth:`RunHandle.debug <nbddp.kernel.handle.RunHandle.debug>`: a background run's prompts in this cell."""
+    from .handle import interrupts_held  # the handle imports this module
+
+    if handle._done.is_set() or not handle._relay.waiting():
+        print("nbddp: no rank is waiting at a breakpoint" + (" (the run has ended)" if handle._done.is_set() else ""))
+        return
+    with interrupts_held() as came:
+        serve_prompts(handle, only=rank, interrupted=came)
+    if came and not handle._done.is_set():
+        handle.end_interrupted()  # an Interrupt while a rank stepped: the run ends, as at the prompt
+    if handle._shutdown is not None:  # q ended the run: this cell raises TrainingInterrupted, as a blocking run's
+        handle.wait()
+
+
+def watch_breakpoints(handle) -> None:
+    """A rank stopped at a breakpoint: skip it where no one can answer, else say where it waits.
+
+    Args:
+        handle: the run's :class:`~nbddp.kernel.handle.RunHandle`, from its watch (:meth:`poll`).
+    """
+    relay: PromptRelay = handle._relay
+    for rank, state in relay.new_stops().items():
+        if handle.debug_mode == "skip":
+            relay.output(rank)  # pdb's banner is not shown: the prompt never is
+            relay.answer(rank, state.seq, "c")
+            handle._notice(skipped_line(rank, state.where))
+        elif handle._thread is not None:  # a background run: the panel says it, handle.debug() answers
+            handle._debug_told = waiting_line(rank, state.where)
+            handle._emit("breakpoint", handle._debug_told)
+    if handle._debug_told and not relay.waiting() and not relay.stepping():
+        handle._debug_told = ""  # the debugger let the ranks go on
+        handle._emit("breakpoint", "")
 
 
 def _stepping(relay: PromptRelay, only: Optional[int]) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -24,13 +23,13 @@ from ..contract.conventions import MP_SPAWN
 from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
 from ..contract import rundir
-from ..contract.protocol import (Heartbeat, LaunchSpec, clear_stop_request, has_result, read_checkpoint_note,
+from ..contract.protocol import (LaunchSpec, clear_stop_request, has_result, read_checkpoint_note,
                                  read_error_records, read_progress, take_result, write_stop_request)
 from .restarts import Restart, RestartPolicy
 from .stacks import Stacks, collect as collect_stacks
 from .shutdown import STOP_TIMEOUT_S, Shutdown, ranks_finishing
-from .debugger import PromptRelay, serve_prompts, skipped_line, waiting_line
-from .stall import QuietWatch, find_lagging_rank, where_all_are
+from .debugger import PromptRelay, open_prompt, serve_prompts, watch_breakpoints
+from .stall import QuietWatch, check_progress
 from .forkserver import server_death
 from .ranks import RankGroup
 from ..contract.system import start_time
@@ -201,6 +200,44 @@ def _stopped(spec: LaunchSpec, reason: Optional[str], ends: Dict[int, RankEnd]) 
                                        checkpoint=_newest_checkpoint(run_dir))
 
 
+def _forward_output(self: "RunHandle", final: bool = False) -> None:
+    """Rank 0's new lines, metrics and progress: echoed in the cell (``echo``) and sent to the listeners."""
+    for kind, text in (self._log_tail.rest() if final else self._log_tail.read()):
+        if self.echo:
+            self._echo.show(kind, text)
+        self._emit(kind, text)  # "line", or "update": the current line rewritten (\r)
+    if self.echo:  # a few writes a second, each holding what arrived (Jupyter's rate limits)
+        self._echo.close() if final else self._echo.flush()
+    for line in self._metrics_tail.read():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        self.metrics.append(rec)
+        self._emit("metrics", rec)
+    progress = read_progress(self.run_dir)
+    prog = progress.as_dict() if progress is not None else None
+    if prog and prog != self.progress:
+        self.progress = prog
+        self._emit("progress", prog)
+
+
+
+def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted: str) -> Union[TrainResult, BaseException]:
+    """The outcome of a run whose ranks have all ended: its result, its error, or how it was stopped."""
+    seconds = time.time() - self.started_at
+    reason = self._shutdown.reason if self._shutdown else None
+    all_ok = all(e.exitcode == 0 for e in self._ends.values())
+    if error is not None or reason == "failure" or (not all_ok and reason is None):
+        outcome: Union[TrainResult, BaseException] = error or self._worker_error()
+        if isinstance(outcome, WorkerError):
+            _note_restarts(outcome, self.restarts, not_restarted)
+        return outcome
+    if all_ok and reason != "interrupt" and (has_result(self.run_dir) or reason is None):
+        return _success(self.spec, self.metrics, seconds, reason is not None, self.restarts)
+    return _stopped(self.spec, reason, self._ends)
+
+
 class RunHandle:
     """A running (or finished) launch. ``spawn_train(..., block=False)`` returns one.
 
@@ -294,13 +331,7 @@ class RunHandle:
     @property
     def at_breakpoint(self) -> Optional[str]:
         """``"rank 1 is waiting at a breakpoint (my_worker.py:42); ..."`` while a rank waits at a prompt, else None."""
-        if self._done.is_set():
-            return None
-        waiting = self._relay.waiting()
-        if not waiting:
-            return None
-        rank, state = min(waiting.items())
-        return waiting_line(rank, state.where)
+        return None if self._done.is_set() else self._relay.first_waiting_line()
 
     def debug(self, rank: Optional[int] = None) -> None:
         """Open the prompt of a rank waiting at a breakpoint in this cell (a background run's).
@@ -312,15 +343,7 @@ class RunHandle:
         Args:
             rank: the rank whose prompt to open; None: any rank at a prompt.
         """
-        if self._done.is_set() or not self._relay.waiting():
-            print("nbddp: no rank is waiting at a breakpoint" + (" (the run has ended)" if self._done.is_set() else ""))
-            return
-        with interrupts_held() as came:
-            serve_prompts(self, only=rank, interrupted=came)
-        if came and not self._done.is_set():
-            self.end_interrupted()  # an Interrupt while a rank stepped: the run ends, as at the prompt
-        if self._shutdown is not None:  # q ended the run: this cell raises TrainingInterrupted, as a blocking run's
-            self.wait()
+        open_prompt(self, rank)
 
     @property
     def max_restarts(self) -> int:
@@ -481,6 +504,13 @@ class RunHandle:
             except Exception as exc:  # noqa: BLE001 - a broken display must not break training
                 print(f"nbddp: listener failed: {exc!r}", file=sys.stderr)
 
+    def _notice(self, line: str) -> None:
+        """A line of nbddp's own under the cell's output (echoed runs) and a ``"notice"`` event."""
+        if self.echo:
+            self._echo.close()
+            print(line, file=sys.stderr, flush=True)
+        self._emit("notice", line)
+
     def poll(self) -> None:
         """One monitoring step: forward output, read metrics, check processes, shut down."""
         with self._lock:
@@ -489,7 +519,7 @@ class RunHandle:
             self._read_streams()
             now = time.time()
             if self._restart_at is None and self._shutdown is None:
-                self._watch_breakpoints()
+                watch_breakpoints(self)
             if self._restart_at is not None:  # between two launches: no process runs
                 if self._shutdown is not None:  # a Stop or an Interrupt is never retried
                     self._finish()
@@ -502,80 +532,14 @@ class RunHandle:
                 self._begin_shutdown("failure")
             if self._shutdown is None and self.stall_timeout_s and now - self._stall_checked >= 1.0:
                 self._stall_checked = now
-                self._check_progress(now)
+                check_progress(self, now)
             if self._shutdown is not None:
                 self._shutdown.advance(now)
             if self._ranks.all_ended:
                 self._ranks.reap()
                 self._restart_or_finish()
 
-    def _check_progress(self, now: float) -> None:
-        """Stop a run with a hung rank (one that lags); explain, once, a run in which no rank moves."""
-        if read_error_records(self.run_dir, self.world_size):
-            return  # a failure is on its way: the error tells it
-        beats = self._ranks.beats()
-        if any(b.state == "debugging" for b in beats.values()):
-            self._quiet.pause(now)  # the time at a prompt is no quiet spell
-            return
-        if len(beats) < self.world_size or any(b.state != "running" for b in beats.values()):
-            return
-        if find_lagging_rank(beats, now, self.stall_timeout_s) is not None:
-            self._stacks_before_stopping()
-            self._begin_shutdown("failure")
-            return
-        quiet = self._quiet.quiet_for(beats, now)
-        if quiet is not None:
-            self._tell_quiet(beats, quiet)
-
-    def _watch_breakpoints(self) -> None:
-        """A rank stopped at a breakpoint: skip it where no one can answer, else say where it waits."""
-        for rank, state in self._relay.new_stops().items():
-            if self.debug_mode == "skip":
-                self._relay.output(rank)  # pdb's banner is not shown: the prompt never is
-                self._relay.answer(rank, state.seq, "c")
-                line = skipped_line(rank, state.where)
-                if self.echo:
-                    self._echo.close()
-                    print(line, file=sys.stderr, flush=True)
-                self._emit("notice", line)
-            elif self._thread is not None:  # a background run: the panel says it, handle.debug() answers
-                self._debug_told = waiting_line(rank, state.where)
-                self._emit("breakpoint", self._debug_told)
-        if self._debug_told and not self._relay.waiting() and not self._relay.stepping():
-            self._debug_told = ""  # the debugger let the ranks go on
-            self._emit("breakpoint", "")
-
-    def _tell_quiet(self, beats: Dict[int, Heartbeat], quiet: float) -> None:
-        """No rank has made progress, and none lags: say where every rank is; the run goes on."""
-        pids = self._ranks.answering()
-        where = collect_stacks(self.run_dir, pids, timeout=2.0).summary() if pids else ""
-        line = (f"nbddp: no rank has made progress for {quiet:.0f} s{where_all_are(beats)}, and none is behind the "
-                f"others: {where or 'their stacks did not come (handle.stacks() asks again)'}. The run goes on; "
-                "Stop (or handle.stop()) ends it.")
-        if self.echo:
-            self._echo.close()
-            print(line, file=sys.stderr, flush=True)
-        self._emit("notice", line)
-
-    def _read_streams(self, final: bool = False) -> None:
-        for kind, text in (self._log_tail.rest() if final else self._log_tail.read()):
-            if self.echo:
-                self._echo.show(kind, text)
-            self._emit(kind, text)  # "line", or "update": the current line rewritten (\r)
-        if self.echo:  # a few writes a second, each holding what arrived (Jupyter's rate limits)
-            self._echo.close() if final else self._echo.flush()
-        for line in self._metrics_tail.read():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            self.metrics.append(rec)
-            self._emit("metrics", rec)
-        progress = read_progress(self.run_dir)
-        prog = progress.as_dict() if progress is not None else None
-        if prog and prog != self.progress:
-            self.progress = prog
-            self._emit("progress", prog)
+    _read_streams = _forward_output  # rank 0's lines, the metrics and the progress, to the cell and listeners
 
     # -- staged shutdown ----------------------------------------------------------------
     def _begin_shutdown(self, reason: str) -> None:
@@ -659,18 +623,7 @@ class RunHandle:
         """
         self._ranks.close()
         self._read_streams(final=True)
-        seconds = time.time() - self.started_at
-        reason = self._shutdown.reason if self._shutdown else None
-        all_ok = all(e.exitcode == 0 for e in self._ends.values())
-        if error is not None or reason == "failure" or (not all_ok and reason is None):
-            outcome: Union[TrainResult, BaseException] = error or self._worker_error()
-            if isinstance(outcome, WorkerError):
-                _note_restarts(outcome, self.restarts, not_restarted)
-        elif all_ok and reason != "interrupt" and (has_result(self.run_dir) or reason is None):
-            outcome = _success(self.spec, self.metrics, seconds, reason is not None, self.restarts)
-        else:
-            outcome = _stopped(self.spec, reason, self._ends)
-        self._outcome = outcome
+        self._outcome = outcome = _outcome_of(self, error, not_restarted)
         self._restart_at = None
         self._release()  # the GPUs' leases given back
         clear_stop_request(self.run_dir)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..contract.protocol import Heartbeat
+from ..contract.protocol import Heartbeat, read_error_records
+from .stacks import collect as collect_stacks
 
 #: How many times the longest gap between two reports of progress a quiet spell must last to be told.
 QUIET_FACTOR = 3.0
@@ -89,3 +90,36 @@ def where_all_are(beats: Dict[int, Heartbeat]) -> str:
              phase if phase not in (None, "train") else ""]
     text = ", ".join(p for p in parts if p)
     return f" (all at {text})" if text else ""
+
+
+def check_progress(handle, now: float) -> None:
+    """Stop a run with a hung rank (one that lags); explain, once, a run in which no rank moves.
+
+    Args:
+        handle: the run's :class:`~nbddp.kernel.handle.RunHandle`, from its watch (its ``poll``).
+        now: the time of this look.
+    """
+    if read_error_records(handle.run_dir, handle.world_size):
+        return  # a failure is on its way: the error tells it
+    beats = handle._ranks.beats()
+    if any(b.state == "debugging" for b in beats.values()):
+        handle._quiet.pause(now)  # the time at a prompt is no quiet spell
+        return
+    if len(beats) < handle.world_size or any(b.state != "running" for b in beats.values()):
+        return
+    if find_lagging_rank(beats, now, handle.stall_timeout_s) is not None:
+        handle._stacks_before_stopping()
+        handle._begin_shutdown("failure")
+        return
+    quiet = handle._quiet.quiet_for(beats, now)
+    if quiet is not None:
+        _tell_quiet(handle, beats, quiet)
+
+
+def _tell_quiet(handle, beats: Dict[int, Heartbeat], quiet: float) -> None:
+    """No rank has made progress, and none lags: say where every rank is; the run goes on."""
+    pids = handle._ranks.answering()
+    where = collect_stacks(handle.run_dir, pids, timeout=2.0).summary() if pids else ""
+    handle._notice(f"nbddp: no rank has made progress for {quiet:.0f} s{where_all_are(beats)}, and none is behind "
+                   f"the others: {where or 'their stacks did not come (handle.stacks() asks again)'}. The run goes "
+                   "on; Stop (or handle.stop()) ends it.")

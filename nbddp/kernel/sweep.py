@@ -202,7 +202,7 @@ class Sweep:
         pick = max if self.direction == "maximize" else min
         t = pick(done, key=lambda x: x.value)
         run_dir = Path(t.user_attrs[st.RUN_DIR]) if t.user_attrs.get(st.RUN_DIR) else None
-        weights = rundir.export_dir(run_dir) / "model.pth" if run_dir is not None else None
+        weights = rundir.export_dir(run_dir) / rundir.EXPORT_PTH if run_dir is not None else None
         return BestTrial(t.number, dict(t.params), t.value, run_dir, weights if weights and weights.is_file() else None)
 
     def __repr__(self) -> str:
@@ -221,7 +221,7 @@ class Sweep:
         self.slots = make_slots(parallel, gpus_per_trial, nprocs, default_nprocs)
         self.study, self.study_path = st.open_study(self.runs_dir, self.name, self.direction, self._sampler,
                                                     self._pruner)
-        self.tensorboard_dir = self.study_path.parent / "tensorboard"
+        self.tensorboard_dir = self.study_path.parent / rundir.TENSORBOARD
         for line in st.fail_orphans(self.study):
             self._say(line)
         if retry:

@@ -687,8 +687,9 @@ def _release_server_alive_fd() -> None:
             os.close(fd)
 
 
-def entry(local_rank: int, spec: LaunchSpec) -> None:
-    """Run one rank: set up, call the target, report, tear down. Never returns normally."""
+def _become_rank_process(spec: LaunchSpec) -> None:
+    """This process as a rank: its own process group and subreaper, signals, the launching kernel's
+    environment and working directory, and the run's marker."""
     set_parent_death_signal(spec.parent_pid)
     # Whatever this rank starts stays in its process tree, however it hides (nbddp.rank.reaper).
     reaper.become_subreaper()
@@ -711,6 +712,33 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     # The run's marker (``procs.MARKER_ENV``), absolute, before any user code: every process the
     # rank starts inherits it, so the kernel finds them even in a session of their own.
     os.environ[_MARKER_ENV] = os.path.abspath(spec.run_dir)
+
+
+def _group_starter(spec: LaunchSpec, rank: int, device: torch.device) -> Callable[[], None]:
+    """What joins nbddp's own process group for this rank (run inside run_rank's error handling)."""
+
+    def init_process_group():
+        from .dist import init_process_group as init_group
+
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # CUDA_VISIBLE_DEVICES holds exactly the chosen GPUs
+        if spec.store_path:  # a file in a folder only this user can open (nbddp.kernel.rendezvous)
+            store = dist.FileStore(spec.store_path, spec.world_size)
+            store.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
+        else:
+            store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=spec.timeout_s))
+        # debug=True: a breakpoint() on one rank holds the others in their next collective for as
+        # long as the prompt is open; the kernel's stall detector (paused at the prompt) guards hangs.
+        timeout = max(spec.timeout_s, debugger.GROUP_TIMEOUT_S) if debugger.breakpoints_on() else spec.timeout_s
+        init_group(spec.backend, store, rank, spec.world_size, timeout, device)
+
+    return init_process_group
+
+
+def entry(local_rank: int, spec: LaunchSpec) -> None:
+    """Run one rank: set up, call the target, report, tear down. Never returns normally."""
+    _become_rank_process(spec)
     rank = local_rank  # single-machine launch: global rank == local rank
     run_rank_hook(rank)
     run_dir = Path(spec.run_dir)
@@ -731,24 +759,8 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     # device ordinal" or "no NVIDIA driver" reach the notebook as this rank's error.
     device = torch.device("cuda", local_rank) if spec.backend == "nccl" else torch.device("cpu")
     ctx = Context(rank, local_rank, spec.world_size, device, spec.backend, run_dir)
-
-    def init_process_group():
-        from .dist import init_process_group as init_group
-
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # CUDA_VISIBLE_DEVICES holds exactly the chosen GPUs
-        if spec.store_path:  # a file in a folder only this user can open (nbddp.kernel.rendezvous)
-            store = dist.FileStore(spec.store_path, spec.world_size)
-            store.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
-        else:
-            store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=spec.timeout_s))
-        # debug=True: a breakpoint() on one rank holds the others in their next collective for as
-        # long as the prompt is open; the kernel's stall detector (paused at the prompt) guards hangs.
-        timeout = max(spec.timeout_s, debugger.GROUP_TIMEOUT_S) if debugger.breakpoints_on() else spec.timeout_s
-        init_group(spec.backend, store, rank, spec.world_size, timeout, device)
-
-    code, _ = run_rank(ctx, (lambda: None) if own_group else init_process_group, spec.target, spec.args,
+    init_process_group = (lambda: None) if own_group else _group_starter(spec, rank, device)
+    code, _ = run_rank(ctx, init_process_group, spec.target, spec.args,
                        spec.kwargs, watch=spec.kernel, all_values=spec.all_values, call=spec.call, argv=spec.argv,
                        payload=spec.payload, observe=spec.observe)
     # Nothing the rank started outlives it: a child in a session of its own, without the run's

@@ -14,6 +14,9 @@ import torch.multiprocessing as mp
 def main_worker(gpu, ngpus_per_node, args):
     dist.init_process_group("gloo")  # env://, from torchrun's environment
     print(f"rank {dist.get_rank()} of {dist.get_world_size()}, local rank {gpu}", flush=True)
+    # As training would, a collective before leaving: rank 0 destroying its group while rank 1
+    # still connects to it fails rank 1 ("Connection closed by peer").
+    dist.barrier()
     dist.destroy_process_group()
 
 
