@@ -222,10 +222,11 @@ def serve_prompts(handle, only: Optional[int] = None, interrupted: Optional[list
         relay.answer(rank, st.seq, line)
 
 
-def open_prompt(handle, rank: Optional[int]) -> None:
-    """:meth:`RunHandle.debug <nbddp.kernel.handle.RunHandle.debug>`: a background run's prompts in this cell."""
-    from .handle import interrupts_held  # the handle imports this module
+def open_prompt(handle, rank: Optional[int], interrupts_held) -> None:
+    """:meth:`RunHandle.debug <nbddp.kernel.handle.RunHandle.debug>`: a background run's prompts in this cell.
 
+    ``interrupts_held`` is :func:`nbddp.kernel.handle.interrupts_held` (the handle imports this module).
+    """
     if handle._done.is_set() or not handle._relay.waiting():
         print("nbddp: no rank is waiting at a breakpoint" + (" (the run has ended)" if handle._done.is_set() else ""))
         return

@@ -343,7 +343,7 @@ class RunHandle:
         Args:
             rank: the rank whose prompt to open; None: any rank at a prompt.
         """
-        open_prompt(self, rank)
+        open_prompt(self, rank, interrupts_held)
 
     @property
     def max_restarts(self) -> int:
