@@ -125,6 +125,34 @@ def test_loader_workers_end_with_their_ranks_main_thread(runs_dir):
     assert wait_for(lambda: not survivors(workers), 10), survivors(workers)
 
 
+_LATE_CHILD = """
+import ctypes, os, platform, threading, time
+from nbddp.rank import runtime
+os.register_at_fork(after_in_child=lambda: time.sleep(1.0))  # runs before the rank's own hook
+runtime.fork_children()
+threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+pid = os.fork()
+if pid == 0:
+    time.sleep(3600)
+    os._exit(0)
+print(pid, flush=True)
+ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)  # this thread only
+"""
+
+
+def test_a_child_forked_just_before_the_ranks_main_thread_ended_goes_too():
+    """The parent-death signal follows the forking thread: a loader worker that reaches its prctl
+    after the rank's main thread ended (a zombie leader with live threads) would wait forever."""
+    proc = subprocess.Popen([sys.executable, "-c", _LATE_CHILD], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(ROOT)})
+    try:
+        child = int(proc.stdout.readline())
+        assert wait_for(lambda: proc_state(child) in (None, "Z"), 30), proc_state(child)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def _alive(hidden: dict) -> dict:
     """``{how: state}`` of the hidden children that still exist (a zombie counts)."""
     return {how: proc_state(pid) for how, (pid, started) in hidden.items()

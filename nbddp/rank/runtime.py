@@ -515,8 +515,19 @@ def _before_fork() -> None:
 def _after_fork_in_child() -> None:
     if _fork_parent is not None:
         _set_pdeathsig()
-        if os.getppid() != _fork_parent:  # the parent died before prctl: no signal will come
+        # The parent died before prctl, or only its main thread did (the signal follows the thread;
+        # the rank lives on as a zombie leader with other threads): no signal will come.
+        if os.getppid() != _fork_parent or _thread_state(_fork_parent) in ("Z", "X"):
             os._exit(1)
+
+
+def _thread_state(tid: int) -> Optional[str]:
+    """The state ('R', 'S', 'Z'...) of thread ``tid`` of this process's parent; None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{tid}/task/{tid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
 
 
 def fork_children() -> None:
