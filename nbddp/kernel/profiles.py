@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
+from ..contract import rundir
 from ..contract.observe import ProfileRecord, read_profile_records
 
 #: A spread of communication time per step below this fraction of a step names no straggler.
@@ -70,7 +71,8 @@ class ProfileSummary:
         for rank in sorted(self.ranks):
             ops = ", ".join(f"{o['name']} {o['self_ms']:.1f} ms" for o in self.ranks[rank].top_ops[:5])
             lines.append(f"rank {rank} top operators (self time): {ops or 'none recorded'}")
-        lines.append(f"traces: {self.run_dir / 'profile'} (Perfetto: ui.perfetto.dev; TensorBoard's profiler view)")
+        lines.append(f"traces: {rundir.profile_dir(self.run_dir)} (Perfetto: ui.perfetto.dev; TensorBoard's profiler "
+                     "view)")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -89,7 +91,7 @@ class ProfileSummary:
         return (f"<div><b>Profile</b> (ms per profiled step) of <code>{html.escape(str(self.run_dir))}</code>"
                 f"<table><tr><th>rank</th><th>steps</th><th>step</th>{head}<th>top operators</th></tr>"
                 + "".join(rows) + f"</table><p>{html.escape(self.verdict())}</p>"
-                f"<p>Traces: <code>{html.escape(str(self.run_dir / 'profile'))}</code> (ui.perfetto.dev or "
+                f"<p>Traces: <code>{html.escape(str(rundir.profile_dir(self.run_dir)))}</code> (ui.perfetto.dev or "
                 "TensorBoard's profiler view)</p></div>")
 
 
