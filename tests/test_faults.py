@@ -188,3 +188,15 @@ def test_malicious_checkpoint_refused_on_resume(tree, runs_dir, tmp_path):
     with pytest.raises(WeightsError, match="weights-only|weights_only"):
         spawn_train(cfg.replace(resume=str(first.run_dir), epochs=2), echo=False)
     assert not marker.exists(), "the pickle payload must never run"
+
+
+def test_every_rank_failing_the_same_way_names_the_lowest_rank_whichever_wrote_first():
+    """The same code failing on every rank (argparse's exit): the report names rank 0, not
+    whichever rank the machine's load let write first; different failures: the earliest."""
+    from nbddp.contract.protocol import ErrorRecord
+    from nbddp.kernel.report import find_root_cause
+
+    same = {r: ErrorRecord(rank=r, time=t, type="SystemExit", message="2") for r, t in ((0, 2.0), (1, 1.0))}
+    assert find_root_cause({}, same, {}) == 0
+    other = {**same, 0: ErrorRecord(rank=0, time=2.0, type="ValueError", message="bad")}
+    assert find_root_cause({}, other, {}) == 1

@@ -98,6 +98,10 @@ def find_root_cause(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord], b
             return int(rec.root_rank)
     primary = [r for r in records.values() if not r.secondary]
     if primary:
+        if len(primary) > 1 and len({(r.type, r.message) for r in primary}) == 1:
+            # Every rank failed the same way (the same code ran on each: argparse's exit, a bad
+            # path): the lowest rank, not whichever happened to write first.
+            return min(r.rank for r in primary)
         return min(primary, key=lambda r: r.time).rank
     died = [e for e in ends.values() if not e.by_launcher and e.exitcode not in (0, None)
             and e.rank not in records and e.rank not in consequences]
