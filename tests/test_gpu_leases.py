@@ -37,7 +37,7 @@ from fake_gpu import fake_nvml
 sys.modules["pynvml"] = fake_nvml(json.loads({gpus!r}))
 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 import nbddp
-import nbddp.kernel.launch as launch
+import nbddp.kernel.ranks as ranks
 go, done, out = sys.argv[1:4]
 
 def start_processes(fn, args, nprocs, **kwargs):
@@ -48,7 +48,7 @@ def start_processes(fn, args, nprocs, **kwargs):
         time.sleep(0.02)
     raise SystemExit(0)
 
-launch.mp.start_processes = start_processes
+ranks.mp.start_processes = start_processes
 while not os.path.exists(go):
     time.sleep(0.005)
 try:

@@ -105,7 +105,7 @@ def test_resume_true_skips_runs_of_other_users(tmp_path):
 def test_the_ranks_temp_folder_is_private_and_gone_after_the_run(tmp_path):
     handle = spawn_train(f"{PRIVATE}:tmp_info", nprocs=2, runs_dir=tmp_path, echo=False, block=False,
                          all_values=True)
-    error_files = handle._torch_error_files()
+    error_files = handle._ranks.error_files()
     result = handle.wait()
     folder = result.value["tmp"]
     assert {v["tmp"] for v in result.values} == {folder}
