@@ -99,6 +99,7 @@ SIDES = {
     "kernel.export": "kernel", "kernel.inference": "kernel", "kernel.debugger": "kernel",
     "kernel.profiles": "kernel",
     "kernel.sweep": "kernel", "kernel.slots": "kernel", "kernel.study": "kernel", "kernel.trials": "kernel",
+    "kernel.interrupt": "kernel",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel",
@@ -107,6 +108,7 @@ SIDES = {
     "rank.calls": "rank", "rank.debugger": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
     "rank.profiling": "rank", "rank.trackers": "rank",
     "rank.sharding": "rank", "rank.sharded_checkpoint": "rank",
+    "rank.interrupt": "rank",
     "tasks": "task", "tasks.classification": "task", "tasks.classification.planning": "task",
     "tasks.classification.worker": "task", "tasks.classification.data": "task",
     "tasks.classification.tensor_data": "task", "tasks.classification.decode_data": "task",
@@ -172,12 +174,15 @@ def __getattr__(name):
 
 
 def _import_holding_interrupts(module: str):
-    """Import ``module``; an Interrupt that comes meanwhile is handled once the import is done.
+    """Import ``module``; an Interrupt that comes meanwhile is never lost, nor a bare ``KeyboardInterrupt``.
 
-    The first ``nbddp.spawn_train`` of a kernel imports torch. torch swallows a
-    KeyboardInterrupt raised while it imports numpy (it turns numpy support off and warns), so
-    an Interrupt in that second would be lost and the run would start. Held here, it reaches the
-    handler the kernel had (a ``KeyboardInterrupt``) right after the import, before any run exists.
+    The first ``nbddp.spawn_train`` of a kernel imports torch (seconds). A kernel-side name
+    (``spawn_train``, ``TrainingPanel``) is imported in a helper thread while this one waits: an
+    Interrupt ends the wait at once with a ``TrainingInterrupted`` saying that nothing was started
+    (the import goes on in the background, as the pre-warm's does, for the next cell). Other names
+    are imported here with the Interrupt held: torch swallows a KeyboardInterrupt raised while it
+    imports numpy (it turns numpy support off and warns), so an Interrupt in that second would be
+    lost; held, it reaches the handler the process had right after the import.
     """
     import importlib
     import signal
@@ -186,6 +191,8 @@ def _import_holding_interrupts(module: str):
 
     if module in sys.modules or threading.current_thread() is not threading.main_thread():
         return importlib.import_module(module)
+    if SIDES.get(module[len(__name__) + 1:]) == "kernel":
+        return _import_in_helper_thread(module)
     came: list = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
     try:
@@ -198,6 +205,35 @@ def _import_holding_interrupts(module: str):
         elif previous == signal.SIG_DFL:
             signal.raise_signal(signal.SIGINT)
     return loaded
+
+
+def _import_in_helper_thread(module: str):
+    """Import ``module`` in a daemon thread; this (main) thread waits, and an Interrupt ends the wait."""
+    import importlib
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["module"] = importlib.import_module(module)
+        except BaseException as exc:  # noqa: BLE001 - raised in the waiting thread below
+            box["error"] = exc
+
+    helper = threading.Thread(target=run, name="nbddp-import", daemon=True)
+    helper.start()
+    try:
+        while helper.is_alive():
+            helper.join(0.05)
+    except KeyboardInterrupt as exc:
+        if type(exc) is not KeyboardInterrupt:
+            raise
+        from .contract.errors import TrainingInterrupted
+
+        raise TrainingInterrupted.before_start("loading torch and its launcher for their first use") from None
+    if "error" in box:
+        raise box["error"]
+    return box["module"]
 
 
 class _MovedFinder:

@@ -37,19 +37,25 @@ def test_a_stop_waits_while_the_ranks_finish_up_to_the_stop_timeout():
     sd = ranks.shutdown("stop")
     assert sd.stage is Stage.ASK and ranks.sent == []
     assert sd.advance(PATIENCE - 1) is Stage.ASK and ranks.sent == []
-    assert sd.advance(PATIENCE) is Stage.TERM and ranks.sent == [signal.SIGTERM]
-    assert sd.advance(PATIENCE + GRACE) is Stage.KILL and ranks.sent == [signal.SIGTERM, signal.SIGKILL]
+    assert sd.advance(PATIENCE) is Stage.INT and ranks.sent == [signal.SIGINT]
+    assert sd.advance(PATIENCE + GRACE) is Stage.TERM and ranks.sent == [signal.SIGINT, signal.SIGTERM]
+    assert sd.advance(PATIENCE + 2 * GRACE) is Stage.KILL
+    assert ranks.sent == [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
 
 
-def test_a_stop_ends_ranks_that_are_no_longer_finishing():
+def test_a_stop_interrupts_ranks_that_are_no_longer_finishing_before_sigterm():
+    """Code that never asks ctx.should_stop() gets a KeyboardInterrupt (SIGINT), as Ctrl-C gives,
+    grace_s before the SIGTERM: its finally: blocks run."""
     ranks = Ranks(finishing=True)
     sd = ranks.shutdown("interrupt")
     assert sd.advance(5.0) is Stage.ASK
     ranks.finishing = False  # a heartbeat went silent, or nobody asked should_stop within grace
-    assert sd.advance(6.0) is Stage.TERM and ranks.sent == [signal.SIGTERM]
-    assert sd.since == 6.0, "SIGKILL comes grace_s after the SIGTERM, not after the request"
-    assert sd.advance(6.0 + GRACE - 0.1) is Stage.TERM
-    assert sd.advance(6.0 + GRACE) is Stage.KILL
+    assert sd.advance(6.0) is Stage.INT and ranks.sent == [signal.SIGINT]
+    assert sd.advance(6.0 + GRACE - 0.1) is Stage.INT
+    assert sd.advance(6.0 + GRACE) is Stage.TERM and ranks.sent == [signal.SIGINT, signal.SIGTERM]
+    assert sd.since == 6.0 + GRACE, "SIGKILL comes grace_s after the SIGTERM, not after the request"
+    assert sd.advance(6.0 + 2 * GRACE - 0.1) is Stage.TERM
+    assert sd.advance(6.0 + 2 * GRACE) is Stage.KILL
 
 
 def test_a_second_interrupt_kills_at_once():

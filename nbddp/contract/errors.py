@@ -90,16 +90,26 @@ class WorkerError(NbddpError):
         self.restarts: list = []
 
 
-class TrainingInterrupted(NbddpError):
+class TrainingInterrupted(NbddpError, KeyboardInterrupt):
     """Training was interrupted (Jupyter's Interrupt, Ctrl-C, or ``stop()``) and every worker is gone.
 
+    A ``KeyboardInterrupt`` (what Python raises for an Interrupt: ``except KeyboardInterrupt``
+    catches it) and an :class:`NbddpError`.
+
     Attributes:
-        run_dir: the run's folder; its logs and last checkpoint are kept.
+        run_dir: the run's folder; its logs and last checkpoint are kept (``None`` when the
+            Interrupt came before a run folder existed).
+        result: the run's ``TrainResult`` when every rank had returned before the Interrupt
+            reached it (nothing finished is lost), else ``None``.
     """
 
-    def __init__(self, message: str, run_dir=None):
+    def __init__(self, message: str, run_dir=None, result=None):
         super().__init__(message)
         self.run_dir = run_dir
+        self.result = result
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.run_dir, self.result))
 
     @classmethod
     def for_run(cls, what: str, world_size: int, run_dir, how: str = "", checkpoint: Optional[str] = None
@@ -114,6 +124,13 @@ class TrainingInterrupted(NbddpError):
                 else f"Logs are kept in {run_dir} (no checkpoint was written)")
         ended = f" ({how})" if how else ""
         return cls(f"training {what}: all {world_size} workers were stopped and reaped{ended}. {kept}",
+                   run_dir=run_dir)
+
+    @classmethod
+    def before_start(cls, what: str, run_dir=None) -> "TrainingInterrupted":
+        """The error for an Interrupt that came while nbddp was ``what``, before any worker started."""
+        kept = f" The run folder {run_dir} holds no run." if run_dir else ""
+        return cls(f"interrupted while nbddp was {what}: no worker was started, nothing is left running.{kept}",
                    run_dir=run_dir)
 
 

@@ -4,7 +4,8 @@
 fork of the kernel) that has imported :data:`PRELOAD`. Starting it and importing torch there
 costs seconds; without help the first launch of a kernel pays for it. So in a Jupyter kernel
 ``import nbddp`` (and building a ``TrainingPanel`` anywhere) starts the server at once from a
-daemon thread, and the first launch finds it ready, as a relaunch does. ``NBDDP_PREWARM=0``
+daemon thread, which then imports torch and the launcher in the kernel (:data:`KERNEL_PRELOAD`),
+and the first launch finds both ready, as a relaunch does. ``NBDDP_PREWARM=0``
 turns that off; scripts, ``python -m nbddp``, workers and the server itself never pre-warm.
 
 The server is multiprocessing's own (``multiprocessing.forkserver._forkserver``): a launch that
@@ -136,18 +137,60 @@ def server_pid() -> Optional[int]:
 def start_server() -> None:
     """Start the server now unless it runs (what the pre-warm and a launch both call).
 
-    It starts with SIGINT blocked, from its first instruction: Jupyter's Interrupt signals the
-    kernel's whole process group, the server included, and a server that took it while
-    importing torch died, failing the launch with an ``EOFError`` instead of the interrupt.
-    The blocked signal stays pending until multiprocessing's server loop ignores SIGINT, which
-    discards it; ranks unblock it for themselves (``runtime.entry``). The kernel's own thread
-    blocks it only for the start, so an Interrupt meanwhile reaches the kernel right after.
+    The server starts in a session of its own: Jupyter's Interrupt (and a terminal's Ctrl-C)
+    signals the kernel's whole process group, and a server that took it while importing torch
+    died with its traceback in the cell, failed the launch with an ``EOFError`` and stayed a
+    zombie. The server is nbddp's, not the user's: the user's Interrupt never reaches it (a
+    blocked signal mask is not enough, since the server's start resets it). It still ends with
+    the kernel (its "alive" pipe), and its ranks lead their own groups as before. The kernel's
+    own thread blocks SIGINT for the start, so an Interrupt meanwhile reaches the kernel after.
     """
     prepare()
     from multiprocessing import forkserver
 
-    with _sys_path_only(), _sigint_blocked():
+    with _sys_path_only(), _own_session(), _sigint_blocked():
         forkserver.ensure_running()  # under the server's lock: a launch waits for a pre-warm
+
+
+#: The servers started (their ``Popen``), kept so that ``subprocess`` never reaps one itself:
+#: multiprocessing waits for its server, and :func:`server_death` looks at it.
+_started: list = []
+
+
+def _spawn_in_own_session(path, args, passfds) -> int:
+    """``multiprocessing.util.spawnv_passfds``, with the child in a new session (``setsid``)."""
+    import subprocess
+
+    proc = subprocess.Popen(list(args), executable=path, pass_fds=tuple(sorted(map(int, passfds))),
+                            close_fds=True, start_new_session=True)
+    _started.append(proc)
+    return proc.pid
+
+
+@contextlib.contextmanager
+def _own_session():
+    """In this thread, multiprocessing starts its helper processes in a session of their own.
+
+    Other threads (a launch with ``start_method='spawn'``, the notebook's own multiprocessing)
+    are answered by the original; it is put back unless someone else replaced it meanwhile.
+    """
+    from multiprocessing import util
+
+    original = util.spawnv_passfds
+
+    def spawnv_passfds(path, args, passfds):
+        if getattr(_local, "own_session", False):
+            return _spawn_in_own_session(path, args, passfds)
+        return original(path, args, passfds)
+
+    util.spawnv_passfds = spawnv_passfds
+    _local.own_session = True
+    try:
+        yield
+    finally:
+        _local.own_session = False
+        if util.spawnv_passfds is spawnv_passfds:
+            util.spawnv_passfds = original
 
 
 def server_death(pid: Optional[int]) -> Optional[str]:
@@ -179,6 +222,11 @@ def _sigint_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+#: What the kernel's first launch imports (torch, torch.multiprocessing, the launcher and its
+#: handle), imported by the pre-warm thread while the kernel is idle after ``import nbddp``.
+KERNEL_PRELOAD = ["nbddp.kernel.launch"]
+
+
 def _start() -> None:
     global last_error
     try:
@@ -186,6 +234,21 @@ def _start() -> None:
         last_error = None
     except BaseException as exc:  # noqa: BLE001 - never into the notebook: the launch retries
         last_error = exc
+    _import_kernel_side()
+
+
+def _import_kernel_side() -> None:
+    """Import :data:`KERNEL_PRELOAD` in this (the pre-warm) thread, so the first ``spawn_train``
+    does not wait seconds for torch. An Interrupt never lands here (signals reach the main thread
+    only); a cell that needs one of these meanwhile waits for it on the module's import lock, and
+    a failure is left for that cell's own import to raise."""
+    import importlib
+
+    for name in KERNEL_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - the launch imports it again and says what is wrong
+            return
 
 
 def _kernel_sys_path() -> list:

@@ -32,6 +32,7 @@ from .debugger import PromptRelay, open_prompt, serve_prompts, watch_breakpoints
 from .stall import QuietWatch, check_progress
 from .forkserver import server_death
 from .ranks import RankGroup
+from . import interrupt
 from ..contract.system import start_time
 
 
@@ -234,7 +235,15 @@ def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted
             _note_restarts(outcome, self.restarts, not_restarted)
         return outcome
     if all_ok and reason != "interrupt" and (has_result(self.run_dir) or reason is None):
-        return _success(self.spec, self.metrics, seconds, reason is not None, self.restarts)
+        return self._result(seconds, stopped=reason is not None)
+    if reason == "interrupt":  # the cell raises (the user asked it to stop); what every rank returned is kept
+        result = self._result(seconds, stopped=True) if all_ok and has_result(self.run_dir) else None
+        if isinstance(result, BaseException):
+            return result
+        how = how_ranks_stopped(self._ends, read_error_records(self.run_dir, self.world_size), "the interrupt")
+        return interrupt.interrupted(self.world_size, self.run_dir, how, self._interrupt_stacks,
+                                     _newest_checkpoint(self.run_dir), result=result,
+                                     ended_first=self._ended_first and result is not None)
     return _stopped(self.spec, reason, self._ends)
 
 
@@ -274,6 +283,8 @@ class RunHandle:
         self._restart_at: Optional[float] = None  # a restart waits for its back-off until then
         self._quiet = QuietWatch(stall_timeout_s or 0.0, ranks.started_at)
         self._failure_stacks: Optional[Stacks] = None  # where the live ranks were when a failure stopped them
+        self._interrupt_stacks: Optional[Stacks] = None  # ... and when an Interrupt came
+        self._ended_first = False  # every rank had returned before the Interrupt reached it
         self.metrics: List[dict] = []
         self.progress: dict = {}
         self._log_starts = dict(log_starts or {})
@@ -458,7 +469,7 @@ class RunHandle:
                     time.sleep(0.05)
                 if deadline is not None and time.time() > deadline:
                     break
-        if came and not self._done.is_set():
+        if came:
             self.end_interrupted()  # an Interrupt while waiting on a background run stops it too
 
     def end_interrupted(self) -> None:
@@ -469,11 +480,20 @@ class RunHandle:
         Interrupt ends them at once.
         """
         with self._lock:
+            if self._thread is None:
+                self.poll()  # a run that ended meanwhile ends as it did
+            if self._done.is_set():
+                raise self._interrupted_after_end()
+            beats = self._ranks.beats()
+            self._ended_first = len(beats) == self.world_size and all(
+                b.state in ("finishing", "done") and not b.stopping for b in beats.values())
+            pids = self._ranks.answering()  # where each rank is, before the request moves it
+            self._interrupt_stacks = collect_stacks(self.run_dir, pids, timeout=1.0) if pids else None
             self._begin_shutdown("interrupt")
             if self.echo:
-                self._echo.close()  # what rank 0 printed before comes first
-        print("nbddp: stopping the workers (they finish their step and checkpoint); interrupt again to end them "
-              "at once", file=sys.stderr, flush=True)
+                self._echo.close()  # what rank 0 printed before comes first; the rest stays in its log
+                self.echo = False
+        print(interrupt.stopping_line(self.spec, self.run_dir, self.grace_s), file=sys.stderr, flush=True)
         with interrupts_held() as again:
             while not self._done.is_set():
                 if again:  # a second interrupt: no more grace
@@ -482,7 +502,14 @@ class RunHandle:
                 if self._thread is None:
                     self.poll()
                 time.sleep(0.05)
-        raise self._outcome
+        raise self._interrupted_after_end() if isinstance(self._outcome, TrainResult) else self._outcome
+
+    def _interrupted_after_end(self) -> BaseException:
+        """The Interrupt came once the run had ended: its result is kept, the cell still stops."""
+        if not isinstance(self._outcome, TrainResult):
+            return self._outcome
+        return interrupt.interrupted(self.world_size, self.run_dir, "", None, _newest_checkpoint(self.run_dir),
+                                     result=self._outcome, ended_first=True)
 
     def end_now(self) -> None:
         """No more grace (a second Interrupt): SIGKILL every rank now, reap them, end the run."""
@@ -614,6 +641,10 @@ class RunHandle:
         rundir.update_launch_record(
             self.run_dir, pids=self.pids, start_times=[start_time(p) for p in self.pids], store_path=spec.store_path,
             port=spec.store_port, tmp_dir=ranks.tmp_dir, restarts=[r.as_dict() for r in self.restarts])
+
+    def _result(self, seconds: float, stopped: bool) -> Union[TrainResult, BaseException]:
+        """The run's ``TrainResult`` from the values the ranks wrote (an error for a file not the user's)."""
+        return _success(self.spec, self.metrics, seconds, stopped, self.restarts)
 
     def _finish(self, error: Optional[BaseException] = None, not_restarted: str = "") -> None:
         """End the run: its outcome (``error`` when already built), every resource given back.

@@ -34,6 +34,7 @@ from .procs import live_workers
 from ..contract.protocol import LaunchSpec
 from .rendezvous import Rendezvous
 from .shutdown import STOP_TIMEOUT_S
+from .interrupt import raises_training_interrupted
 from ..contract.system import start_time
 from ..contract.plans import LaunchPlan
 from ..contract.observe import check_trackers, profile_options, tracker_plan
@@ -52,6 +53,7 @@ def _check_launch_args(nprocs: Any, timeout_s: Any, name: Any) -> None:
         raise ConfigError(f"name={name!r}: {NAME_RULE}")
 
 
+@raises_training_interrupted
 def spawn_train(
     target: Union[str, Callable[..., Any], TrainConfig],
     *args: Any,

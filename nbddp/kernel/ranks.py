@@ -31,6 +31,7 @@ from ..contract.protocol import (MAX_RESTARTS_ENV, RESTART_ENV, Heartbeat, Launc
                                  read_heartbeats, start_rank)
 from ..contract.system import cpu_cores, kill_group_or_process, start_time
 from .forkserver import server_pid, start_server
+from . import interrupt
 from .procs import MARKER_ENV, end_leftovers, end_recorded_tree, orphaned_group
 from .rendezvous import Rendezvous, rendezvous_for
 from .report import RankEnd
@@ -302,11 +303,16 @@ class RankGroup:
         return [e for e in self.ends.values() if e.exitcode != 0 and not e.by_launcher]
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to every running rank's process group (its DataLoader workers included)."""
+        """Send ``sig`` to every running rank's process group (its DataLoader workers included);
+        SIGINT to the rank's process alone, and only once it has beaten (before, it has no
+        KeyboardInterrupt handler: SIGTERM follows)."""
         if self.closed:
             return
+        beats = self.beats() if sig == signal.SIGINT else {}
         for rank in self.running():
-            kill_group_or_process(self.procs.processes[rank].pid, sig)
+            if sig == signal.SIGINT and rank not in beats:
+                continue
+            interrupt.signal_rank(self.procs.processes[rank].pid, sig, kill_group_or_process)
 
     def reap(self) -> None:
         """Join every process (kill one still there); a rank not seen to end counts as ended by nbddp."""

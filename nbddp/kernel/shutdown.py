@@ -1,4 +1,4 @@
-"""The staged end of a run's processes: ask, then SIGTERM, then SIGKILL.
+"""The staged end of a run's processes: ask, then SIGINT (a Stop or an Interrupt), then SIGTERM, then SIGKILL.
 
 A :class:`Shutdown` knows only time and its own stage; what it asks of the processes goes
 through the two functions it is given (send a signal to every live rank; say whether the ranks
@@ -28,6 +28,7 @@ _BEAT_SLACK_S = 2.0
 
 class Stage(enum.Enum):
     ASK = "ask"    # the stop request is written; the ranks may finish on their own
+    INT = "int"    # SIGINT sent (a KeyboardInterrupt in each rank); SIGTERM follows grace_s later
     TERM = "term"  # SIGTERM sent; SIGKILL follows grace_s later
     KILL = "kill"  # SIGKILL sent; nothing is left to do but reap
 
@@ -41,9 +42,12 @@ class Shutdown:
       blocked in a collective: no point asking nicely), unless a rank is writing a checkpoint
       in the background: then ASK until the write ends (or ``stop_timeout_s``), so the failure
       of one rank does not cost the checkpoint another is writing; ``stop`` and ``interrupt`` to ASK.
-    * ASK → TERM: for ``stop`` and ``interrupt``, once ``stop_timeout_s`` has passed or the
-      ranks are no longer finishing (see :func:`ranks_finishing`); for any other reason after
-      ``grace_s``. A stop keeps the result: the workers may be finishing the epoch's evaluation,
+    * ASK → INT: for ``stop`` and ``interrupt``, once ``stop_timeout_s`` has passed or the
+      ranks are no longer finishing (see :func:`ranks_finishing`): each rank gets SIGINT, a
+      ``KeyboardInterrupt`` between two statements whatever its code, so its ``finally:`` blocks
+      and context managers run, as Ctrl-C would in a terminal.
+    * ASK → TERM: for any other reason after ``grace_s``.
+    * INT → TERM: ``grace_s`` after the SIGINT (code that caught it, or waits in a collective). A stop keeps the result: the workers may be finishing the epoch's evaluation,
       the export or NCCL's teardown, which can take far longer than ``grace_s`` on a GPU. An
       interrupt keeps the work: the step in flight and its checkpoint can take longer too.
     * TERM → KILL: ``grace_s`` after the SIGTERM.
@@ -84,8 +88,10 @@ class Shutdown:
                     return self.stage
             elif now - self.since < self.grace_s:
                 return self.stage
-            self._enter(Stage.TERM, now)
+            self._enter(Stage.INT if self.waits_for_finish else Stage.TERM, now)
             return self.stage
+        elif self.stage is Stage.INT and now - self.since >= self.grace_s:
+            self._enter(Stage.TERM, now)
         elif self.stage is Stage.TERM and now - self.since >= self.grace_s:
             self._enter(Stage.KILL, now)
         return self.stage
@@ -96,7 +102,7 @@ class Shutdown:
 
     def _enter(self, stage: Stage, now: float) -> None:
         self.stage, self.since = stage, now
-        self._kill(signal.SIGTERM if stage is Stage.TERM else signal.SIGKILL)
+        self._kill({Stage.INT: signal.SIGINT, Stage.TERM: signal.SIGTERM}.get(stage, signal.SIGKILL))
 
 
 def ranks_finishing(now: float, since: float, grace_s: float, beats: Dict[int, Heartbeat],

@@ -2,9 +2,9 @@
 
 Order matters and each step has a reason:
 1. parent-death signal first, so a worker never outlives a kernel that died (OOM killer);
-2. leave the kernel's process group and ignore SIGINT: Jupyter's Interrupt signals the whole
-   group, and a worker that gets it exits 0 (looks like success) or, inside a collective,
-   ignores it. The kernel side turns an interrupt into a staged shutdown instead;
+2. leave the kernel's process group: Jupyter's Interrupt signals the whole group, and the kernel
+   side turns it into a staged shutdown instead, whose SIGINT raises ``KeyboardInterrupt`` here
+   (:mod:`nbddp.rank.interrupt`) whatever disposition the rank inherited;
    then the user's per-rank start-up hook, if ``NBDDP_RANK_HOOK`` names one (:func:`run_rank_hook`);
 3. stdout/stderr redirected at file-descriptor level, so C++ (gloo/NCCL) messages land in the
    rank's log too;
@@ -40,6 +40,7 @@ from . import calls, debugger
 from . import reaper
 from ..contract import cells, rundir, targets
 from .heartbeat import HeartbeatThread
+from . import interrupt as rank_interrupt
 from ..contract.private import open_private_file
 from ..contract.protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
                        MAX_RESTARTS_ENV, RESTART_ENV, STACK_SIGNAL, note_checkpoint, read_stop_request,
@@ -709,10 +710,7 @@ def _become_rank_process(spec: LaunchSpec) -> None:
         os.setpgid(0, 0)  # own process group: the launcher can signal our DataLoader workers too
     except OSError:
         pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The warm server runs with SIGINT blocked (nbddp.kernel.forkserver.start_server): a rank must not,
-    # or a stop request's SIGINT (_interrupt_on_stop) and its children's Ctrl-C would never arrive.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    rank_interrupt.install()  # SIGINT: a KeyboardInterrupt, whatever the kernel's server inherited
     fork_children()
     if spec.env:
         os.environ.clear()  # exactly the launching kernel's environment of this launch

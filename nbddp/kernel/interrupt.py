@@ -1,0 +1,150 @@
+"""What an Interrupt (Jupyter's button, Ctrl-C) does in the kernel, and what it says in the cell.
+
+A run's Interrupt is a staged stop (:mod:`nbddp.kernel.shutdown`): the ranks are asked; a rank
+that has not stopped when asked gets SIGINT, a ``KeyboardInterrupt`` between two statements
+whatever its code is (its ``finally:`` blocks run); then SIGTERM, then SIGKILL. The cell shows a
+short notice, a few lines, never a rank's traceback (that stays in the rank's log):
+
+.. code-block:: text
+
+    nbddp: Interrupt: stopping the 2 workers of runs/w-0003 (asked to stop; KeyboardInterrupt in 3 s); interrupt again to end them at once
+    TrainingInterrupted: training interrupted: the 2 workers were stopped and reaped.
+      how: ranks 0-1: KeyboardInterrupt at the interrupt
+      where they were: rank 0: w.py:5, train · rank 1: w.py:5, train
+      logs: runs/w-0003/logs (no checkpoint was written)
+
+An Interrupt before any worker started (nbddp loading torch, planning the launch) raises a
+``TrainingInterrupted`` saying nothing was started, never a bare ``KeyboardInterrupt``.
+
+Kernel side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional
+
+from ..contract.conventions import makes_own_group
+from ..contract.errors import TrainingInterrupted
+from ..contract.protocol import read_checkpoint_note
+from .stacks import Stacks
+
+
+@contextlib.contextmanager
+def before_start(what: str = "preparing the launch") -> Iterator[None]:
+    """An Interrupt in the body (no worker started yet) becomes a ``TrainingInterrupted`` that says so."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, TrainingInterrupted):
+            raise
+        raise TrainingInterrupted.before_start(what) from None
+
+
+def raises_training_interrupted(fn):
+    """Decorate a launching function: an Interrupt before its workers exist ends it with a
+    ``TrainingInterrupted`` (the launch holds Interrupts from its first worker's start on)."""
+    import functools
+
+    @functools.wraps(fn)
+    def launching(*args, **kwargs):
+        with before_start():
+            return fn(*args, **kwargs)
+    return launching
+
+
+def signal_rank(pid: int, sig: int, kill_group) -> None:
+    """Send ``sig`` to a rank: SIGINT to the rank's process alone (its DataLoader workers would
+    print their own ``KeyboardInterrupt`` and die under it), any other signal to its whole group."""
+    if sig != signal.SIGINT:
+        kill_group(pid, sig)
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def checkpoints_through_nbddp(spec: Any, run_dir: Path) -> bool:
+    """True for a worker known to checkpoint through nbddp: the built-in task (its config is the
+    launch's argument) or one that noted a checkpoint in this run folder (``ctx.save_checkpoint``)."""
+    from ..contract.plans import is_task_config
+
+    if any(is_task_config(a) for a in (spec.args or ())):
+        return True
+    with contextlib.suppress(Exception):
+        return read_checkpoint_note(run_dir) is not None
+    return False
+
+
+def stopping_line(spec: Any, run_dir: Path, grace_s: float) -> str:
+    """The one line the cell shows when an Interrupt reaches a running launch."""
+    if checkpoints_through_nbddp(spec, run_dir):
+        how = "they finish their step and checkpoint"
+    elif isinstance(spec.target, str) and makes_own_group(spec.call, spec.target):
+        how = "a KeyboardInterrupt in each rank, as Ctrl-C gives"
+    else:
+        how = f"asked to stop; a KeyboardInterrupt in {grace_s:g} s for code that does not check ctx.should_stop()"
+    return (f"nbddp: Interrupt: stopping the {spec.world_size} workers of {_short(run_dir)} ({how}); "
+            "interrupt again to end them at once")
+
+
+def where_line(stacks: Optional[Stacks]) -> str:
+    """``"rank 0: w.py:5, train · rank 1: w.py:5, train"``: each rank's innermost frame of its own code."""
+    if not stacks:
+        return ""
+    parts = []
+    for r in sorted(stacks):
+        frame = stacks[r].code_frame or (stacks[r].main[0] if stacks[r].main else None)
+        parts.append(f"rank {r}: {Path(frame.file).name}:{frame.line}, {frame.function}" if frame
+                     else f"rank {r}: did not answer")
+    return " · ".join(parts)
+
+
+def interrupted(world_size: int, run_dir: Path, how: str, stacks: Optional[Stacks],
+                checkpoint: Optional[str], result: Any = None, ended_first: bool = False) -> TrainingInterrupted:
+    """The error an interrupted run raises once every worker is gone: a few lines, the detail in the logs.
+
+    Args:
+        how: how the ranks ended (:func:`nbddp.kernel.report.how_ranks_stopped`).
+        stacks: where each rank was when the Interrupt came.
+        result: the run's ``TrainResult`` when every rank returned normally; kept as ``.result``.
+        ended_first: every rank had returned before the Interrupt reached it.
+    """
+    if result is not None and ended_first:
+        head = (f"the Interrupt came after the end: all {world_size} workers had returned. "
+                "The result is kept: r = sys.last_value.result")
+    elif result is not None:
+        head = (f"training interrupted: all {world_size} workers stopped and returned. "
+                "Their result is kept: r = sys.last_value.result")
+    else:
+        head = f"training interrupted: all {world_size} workers were stopped and reaped."
+    lines = [head]
+    if how and not ended_first:
+        lines.append(f"  how: {how}")
+    where = where_line(stacks)
+    if where and not ended_first:
+        lines.append(f"  where they were: {where}")
+    kept = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint was written"
+    lines.append(f"  logs: {rundir_logs(run_dir)} ({kept})")
+    return TrainingInterrupted("\n".join(lines), run_dir=run_dir, result=result)
+
+
+def rundir_logs(run_dir: Path) -> str:
+    return str(Path(_short(run_dir)) / "logs")
+
+
+def _short(path: Path) -> str:
+    """``path`` relative to the working folder when it is below it (what the user typed), else absolute."""
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(path)
+        if not rel.startswith(".."):
+            return rel
+    return str(path)
+
+
+def rank_pids_that_beat(procs, ends: Dict[int, Any], beats: Dict[int, Any]) -> Dict[int, int]:
+    """``{rank: pid}`` of the live ranks that have beaten (so they hold nbddp's SIGINT handler)."""
+    return {r: p.pid for r, p in enumerate(procs.processes)
+            if r not in ends and p.exitcode is None and r in beats}
