@@ -24,6 +24,7 @@ from test_shared_server import launch_workers
 FAULTY = f"{WORKERS / 'faulty.py'}"
 
 _COLD_LAUNCH = """
+import signal; signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when the suite runs under nohup or in a background job (SIGINT ignored from the start)
 import sys, time
 sys.path.insert(0, {root!r})
 import nbddp, nbddp.kernel.launch  # torch is imported: the interrupt falls on the launch itself

@@ -104,6 +104,7 @@ def test_a_monitor_that_breaks_ends_the_run_and_its_workers(tmp_path, runs_dir, 
 
 
 _COLD_LAUNCH = """
+import signal; signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when the suite runs under nohup or in a background job (SIGINT ignored from the start)
 import sys, time
 sys.path.insert(0, {root!r})
 import nbddp
@@ -183,7 +184,8 @@ def test_an_interrupt_that_the_import_of_torch_would_swallow_still_interrupts(tm
         print("imported", flush=True)
     """))
     code = textwrap.dedent(f"""
-        import sys
+        import signal, sys
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even under nohup
         sys.path[:0] = [{str(ROOT)!r}, {str(tmp_path)!r}]
         import nbddp
         try:
