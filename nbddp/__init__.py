@@ -100,6 +100,7 @@ SIDES = {
     "kernel.profiles": "kernel",
     "kernel.sweep": "kernel", "kernel.slots": "kernel", "kernel.study": "kernel", "kernel.trials": "kernel",
     "kernel.interrupt": "kernel",
+    "kernel.refusals": "kernel",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel",

@@ -127,13 +127,27 @@ def test_code_that_spawns_its_own_processes_is_refused_with_the_launch_that_fits
     assert f"multigpu.py starts its own processes: line {line} calls torch.multiprocessing.spawn on `main`" in msg, msg
     assert "(args=(world_size, 5, 32)): spawn_train('multigpu.py:main', *args, nprocs=..., call='mp.spawn')" in msg, msg
     assert not runs.exists()
-    # Behind a flag it cannot be read from the source: a rank that reaches it gets the same fix.
-    with pytest.raises(WorkerError) as err:
+    # Behind a flag that argv sets: refused in the kernel too, once, at the user's line, with a call that runs.
+    line = next(i for i, text in enumerate((project / "imagenet_style.py").read_text().splitlines(), 1)
+                if text.lstrip().startswith("mp.spawn("))
+    with pytest.raises(ConfigError) as err:
         spawn_train("imagenet_style.py", nprocs=2, argv=["--multiprocessing-distributed"], runs_dir=runs, echo=False)
     msg = str(err.value)
-    assert "ConfigError: the code called torch.multiprocessing.spawn on `main_worker` inside an nbddp rank" in msg, msg
-    assert "spawn_train('imagenet_style.py:main_worker', 2, Namespace(multiprocessing_distributed=True), nprocs=2, " \
-           "call='mp.spawn')" in msg, msg
+    assert f"imagenet_style.py:{line} calls torch.multiprocessing.spawn on `main_worker` when " \
+           "--multiprocessing-distributed is set" in msg, msg
+    assert msg.endswith("spawn_train('imagenet_style.py', argv=[], nprocs=...)") and msg.count("spawn on") == 1, msg
+    assert not runs.exists()
+    # Behind a condition the kernel cannot read (the environment): every rank refuses it, said once,
+    # as the ConfigError it is, where the user's code called it (not runpy).
+    (project / "spawn_on_env.py").write_text(
+        "import os\nimport torch.multiprocessing as mp\n\n\ndef work(rank):\n    pass\n\n\n"
+        "if os.environ.get('WORLD_SIZE'):\n    mp.spawn(work, nprocs=2)\n")
+    with pytest.raises(ConfigError) as err:
+        spawn_train("spawn_on_env.py", nprocs=2, runs_dir=runs, echo=False)
+    msg = str(err.value)
+    assert msg.count("the code called torch.multiprocessing.spawn on `work` inside an nbddp rank") == 1, msg
+    assert "where: spawn_on_env.py:10, in <module> (ranks 0, 1 refused it;" in msg, msg
+    assert len(msg.splitlines()) == 2, msg
     # Without the flag it is one rank of a torchrun job, and runs unchanged.
     result = spawn_train("imagenet_style.py", nprocs=2, runs_dir=runs, echo=False)
     assert "rank 1 of 2, local rank 1" in (result.run_dir / "logs" / "rank1.log").read_text()

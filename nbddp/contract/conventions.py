@@ -119,24 +119,35 @@ def calls_init_process_group(node: ast.AST, source_file: Optional[str] = None) -
 SPAWNERS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
 
 
-def check_script(path: str, tree: ast.Module, launch: Optional[str] = None) -> None:
+def check_script(path: str, tree: ast.Module, launch: Optional[str] = None, argv: Sequence[str] = ()) -> None:
     """Refuse a script (or the module ``python -m launch`` runs) that starts its own processes
     whenever it runs as ``__main__``.
 
     ``python multigpu.py`` that ends in ``mp.spawn(main, args=(...), nprocs=world_size)`` would, run
     as a script in each of nbddp's ranks, start ``world_size`` more processes per rank (and bind
-    its hard-coded port twice). Only calls every run reaches are refused here, in the main block
-    or in a function of the file it calls; a call behind a condition (``if args.spawn:``) is
-    refused when a rank reaches it (:func:`nbddp.rank.calls.refuse_nested_spawn`).
+    its hard-coded port twice). The calls this run reaches are refused here, once, before any
+    process starts: in the main block or in a function of the file it calls, and behind a flag
+    that ``argv`` sets (``if args.multiprocessing_distributed:`` with ``--multiprocessing-distributed``);
+    a call behind any other condition is refused when a rank reaches it
+    (:func:`nbddp.rank.calls.refuse_nested_spawn`).
 
     Raises:
         ConfigError: naming the line, and the launch of the function it spawns.
     """
-    found = _spawn_in_main(tree)
+    found = _spawn_in_main(tree, _flags(argv))
     if found is None:
         return
-    line, spawner, fn, passed = found
+    line, spawner, fn, passed, flag = found
     name = f"python -m {launch} ({Path(path).name})" if launch else Path(path).name
+    if flag is not None:
+        rest = [a for a in argv if a.split("=", 1)[0] not in (f"--{flag}", f"--{flag.replace('_', '-')}")]
+        script = ["-m", launch] if launch else [path]
+        raise ConfigError(
+            f"{name} starts its own processes with the argv given: {Path(path).name}:{line} calls "
+            f"{spawner}{f' on `{fn}`' if fn else ''} when --{flag.replace('_', '-')} is set, and nbddp already starts "
+            f"one process per rank, so each rank would start its own set. Drop the flag: every rank then runs the "
+            f"script once, as under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and LOCAL_RANK set): "
+            f"spawn_train({', '.join(map(repr, script))}, argv={rest!r}, nprocs=...)")
     where = launch or path  # a module's function launches as 'pkg.train:main_worker'
     target = f"{where}:{fn}" if fn else f"{where}:<the function it spawns>"
     raise ConfigError(
@@ -147,9 +158,10 @@ def check_script(path: str, tree: ast.Module, launch: Optional[str] = None) -> N
         f"(called as {fn or 'fn'}(rank, *args), its process group its own, as under mp.spawn)")
 
 
-def _spawn_in_main(tree: ast.Module) -> Optional[tuple]:
-    """``(line, what it calls, spawned function's name or None, its args= as written or None)`` of a
-    spawn call every ``__main__`` run reaches."""
+def _spawn_in_main(tree: ast.Module, flags: frozenset = frozenset()) -> Optional[tuple]:
+    """``(line, what it calls, spawned function's name or None, its args= as written or None, the
+    flag it is behind or None)`` of a spawn call every ``__main__`` run reaches, or every run with
+    ``flags`` (the ``--long-options`` its command line sets, as attribute names) reaches."""
     aliases = _import_aliases(tree)
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     main = [st for st in tree.body if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
@@ -160,13 +172,13 @@ def _spawn_in_main(tree: ast.Module) -> Optional[tuple]:
     todo, seen = [(st, 0, {}) for st in main], set()
     while todo:
         st, depth, bound = todo.pop(0)
-        for call in _unconditional_calls(st):
+        for call, flag in _calls_reached(st, flags):
             name = _dotted(call.func, aliases)
             if name in SPAWNERS:
                 first = call.args[0] if call.args else None
                 fn = bound.get(first.id, first.id) if isinstance(first, ast.Name) else None
                 passed = next((ast.unparse(k.value) for k in call.keywords if k.arg == "args"), None)
-                return call.lineno, name, fn if fn in defs else None, passed
+                return call.lineno, name, fn if fn in defs else None, passed, flag
             local = call.func.id if isinstance(call.func, ast.Name) else None
             if local in defs and depth < 2 and local not in seen:
                 seen.add(local)
@@ -174,6 +186,23 @@ def _spawn_in_main(tree: ast.Module) -> Optional[tuple]:
                 given = {p: a.id for p, a in zip(params, call.args) if isinstance(a, ast.Name)}
                 todo.extend((sub, depth + 1, given) for sub in defs[local].body)
     return None
+
+
+def _flags(argv: Sequence[str]) -> frozenset:
+    """The long options a command line sets, as argparse names their attributes (``--a-b`` -> ``a_b``)."""
+    return frozenset(a[2:].split("=", 1)[0].replace("-", "_") for a in argv
+                     if isinstance(a, str) and a.startswith("--") and len(a) > 2)
+
+
+def _calls_reached(st: ast.stmt, flags: frozenset, flag: Optional[str] = None) -> List[tuple]:
+    """``(call, flag)``: the calls a statement always makes, and those behind ``if <x>.<flag>:`` for a
+    flag the command line sets (with the flag)."""
+    found = [(c, flag) for c in _unconditional_calls(st)]
+    if isinstance(st, ast.If) and isinstance(st.test, ast.Attribute) and st.test.attr in flags:
+        found += [pair for sub in st.body for pair in _calls_reached(sub, flags, st.test.attr)]
+    elif isinstance(st, (ast.With, ast.AsyncWith, ast.Try)):
+        found += [pair for sub in st.body if isinstance(sub, ast.If) for pair in _calls_reached(sub, flags, flag)]
+    return found
 
 
 def _unconditional_calls(st: ast.stmt) -> List[ast.Call]:

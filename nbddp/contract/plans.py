@@ -153,7 +153,7 @@ def _what_runs(target: Any, args: Sequence[Any], kwargs: Dict[str, Any], call: s
         raise ConfigError(f"call={call!r}: use one of {', '.join(map(repr, conventions.CALLS))} (fn(ctx, ...), "
                           "fn(rank, ...) with its own process group, fn(...) with torchrun's environment)")
     if target == "-m" or isinstance(target, str) and conventions.is_script(target):
-        spec, args = _script_spec(target, args)
+        spec, args = _script_spec(target, args, _argv(argv))
         if args or kwargs:
             raise ConfigError(f"{spec} is a script: pass its command line as argv=[...] (sys.argv[1:]), not "
                               "positional arguments or kwargs")
@@ -188,7 +188,7 @@ def check_picklable(args: tuple, kwargs: dict) -> None:
             ) from exc
 
 
-def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:
+def _script_spec(target: str, args: Sequence[Any], argv: Sequence[str] = ()) -> Tuple[str, Sequence[Any]]:
     """``("train.py" | "-m pkg.train", the rest of args)``, checked without running it."""
     import ast
     import importlib.machinery
@@ -211,7 +211,8 @@ def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:
         source = _module_source(module)
         if source is not None:  # one that spawns its own processes is refused as a script is
             with contextlib.suppress(SyntaxError, OSError, UnicodeDecodeError):  # python -m will say it
-                check_script(str(source), ast.parse(source.read_bytes(), filename=str(source)), launch=module)
+                check_script(str(source), ast.parse(source.read_bytes(), filename=str(source)), launch=module,
+                             argv=argv)
         return conventions.MODULE_PREFIX + module, args
     path = Path(target).expanduser()
     if not path.is_file():
@@ -221,7 +222,7 @@ def _script_spec(target: str, args: Sequence[Any]) -> Tuple[str, Sequence[Any]]:
         tree = ast.parse(path.read_text(), filename=str(path))
     except SyntaxError as exc:
         raise ConfigError(f"script {target} has a syntax error at line {exc.lineno}: {exc.msg}") from None
-    check_script(target, tree)  # an mp.spawn script would start its own processes in every rank
+    check_script(target, tree, argv=argv)  # an mp.spawn script would start its own processes in every rank
     return target, args
 
 

@@ -32,7 +32,7 @@ from .debugger import PromptRelay, open_prompt, serve_prompts, watch_breakpoints
 from .stall import QuietWatch, check_progress
 from .forkserver import server_death
 from .ranks import RankGroup
-from . import interrupt
+from . import interrupt, refusals
 from ..contract.system import start_time
 
 
@@ -233,7 +233,7 @@ def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted
         outcome: Union[TrainResult, BaseException] = error or self._worker_error()
         if isinstance(outcome, WorkerError):
             _note_restarts(outcome, self.restarts, not_restarted)
-        return outcome
+        return refusals.said_once(outcome, self.run_dir, self.world_size)  # a rank's refusal, once
     if all_ok and reason != "interrupt" and (has_result(self.run_dir) or reason is None):
         return self._result(seconds, stopped=reason is not None)
     if reason == "interrupt":  # the cell raises (the user asked it to stop); what every rank returned is kept

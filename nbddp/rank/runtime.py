@@ -41,6 +41,7 @@ from . import reaper
 from ..contract import cells, rundir, targets
 from .heartbeat import HeartbeatThread
 from . import interrupt as rank_interrupt
+from ..contract.errors import ConfigError
 from ..contract.private import open_private_file
 from ..contract.protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
                        MAX_RESTARTS_ENV, RESTART_ENV, STACK_SIGNAL, note_checkpoint, read_stop_request,
@@ -827,6 +828,10 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
             # this rank does not read as the cause. The full traceback is in the error record.
             print(f"rank {ctx.rank} stopped because another rank failed: {record.type}: {record.first_line}",
                   file=sys.stderr)
+        elif isinstance(exc, ConfigError):  # nbddp's refusal: the notebook's error says it, once
+            # Rank 0's log is echoed into the cell: one line there; the others keep the traceback.
+            print(record.traceback if ctx.rank else "nbddp refused what the code does (ConfigError): the "
+                  "notebook's error says why", file=sys.stderr)
         elif not isinstance(exc, SystemExit):  # sys.exit(2) (argparse): its own words are the last lines
             print(record.traceback, file=sys.stderr)
     finally:
