@@ -262,3 +262,21 @@ def test_a_function_sees_a_command_line_of_its_own_not_the_kernels(tmp_path, mon
     result = spawn_train(f"{worker}:main", 2, nprocs=2, call="mp.spawn", start_method="spawn",
                          runs_dir=tmp_path / "runs", echo=False)
     assert result.value == [str(worker)], result.value
+
+
+def test_the_readme_call_for_the_tutorial_series_multigpu_fits_its_upstream_signature(tmp_path):
+    """README's mp.spawn row launches the DDP tutorial series' multigpu.py as it is upstream."""
+    import ast
+    import re
+
+    from conftest import ROOT
+    from nbddp.contract.conventions import check_call
+
+    call = re.search(r'`spawn_train\("multigpu\.py:main", ([^`]*?), nprocs=2, call="mp\.spawn"\)`',
+                     (ROOT / "README.md").read_text())
+    assert call, "README's mp.spawn row"
+    args = ast.literal_eval(f"({call.group(1)},)")
+    upstream = tmp_path / "multigpu.py"
+    upstream.write_text("def main(rank: int, world_size: int, save_every: int, total_epochs: int, batch_size: int):\n"
+                        "    pass\n")
+    check_call(f"{upstream}:main", "mp.spawn", args, {}, "multigpu.py:main")  # refused if it does not bind
