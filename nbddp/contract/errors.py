@@ -111,6 +111,11 @@ class TrainingInterrupted(NbddpError, KeyboardInterrupt):
     def __reduce__(self):
         return (type(self), (str(self), self.run_dir, self.result))
 
+    def _render_traceback_(self):
+        """What IPython shows for it: the notice alone. An Interrupt is no bug of the code that
+        launched; the frames of nbddp it passed through would be most of the cell's output."""
+        return f"{type(self).__name__}: {self}".splitlines()
+
     @classmethod
     def for_run(cls, what: str, world_size: int, run_dir, how: str = "", checkpoint: Optional[str] = None
                 ) -> "TrainingInterrupted":

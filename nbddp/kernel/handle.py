@@ -487,7 +487,7 @@ class RunHandle:
             beats = self._ranks.beats()
             self._ended_first = len(beats) == self.world_size and all(
                 b.state in ("finishing", "done") and not b.stopping for b in beats.values())
-            pids = self._ranks.answering()  # where each rank is, before the request moves it
+            pids = interrupt.ranks_to_ask(self._ranks.answering, len(self._ranks.running()))  # before the request
             self._interrupt_stacks = collect_stacks(self.run_dir, pids, timeout=1.0) if pids else None
             self._begin_shutdown("interrupt")
             if self.echo:

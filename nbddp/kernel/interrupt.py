@@ -7,10 +7,11 @@ short notice, a few lines, never a rank's traceback (that stays in the rank's lo
 
 .. code-block:: text
 
-    nbddp: Interrupt: stopping the 2 workers of runs/w-0003 (asked to stop; KeyboardInterrupt in 3 s); interrupt again to end them at once
-    TrainingInterrupted: training interrupted: the 2 workers were stopped and reaped.
+    nbddp: Interrupt: stopping the 2 workers of runs/w-0003 (asked to stop; a KeyboardInterrupt in 3 s for code
+    that does not check ctx.should_stop()); interrupt again to end them at once
+    TrainingInterrupted: training interrupted: all 2 workers were stopped and reaped.
       how: ranks 0-1: KeyboardInterrupt at the interrupt
-      where they were: rank 0: w.py:5, train · rank 1: w.py:5, train
+      where they were: ranks 0-1: w.py:5, train
       logs: runs/w-0003/logs (no checkpoint was written)
 
 An Interrupt before any worker started (nbddp loading torch, planning the launch) raises a
@@ -24,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 from ..contract.conventions import makes_own_group
 from ..contract.errors import TrainingInterrupted
@@ -51,8 +53,12 @@ def raises_training_interrupted(fn):
 
     @functools.wraps(fn)
     def launching(*args, **kwargs):
-        with before_start():
-            return fn(*args, **kwargs)
+        try:
+            with before_start():
+                return fn(*args, **kwargs)
+        except TrainingInterrupted as exc:
+            # The cell shows the notice under the line that launched, not nbddp's own frames.
+            raise exc.with_traceback(None) from None
     return launching
 
 
@@ -64,6 +70,19 @@ def signal_rank(pid: int, sig: int, kill_group) -> None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+def ranks_to_ask(answering: Callable[[], Dict[int, int]], running: int, tries: int = 5) -> Dict[int, int]:
+    """``{rank: pid}`` of the ranks that can answer for their stack, looked at until every one of the
+    ``running`` ranks is there or ``tries`` looks were made: a heartbeat being rewritten (a rank
+    reporting progress every few milliseconds) reads as missing for a moment."""
+    found: Dict[int, int] = {}
+    for _ in range(tries):
+        found.update(answering())
+        if len(found) >= running:
+            break
+        time.sleep(0.02)
+    return found
 
 
 def checkpoints_through_nbddp(spec: Any, run_dir: Path) -> bool:
@@ -91,14 +110,20 @@ def stopping_line(spec: Any, run_dir: Path, grace_s: float) -> str:
 
 
 def where_line(stacks: Optional[Stacks]) -> str:
-    """``"rank 0: w.py:5, train · rank 1: w.py:5, train"``: each rank's innermost frame of its own code."""
+    """``"ranks 0-1: w.py:5, train"``: each rank's innermost frame of its own code, ranks alike together."""
     if not stacks:
         return ""
-    parts = []
+    places: Dict[str, list] = {}
     for r in sorted(stacks):
         frame = stacks[r].code_frame or (stacks[r].main[0] if stacks[r].main else None)
-        parts.append(f"rank {r}: {Path(frame.file).name}:{frame.line}, {frame.function}" if frame
-                     else f"rank {r}: did not answer")
+        places.setdefault(f"{Path(frame.file).name}:{frame.line}, {frame.function}" if frame else "did not answer",
+                          []).append(r)
+    parts = []
+    for place, ranks in places.items():
+        label = f"rank {ranks[0]}" if len(ranks) == 1 else (
+            f"ranks {ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1))
+            else "ranks " + ", ".join(map(str, ranks)))
+        parts.append(f"{label}: {place}")
     return " · ".join(parts)
 
 
@@ -143,8 +168,3 @@ def _short(path: Path) -> str:
             return rel
     return str(path)
 
-
-def rank_pids_that_beat(procs, ends: Dict[int, Any], beats: Dict[int, Any]) -> Dict[int, int]:
-    """``{rank: pid}`` of the live ranks that have beaten (so they hold nbddp's SIGINT handler)."""
-    return {r: p.pid for r, p in enumerate(procs.processes)
-            if r not in ends and p.exitcode is None and r in beats}
