@@ -243,7 +243,8 @@ def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted
         how = how_ranks_stopped(self._ends, read_error_records(self.run_dir, self.world_size), "the interrupt")
         return interrupt.interrupted(self.world_size, self.run_dir, how, self._interrupt_stacks,
                                      _newest_checkpoint(self.run_dir), result=result,
-                                     ended_first=self._ended_first and result is not None)
+                                     ended_first=result is not None and (  # none saw the request
+                                         self._ended_first or not any(b.stopping for b in self._ranks.beats().values())))
     return _stopped(self.spec, reason, self._ends)
 
 
