@@ -224,6 +224,23 @@ def _forward_output(self: "RunHandle", final: bool = False) -> None:
 
 
 
+def _interrupted_after_end(outcome: Union[TrainResult, BaseException]) -> BaseException:
+    """The Interrupt came once the run had ended: its result is kept, the cell still stops."""
+    if not isinstance(outcome, TrainResult):
+        return outcome
+    return interrupt.interrupted(outcome.world_size, outcome.run_dir, "", None, _newest_checkpoint(outcome.run_dir),
+                                 result=outcome, ended_first=True)
+
+
+def _look_before_interrupt(self: "RunHandle") -> None:
+    """An Interrupt came to a running run: keep whether every rank had already returned, and where each is."""
+    beats = self._ranks.beats()
+    self._ended_first = len(beats) == self.world_size and all(
+        b.state in ("finishing", "done") and not b.stopping for b in beats.values())
+    pids = interrupt.ranks_to_ask(self._ranks.answering, len(self._ranks.running()))
+    self._interrupt_stacks = collect_stacks(self.run_dir, pids, timeout=1.0) if pids else None
+
+
 def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted: str) -> Union[TrainResult, BaseException]:
     """The outcome of a run whose ranks have all ended: its result, its error, or how it was stopped."""
     seconds = time.time() - self.started_at
@@ -235,16 +252,17 @@ def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted
             _note_restarts(outcome, self.restarts, not_restarted)
         return refusals.said_once(outcome, self.run_dir, self.world_size)  # a rank's refusal, once
     if all_ok and reason != "interrupt" and (has_result(self.run_dir) or reason is None):
-        return self._result(seconds, stopped=reason is not None)
+        return _success(self.spec, self.metrics, seconds, reason is not None, self.restarts)
     if reason == "interrupt":  # the cell raises (the user asked it to stop); what every rank returned is kept
-        result = self._result(seconds, stopped=True) if all_ok and has_result(self.run_dir) else None
+        returned = all_ok and has_result(self.run_dir)
+        result = _success(self.spec, self.metrics, seconds, True, self.restarts) if returned else None
         if isinstance(result, BaseException):
             return result
         how = how_ranks_stopped(self._ends, read_error_records(self.run_dir, self.world_size), "the interrupt")
         return interrupt.interrupted(self.world_size, self.run_dir, how, self._interrupt_stacks,
                                      _newest_checkpoint(self.run_dir), result=result,
-                                     ended_first=result is not None and (  # none saw the request
-                                         self._ended_first or not any(b.stopping for b in self._ranks.beats().values())))
+                                     ended_first=result is not None and (self._ended_first or not any(
+                                         b.stopping for b in self._ranks.beats().values())))  # none saw the request
     return _stopped(self.spec, reason, self._ends)
 
 
@@ -484,12 +502,8 @@ class RunHandle:
             if self._thread is None:
                 self.poll()  # a run that ended meanwhile ends as it did
             if self._done.is_set():
-                raise self._interrupted_after_end()
-            beats = self._ranks.beats()
-            self._ended_first = len(beats) == self.world_size and all(
-                b.state in ("finishing", "done") and not b.stopping for b in beats.values())
-            pids = interrupt.ranks_to_ask(self._ranks.answering, len(self._ranks.running()))  # before the request
-            self._interrupt_stacks = collect_stacks(self.run_dir, pids, timeout=1.0) if pids else None
+                raise _interrupted_after_end(self._outcome)
+            _look_before_interrupt(self)  # where each rank is, before the request moves it
             self._begin_shutdown("interrupt")
             if self.echo:
                 self._echo.close()  # what rank 0 printed before comes first; the rest stays in its log
@@ -503,14 +517,7 @@ class RunHandle:
                 if self._thread is None:
                     self.poll()
                 time.sleep(0.05)
-        raise self._interrupted_after_end() if isinstance(self._outcome, TrainResult) else self._outcome
-
-    def _interrupted_after_end(self) -> BaseException:
-        """The Interrupt came once the run had ended: its result is kept, the cell still stops."""
-        if not isinstance(self._outcome, TrainResult):
-            return self._outcome
-        return interrupt.interrupted(self.world_size, self.run_dir, "", None, _newest_checkpoint(self.run_dir),
-                                     result=self._outcome, ended_first=True)
+        raise _interrupted_after_end(self._outcome) if isinstance(self._outcome, TrainResult) else self._outcome
 
     def end_now(self) -> None:
         """No more grace (a second Interrupt): SIGKILL every rank now, reap them, end the run."""
@@ -642,10 +649,6 @@ class RunHandle:
         rundir.update_launch_record(
             self.run_dir, pids=self.pids, start_times=[start_time(p) for p in self.pids], store_path=spec.store_path,
             port=spec.store_port, tmp_dir=ranks.tmp_dir, restarts=[r.as_dict() for r in self.restarts])
-
-    def _result(self, seconds: float, stopped: bool) -> Union[TrainResult, BaseException]:
-        """The run's ``TrainResult`` from the values the ranks wrote (an error for a file not the user's)."""
-        return _success(self.spec, self.metrics, seconds, stopped, self.restarts)
 
     def _finish(self, error: Optional[BaseException] = None, not_restarted: str = "") -> None:
         """End the run: its outcome (``error`` when already built), every resource given back.

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional
 
+from ..contract import rundir
 from ..contract.conventions import makes_own_group
 from ..contract.errors import TrainingInterrupted
 from ..contract.protocol import read_checkpoint_note
@@ -157,7 +158,7 @@ def interrupted(world_size: int, run_dir: Path, how: str, stacks: Optional[Stack
 
 
 def rundir_logs(run_dir: Path) -> str:
-    return str(Path(_short(run_dir)) / "logs")
+    return str(rundir.logs_dir(_short(run_dir)))
 
 
 def _short(path: Path) -> str:

@@ -12,6 +12,7 @@ Kernel side.
 from __future__ import annotations
 
 from pathlib import Path
+from ..contract import rundir
 from ..contract.errors import ConfigError, WorkerError
 from ..contract.protocol import read_error_records
 from .stacks import from_traceback
@@ -29,7 +30,7 @@ def said_once(error: BaseException, run_dir: Path, world_size: int) -> BaseExcep
     where = f"{Path(frame.file).name}:{frame.line}, in {frame.function}" if frame else "see the rank's log"
     alike = sorted(r for r, rec in records.items() if rec.type == root.type and rec.message == root.message)
     ranks = f"ranks {', '.join(map(str, alike))}" if len(alike) > 1 else f"rank {error.rank}"
-    refusal = ConfigError(f"{root.message}\n  where: {where} ({ranks} refused it; logs: {Path(run_dir) / 'logs'})")
+    refusal = ConfigError(f"{root.message}\n  where: {where} ({ranks} refused it; logs: {rundir.logs_dir(run_dir)})")
     refusal.run_dir = run_dir
     return refusal
 
