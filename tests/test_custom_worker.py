@@ -45,6 +45,16 @@ def test_checkpoint_resume_and_tensorboard_of_a_custom_worker(runs_dir):
     assert third.run_dir == run_dir and third.value["start"] == 6
 
 
+def test_a_rank_that_starts_late_does_not_resume_from_the_checkpoint_rank_0_is_still_saving(runs_dir):
+    """Rank 0 writes its first checkpoint before the others agree it is whole: a rank that only
+    then looks for one to resume from must find none, as rank 0 did (else its steps, and so its
+    collectives, no longer match rank 0's)."""
+    result = spawn_train(f"{RESUMABLE}:train", nprocs=2, kwargs={"steps": 2, "late_rank": 1}, all_values=True,
+                         runs_dir=runs_dir, echo=False)
+    assert [v["start"] for v in result.values] == [0, 0]
+    assert [v["w"].tolist() for v in result.values] == [[2.0, 2.0, 2.0]] * 2
+
+
 def test_every_ranks_value_and_epoch_axis(runs_dir):
     result = spawn_train(f"{RESUMABLE}:epochs_only", nprocs=3, all_values=True, runs_dir=runs_dir, echo=False)
     assert result.values == [0, 1, 2] and result.value == 0

@@ -84,6 +84,11 @@ class Context:
         self.backend = backend
         self.run_dir = Path(run_dir)
         self.is_main = rank == 0
+        # The checkpoints this start of the ranks may load: those on disk now, before any rank can
+        # have saved (no rank passes the process group's set-up before every rank has reached it),
+        # and those its own saves completed on every rank. Rank 0 writes a checkpoint before the
+        # others agree it is whole: a rank still starting must not take it for one to resume from.
+        self._loadable = set(_checkpoints_on_disk(self.run_dir))
         from .sharding import launch_strategy
 
         self.strategy = launch_strategy()
@@ -303,6 +308,7 @@ class Context:
         return path
 
     def _note_checkpoint(self, path: Path, state: Any) -> None:
+        self._loadable.add(Path(path))  # whole on disk: every rank is past the save's agreement
         if self.is_main:  # where a restart continues from (nbddp.kernel.restarts)
             epoch, step = (state.get(k) if isinstance(state, dict) else None for k in ("epoch", "step"))
             note_checkpoint(self.run_dir, path, epoch if isinstance(epoch, int) else self.epoch,
@@ -328,7 +334,7 @@ class Context:
         if isinstance(into, str):  # ctx.load_checkpoint("best"), as before modules could be given
             into, name = None, into
         name = _checkpoint_name(name)
-        found = checkpoint_kinds(self.run_dir, name)
+        found = [p for p in checkpoint_kinds(self.run_dir, name) if p in self._loadable]
         if not found:
             return None
         newest = max(found, key=lambda p: p.stat().st_mtime)
@@ -472,6 +478,15 @@ def to_device(obj: Any, device: Union[str, torch.device]) -> Any:
 def to_cpu(obj: Any) -> Any:
     """Move every tensor in a nested structure to the CPU (the ranks' return values)."""
     return to_device(obj, "cpu")
+
+
+def _checkpoints_on_disk(run_dir: Path) -> list:
+    """The checkpoint files and sharded folders in ``run_dir`` now (none for a fresh run)."""
+    folder = rundir.checkpoint_path(run_dir, rundir.LAST).parent
+    try:
+        return [folder / entry for entry in os.listdir(folder)]
+    except OSError:
+        return []
 
 
 def _checkpoint_name(name: str) -> str:
