@@ -33,6 +33,7 @@ from ..contract import rundir
 from ..contract.conventions import makes_own_group
 from ..contract.errors import TrainingInterrupted
 from ..contract.protocol import read_checkpoint_note
+from .report import ranks_alike
 from .stacks import Stacks
 
 
@@ -119,13 +120,7 @@ def where_line(stacks: Optional[Stacks]) -> str:
         frame = stacks[r].code_frame or (stacks[r].main[0] if stacks[r].main else None)
         places.setdefault(f"{Path(frame.file).name}:{frame.line}, {frame.function}" if frame else "did not answer",
                           []).append(r)
-    parts = []
-    for place, ranks in places.items():
-        label = f"rank {ranks[0]}" if len(ranks) == 1 else (
-            f"ranks {ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1))
-            else "ranks " + ", ".join(map(str, ranks)))
-        parts.append(f"{label}: {place}")
-    return " · ".join(parts)
+    return ranks_alike(places, " · ")
 
 
 def interrupted(world_size: int, run_dir: Path, how: str, stacks: Optional[Stacks],

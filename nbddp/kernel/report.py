@@ -145,13 +145,18 @@ def how_ranks_stopped(ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord],
         else:
             kind = f"{rec.type} after {request}" if rec else f"exit code {code}"
         kinds.setdefault(kind, []).append(r)
+    return ranks_alike(kinds, "; ")
+
+
+def ranks_alike(by_what: Dict[str, list], sep: str) -> str:
+    """``"ranks 0-1: <what>; rank 2: <other>"``: each entry's ranks (sorted) as one label."""
     parts = []
-    for kind, ranks in kinds.items():
+    for what, ranks in by_what.items():
         label = f"rank {ranks[0]}" if len(ranks) == 1 else (
             f"ranks {ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1))
             else "ranks " + ", ".join(map(str, ranks)))
-        parts.append(f"{label}: {kind}")
-    return "; ".join(parts)
+        parts.append(f"{label}: {what}")
+    return sep.join(parts)
 
 
 def _ended(rank: int, end: Optional[RankEnd], rec: Optional[ErrorRecord], beat: Optional[Heartbeat] = None) -> str:

@@ -366,11 +366,13 @@ def _writer(cfg: TrainConfig, ctx):
     return writer
 
 
-def _whole_states(cfg: TrainConfig, t: _Trainer) -> Optional[tuple]:
+def _whole_states(cfg: TrainConfig, ctx, t: _Trainer) -> Optional[tuple]:
     """Collective under FSDP: ``(model, optimizer)`` state dicts gathered whole on rank 0's CPU, one tensor
     at a time (the checkpoint then holds the whole model, so it resumes on any number of ranks); else None."""
     if cfg.strategy != "fsdp":
         return None
+    if ctx.is_main:
+        t.saver.wait()  # one gathered copy at a time
     return full_state_dict(t.model), full_optimizer_state_dict(t.model, t.optimizer)
 
 
@@ -561,9 +563,7 @@ def _save_mid_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _
     """
     ctx.heartbeat(epoch=epoch, step=done.steps, waiting=True)
     states = _gather_rng_states(ctx)
-    if cfg.strategy == "fsdp" and ctx.is_main:
-        t.saver.wait()  # one gathered copy at a time
-    whole = _whole_states(cfg, t)
+    whole = _whole_states(cfg, ctx, t)
     save_error = None
     if ctx.is_main:
         try:
@@ -643,9 +643,7 @@ def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int
 def _save_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress, epoch: int,
                 improved: bool) -> None:
     """Rank 0 saves last.pt (and best.pt); every rank raises if that failed, the rest PeerError."""
-    if cfg.strategy == "fsdp" and ctx.is_main:
-        t.saver.wait()  # one gathered copy at a time
-    whole = _whole_states(cfg, t)
+    whole = _whole_states(cfg, ctx, t)
     save_error = None
     if ctx.is_main:
         try:
