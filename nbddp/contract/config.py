@@ -233,7 +233,7 @@ class TrainConfig:
     strategy: str = spec("ddp", group="choices", help="ddp (every process holds the whole model) or fsdp (each "
                          "holds a shard of parameters, gradients and optimizer state)",
                          check=Check("choice", values=STRATEGIES, why=_STRATEGY_WHY),
-                         widget=Widget("choice", "Strategy (ddp: whole model per process; fsdp: sharded)", "options",
+                         widget=Widget("choice", "Strategy", "options",
                                        attr="strategy_input"),
                          resume=RESUME_FREE)
     freeze_layers: bool = spec(False, help="train only the classifier head", check=_BOOL,
