@@ -136,7 +136,12 @@ def test_a_function_object_from_a_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     from toy_module_worker import train
 
+    hooks, finders = list(sys.path_hooks), dict(sys.path_importer_cache)
     panel = TrainingPanel(train, kwargs={"ratio": 0.75})
+    # Reading the signature in the kernel leaves its imports as they were (a rank's source-only
+    # import hook would make every later import of the session skip its bytecode cache).
+    assert sys.path_hooks == hooks
+    assert all(sys.path_importer_cache.get(k) is f for k, f in finders.items())
     assert {n: (type(w), w.value) for n, w in panel.kwargs_inputs.items()} == {
         "epochs": (W.IntText, 3), "mode": (W.Dropdown, "fast"), "ratio": (W.FloatText, 0.75)}
     assert "toy_module_worker:train" in text_of(panel.widget.children[0])

@@ -152,6 +152,10 @@ def load_target(spec: str) -> Callable[..., Any]:
     else:
         from_source_in_user_folders()
         obj = importlib.import_module(where)
+    return _attribute(obj, qualname)
+
+
+def _attribute(obj: Any, qualname: str) -> Any:
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
@@ -305,7 +309,9 @@ def worker_signature(spec: str) -> Optional[WorkerSignature]:
         node = find_def(ast.parse(Path(where).read_text(), filename=where), qualname)
         return None if node is None else _signature_from_ast(node, qualname)
     try:
-        sig = inspect.signature(load_target(spec))
+        # Looked up, not loaded: load_target's source-only import hook is for a rank. Installed in
+        # the kernel, it would change how every later import of the user's session behaves.
+        sig = inspect.signature(_attribute(importlib.import_module(where), qualname))
     except (TypeError, ValueError):
         return None
     return signature_from_inspect(sig, qualname)
