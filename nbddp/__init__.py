@@ -59,6 +59,8 @@ kernel    ``kernel.sweep``, ``kernel.slots``,   ``nbddp.sweep``: Optuna trials o
 kernel    ``ui``                                ``TrainingPanel``, charts, TensorBoard, a sweep's live table
 rank      ``rank.runtime``                      a rank's entry: ``Context``, heartbeats, error records
 rank      ``rank.calls``                        how a rank calls ctx, mp.spawn and torchrun functions, and scripts
+rank      ``rank.spawned``                      a script that spawns its own processes: their logs, echo and end
+rank      ``rank.logs``                         a process's output in its private log file
 rank      ``rank.debugger``                     ``ctx.breakpoint`` and ``breakpoint()``: pdb driven through files, the others held
 rank      ``rank.heartbeat``,                   the rank's heartbeat thread; which errors are another rank's fault
           ``rank.rank_errors``
@@ -106,7 +108,7 @@ SIDES = {
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel",
     "rank": "rank", "rank.runtime": "rank", "rank.heartbeat": "rank", "rank.rank_errors": "rank",
     "rank.elastic": "rank", "rank.dist": "rank", "rank.engine": "rank", "rank.sync_bn": "rank",
-    "rank.calls": "rank", "rank.debugger": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
+    "rank.calls": "rank", "rank.spawned": "rank", "rank.logs": "rank", "rank.debugger": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
     "rank.profiling": "rank", "rank.trackers": "rank",
     "rank.sharding": "rank", "rank.sharded_checkpoint": "rank",
     "rank.interrupt": "rank",

@@ -9,6 +9,7 @@ own ``init_process_group``, argparse, ``LOCAL_RANK``, a hard-coded ``MASTER_PORT
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import children_of, free_port, survivors
 from nbddp import spawn_train
 from nbddp.contract.errors import ConfigError, TrainingInterrupted, WorkerError
 
@@ -116,27 +117,98 @@ def test_a_second_group_at_run_time_gets_nbddp_s_message_and_argparse_s_exit_its
     assert "at before" not in str(err.value)
 
 
-def test_code_that_spawns_its_own_processes_is_refused_with_the_launch_that_fits(project, tmp_path):
+SPAWNER = """
+import os, sys, time
+import torch.multiprocessing as mp
+
+
+def work(rank, mode, out):
+    open(os.path.join(out, f"started{rank}"), "w").close()
+    print(f"process {rank} up", flush=True)
+    try:
+        if mode == "crash" and rank == 1:
+            raise ValueError("process 1 cannot go on")
+        time.sleep(120)
+    finally:
+        open(os.path.join(out, f"finally{rank}"), "w").close()
+
+
+if __name__ == "__main__":
+    mp.spawn(work, args=(sys.argv[1], sys.argv[2]), nprocs=2)
+"""
+
+
+def test_a_script_that_spawns_its_own_processes_runs_as_it_is(project, tmp_path, monkeypatch, capsys):
+    """``python multigpu.py`` ending in ``mp.spawn``: one launcher runs it; its processes' output is
+    live by rank, each keeps its log, and the function form it suggests is a call that runs."""
     runs = tmp_path / "runs"
-    # Every run of multigpu.py reaches its mp.spawn: refused in the kernel, before any process.
-    line = next(i for i, text in enumerate((project / "multigpu.py").read_text().splitlines(), 1) if "mp.spawn(" in text
-                and not text.lstrip().startswith(("``", '"')))
-    with pytest.raises(ConfigError) as err:
+    monkeypatch.setenv("OWN_CODE_PORT", str(free_port()))  # what the tutorial hard-codes as "12355"
+    with pytest.raises(ConfigError) as err:  # the script decides how many processes it starts
         spawn_train("multigpu.py", nprocs=2, argv=["2"], runs_dir=runs)
-    msg = str(err.value)
-    assert f"multigpu.py starts its own processes: line {line} calls torch.multiprocessing.spawn on `main`" in msg, msg
-    assert "(args=(world_size, 5, 32)): spawn_train('multigpu.py:main', *args, nprocs=..., call='mp.spawn')" in msg, msg
+    assert "multigpu.py starts its own processes" in str(err.value) and "Drop nprocs=2" in str(err.value)
     assert not runs.exists()
-    # Behind a flag that argv sets: refused in the kernel too, once, at the user's line, with a call that runs.
-    line = next(i for i, text in enumerate((project / "imagenet_style.py").read_text().splitlines(), 1)
-                if text.lstrip().startswith("mp.spawn("))
-    with pytest.raises(ConfigError) as err:
-        spawn_train("imagenet_style.py", nprocs=2, argv=["--multiprocessing-distributed"], runs_dir=runs, echo=False)
+
+    result = spawn_train("multigpu.py", argv=["2"], runs_dir=runs)
+    out = capsys.readouterr().out
+    report = json.loads((project / "report.json").read_text())
+    assert result.value is None and report["world"] == 2 and report["port"] == os.environ["OWN_CODE_PORT"]
+    logs = result.run_dir / "logs"
+    for rank in (0, 1):
+        assert f"[GPU{rank}] Epoch 4 | Batchsize: 32" in (logs / f"spawned{rank}.log").read_text()
+        assert f"\n[rank{rank}] [GPU{rank}] Epoch 4 | Batchsize: 32" in out, out
+    assert "[rank0] nbddp:" not in out  # the launcher's own lines stand bare, as in a terminal
+    suggested = next(line.strip() for line in out.splitlines() if line.strip().startswith("spawn_train("))
+    assert suggested == "spawn_train('multigpu.py:main', 2, 5, 32, nprocs=2, call='mp.spawn')", out
+    (project / "report.json").unlink()
+    again = eval(suggested[:-1] + ", runs_dir=runs, echo=False, all_values=True)",
+                 {"spawn_train": spawn_train, "runs": runs})
+    assert again.values == [0, 10] and json.loads((project / "report.json").read_text())["world"] == 2
+
+    # ImageNet's --multiprocessing-distributed: the flag makes it a launcher too, its processes
+    # joining with the ranks it computes; its arguments (a Namespace) are no call to copy.
+    port = free_port()
+    result = spawn_train("imagenet_style.py", argv=["--multiprocessing-distributed", "--dist-url",
+                                                    f"tcp://127.0.0.1:{port}", "--world-size", "1", "--rank", "0"],
+                         runs_dir=runs)
+    out = capsys.readouterr().out
+    assert "rank 1 of 2, local rank 1" in (result.run_dir / "logs" / "spawned1.log").read_text()
+    assert "[rank1] rank 1 of 2, local rank 1" in out, out
+    assert "argument 2 is a Namespace" in out, out
+
+
+def test_a_crash_and_a_stop_reach_every_process_a_launcher_script_started(project, tmp_path):
+    (project / "spawner.py").write_text(SPAWNER)
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(WorkerError) as err:
+        spawn_train("spawner.py", argv=["crash", str(out)], runs_dir=runs, echo=False)
     msg = str(err.value)
-    assert f"imagenet_style.py:{line} calls torch.multiprocessing.spawn on `main_worker` when " \
-           "--multiprocessing-distributed is set" in msg, msg
-    assert msg.endswith("spawn_train('imagenet_style.py', argv=[], nprocs=...)") and msg.count("spawn on") == 1, msg
-    assert not runs.exists()
+    assert "ValueError: process 1 cannot go on" in msg, msg
+    log = next(runs.iterdir()) / "logs" / "spawned1.log"
+    # The headline names the process, what it raised and its log.
+    assert msg.splitlines()[0] == ("Training failed: rank 0 raised ProcessRaisedException: process 1 of 2 (work) "
+                                   f"raised ValueError: process 1 cannot go on; its output: {log}"), msg
+    assert "ValueError: process 1 cannot go on" in log.read_text()
+
+    for f in out.iterdir():
+        f.unlink()
+    handle = spawn_train("spawner.py", argv=["wait", str(out)], runs_dir=runs, echo=False, block=False)
+    deadline = time.time() + 60
+    while not ((out / "started0").exists() and (out / "started1").exists()) and time.time() < deadline:
+        time.sleep(0.1)
+    pids = [*handle.pids, *(c for p in handle.pids for c in children_of(p))]
+    t0 = time.time()
+    handle.stop(wait=False)
+    with pytest.raises(TrainingInterrupted):
+        handle.wait(60)
+    # An Interrupt, as Ctrl-C in a terminal would: every process's finally: ran, before any SIGTERM.
+    assert (out / "finally0").exists() and (out / "finally1").exists()
+    assert time.time() - t0 < handle.grace_s + 2
+    assert len(pids) >= 3 and not survivors(pids), survivors(pids)
+
+
+def test_a_spawn_a_rank_reaches_behind_a_condition_is_refused_once_at_the_users_line(project, tmp_path):
+    runs = tmp_path / "runs"
     # Behind a condition the kernel cannot read (the environment): every rank refuses it, said once,
     # as the ConfigError it is, where the user's code called it (not runpy).
     (project / "spawn_on_env.py").write_text(
@@ -148,33 +220,31 @@ def test_code_that_spawns_its_own_processes_is_refused_with_the_launch_that_fits
     assert msg.count("the code called torch.multiprocessing.spawn on `work` inside an nbddp rank") == 1, msg
     assert "where: spawn_on_env.py:10, in <module> (ranks 0, 1 refused it;" in msg, msg
     assert len(msg.splitlines()) == 2, msg
-    # Without the flag it is one rank of a torchrun job, and runs unchanged.
+    # Without the flag imagenet_style.py is one rank of a torchrun job, and runs unchanged.
     result = spawn_train("imagenet_style.py", nprocs=2, runs_dir=runs, echo=False)
     assert "rank 1 of 2, local rank 1" in (result.run_dir / "logs" / "rank1.log").read_text()
 
 
-def test_a_module_that_spawns_its_own_processes_is_refused_as_a_script_is(project, tmp_path):
+def test_a_module_that_spawns_its_own_processes_runs_as_a_script_does(project, tmp_path, monkeypatch, capsys):
     """``python -m`` targets are read from their source too, found without importing the package."""
     runs = tmp_path / "runs"
-    source = (project / "multigpu.py").read_text()
-    (project / "pkg" / "multigpu.py").write_text(source)
-    app = project / "app"
-    app.mkdir()
-    (app / "__init__.py").write_text("raise RuntimeError('the kernel ran the package')\n")
-    (app / "__main__.py").write_text(source)
-    line = next(i for i, text in enumerate(source.splitlines(), 1) if text.startswith("    mp.spawn("))
-    for argv, shown, launch in ((["pkg.multigpu"], "python -m pkg.multigpu (multigpu.py)", "pkg.multigpu:main"),
-                                (["app"], "python -m app (__main__.py)", "app:main")):
-        with pytest.raises(ConfigError) as err:
-            spawn_train("-m", *argv, nprocs=2, argv=["2"], runs_dir=runs)
-        msg = str(err.value)
-        assert f"{shown} starts its own processes: line {line} calls torch.multiprocessing.spawn on `main`" in msg, msg
-        assert f"spawn_train({launch!r}, *args, nprocs=..., call='mp.spawn')" in msg, msg
-    assert not runs.exists()
+    monkeypatch.setenv("OWN_CODE_PORT", str(free_port()))
+    (project / "pkg" / "multigpu.py").write_text((project / "multigpu.py").read_text())
+    from nbddp.contract import plans
+
+    assert plans.plan("-m", ("pkg.multigpu",), argv=["2"], place=False).call == "spawns"
+    result = spawn_train("-m", "pkg.multigpu", argv=["2"], runs_dir=runs)
+    out = capsys.readouterr().out
+    assert "[rank1] [GPU1] Epoch 4" in out and result.value is None and result.run_dir.name.endswith("-multigpu")
+    assert "spawn_train('pkg.multigpu:main', 2, 5, 32, nprocs=2, call='mp.spawn')" in out, out
     # A module that does not spawn passes the same reading (and pkg/__init__.py is not run for it).
     from nbddp.contract.plans import _module_source
 
     assert _module_source("pkg.train") == project / "pkg" / "train.py"
+    app = project / "app"
+    app.mkdir()
+    (app / "__init__.py").write_text("raise RuntimeError('the kernel ran the package')\n")
+    (app / "__main__.py").write_text("print('app')\n")
     assert _module_source("app") == app / "__main__.py" and _module_source("app.nothing") is None
 
 
@@ -188,7 +258,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("source, refused", [
+@pytest.mark.parametrize("source, found", [
     (TUTORIAL, "line 5 calls torch.multiprocessing.spawn on `demo_basic`"),  # through run_demo's parameter
     ("from torch.multiprocessing import start_processes as sp\ndef f(r): ...\nwith open('x'):\n    sp(f)\n",
      "line 4 calls torch.multiprocessing.start_processes on `f`"),
@@ -198,17 +268,16 @@ if __name__ == "__main__":
     ("import torch.multiprocessing as mp\ndef f(r): ...\ndef main():\n    if FLAG:\n        mp.spawn(f)\nmain()\n", None),
     ("import multiprocessing as mp\ndef f(): ...\nmp.Process(target=f).start()\n", None),  # not torch's spawn
 ])
-def test_a_spawn_every_run_reaches_is_read_from_the_source(source, refused):
+def test_a_spawn_every_run_reaches_is_read_from_the_source(source, found):
     import ast
 
-    from nbddp.contract.conventions import check_script
+    from nbddp.contract.conventions import script_spawns
 
-    if refused is None:
-        check_script("s.py", ast.parse(source))
+    spawn = script_spawns(ast.parse(source))
+    if found is None:
+        assert spawn is None
         return
-    with pytest.raises(ConfigError) as err:
-        check_script("s.py", ast.parse(source))
-    assert refused in str(err.value), str(err.value)
+    assert spawn is not None and f"line {spawn.line} calls {spawn.spawner} on `{spawn.fn}`" == found
 
 
 def test_a_script_that_ends_its_own_process_succeeds(project, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from nbddp import cleanup
 from nbddp.contract import private, rundir
 from nbddp.kernel.launch import _child_env, private_tmp
-from nbddp.rank.runtime import open_private_log
+from nbddp.rank.logs import open_private_log
 
 OTHER_UID = 12345
 

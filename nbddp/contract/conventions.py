@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -24,6 +25,10 @@ from .targets import find_def
 #: The conventions ``spawn_train(..., call=)`` accepts for a function.
 CTX, MP_SPAWN, TORCHRUN = "ctx", "mp.spawn", "torchrun"
 CALLS = (CTX, MP_SPAWN, TORCHRUN)
+#: A script that starts its own processes (``mp.spawn`` in its main block): nbddp runs it in one
+#: launcher process, as ``python script.py`` would, and watches the processes it starts. Chosen
+#: by the kernel from the script's source (:func:`script_spawns`), never passed by the user.
+SPAWNS = "spawns"
 
 #: Marks a module target in a spec string: ``"-m pkg.train"``.
 MODULE_PREFIX = "-m "
@@ -114,48 +119,36 @@ def calls_init_process_group(node: ast.AST, source_file: Optional[str] = None) -
     return False
 
 
-#: What starts processes of its own: a script calling it under nbddp would run world_size
-#: processes in every rank.
+#: What starts processes of its own: a script calling it in every rank of a torchrun-style
+#: launch would run world_size processes per rank.
 SPAWNERS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
 
 
-def check_script(path: str, tree: ast.Module, launch: Optional[str] = None, argv: Sequence[str] = ()) -> None:
-    """Refuse a script (or the module ``python -m launch`` runs) that starts its own processes
-    whenever it runs as ``__main__``.
+@dataclass(frozen=True)
+class SpawnCall:
+    """A spawn call that every ``__main__`` run of a script reaches (read from its source)."""
 
-    ``python multigpu.py`` that ends in ``mp.spawn(main, args=(...), nprocs=world_size)`` would, run
-    as a script in each of nbddp's ranks, start ``world_size`` more processes per rank (and bind
-    its hard-coded port twice). The calls this run reaches are refused here, once, before any
-    process starts: in the main block or in a function of the file it calls, and behind a flag
-    that ``argv`` sets (``if args.multiprocessing_distributed:`` with ``--multiprocessing-distributed``);
-    a call behind any other condition is refused when a rank reaches it
-    (:func:`nbddp.rank.calls.refuse_nested_spawn`).
+    line: int                # its line in the script
+    spawner: str             # "torch.multiprocessing.spawn" or "...start_processes"
+    fn: Optional[str]        # the function it spawns, when the script defines it at the top level
+    passed: Optional[str]    # its ``args=`` as written
+    flag: Optional[str]      # the command-line flag it is behind (``multiprocessing_distributed``), if any
 
-    Raises:
-        ConfigError: naming the line, and the launch of the function it spawns.
+
+def script_spawns(tree: ast.Module, argv: Sequence[str] = ()) -> Optional[SpawnCall]:
+    """The spawn call every ``__main__`` run of a script (or of the module ``python -m`` runs)
+    reaches with ``argv``, or ``None``.
+
+    ``python multigpu.py`` that ends in ``mp.spawn(main, args=(...), nprocs=world_size)`` starts
+    its own processes: nbddp runs such a script as it is, in one launcher process (``call``
+    :data:`SPAWNS`), and watches the processes it starts (:mod:`nbddp.rank.spawned`). Found: a
+    call in the main block or in a function of the file it calls, and one behind a flag that
+    ``argv`` sets (``if args.multiprocessing_distributed:`` with ``--multiprocessing-distributed``).
+    A call behind any other condition is refused when a rank of a torchrun-style launch reaches
+    it (:func:`nbddp.rank.calls.refuse_nested_spawn`).
     """
     found = _spawn_in_main(tree, _flags(argv))
-    if found is None:
-        return
-    line, spawner, fn, passed, flag = found
-    name = f"python -m {launch} ({Path(path).name})" if launch else Path(path).name
-    if flag is not None:
-        rest = [a for a in argv if a.split("=", 1)[0] not in (f"--{flag}", f"--{flag.replace('_', '-')}")]
-        script = ["-m", launch] if launch else [path]
-        raise ConfigError(
-            f"{name} starts its own processes with the argv given: {Path(path).name}:{line} calls "
-            f"{spawner}{f' on `{fn}`' if fn else ''} when --{flag.replace('_', '-')} is set, and nbddp already starts "
-            f"one process per rank, so each rank would start its own set. Drop the flag: every rank then runs the "
-            f"script once, as under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and LOCAL_RANK set): "
-            f"spawn_train({', '.join(map(repr, script))}, argv={rest!r}, nprocs=...)")
-    where = launch or path  # a module's function launches as 'pkg.train:main_worker'
-    target = f"{where}:{fn}" if fn else f"{where}:<the function it spawns>"
-    raise ConfigError(
-        f"{name} starts its own processes: line {line} calls {spawner}"
-        f"{f' on `{fn}`' if fn else ''}, and nbddp already starts one process per rank, so each rank would "
-        f"start its own set. Launch the function it spawns instead, with the arguments it passes after the "
-        f"rank{f' (args={passed})' if passed else ''}: spawn_train({target!r}, *args, nprocs=..., call='mp.spawn') "
-        f"(called as {fn or 'fn'}(rank, *args), its process group its own, as under mp.spawn)")
+    return None if found is None else SpawnCall(*found)
 
 
 def _spawn_in_main(tree: ast.Module, flags: frozenset = frozenset()) -> Optional[tuple]:

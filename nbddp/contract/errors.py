@@ -128,7 +128,8 @@ class TrainingInterrupted(NbddpError, KeyboardInterrupt):
         kept = (f"Logs and the last checkpoint ({checkpoint}) are kept in {run_dir}" if checkpoint
                 else f"Logs are kept in {run_dir} (no checkpoint was written)")
         ended = f" ({how})" if how else ""
-        return cls(f"training {what}: all {world_size} workers were stopped and reaped{ended}. {kept}",
+        workers = f"all {world_size} workers were" if world_size != 1 else "the worker was"
+        return cls(f"training {what}: {workers} stopped and reaped{ended}. {kept}",
                    run_dir=run_dir)
 
     @classmethod

@@ -121,6 +121,11 @@ def plan(target: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         return place_plan(task_plan) if place else task_plan
     what = _what_runs(target, args, kwargs, call, argv)
     gpus = tuple(gpus or ())
+    if what["call"] == conventions.SPAWNS and nprocs not in (None, 1):
+        raise ConfigError(
+            f"{what['target']} starts its own processes (torch.multiprocessing.spawn in its main block): nbddp runs "
+            f"it in one launcher process, as `python {what['target']}` does, and the script decides how many it "
+            f"starts. Drop nprocs={nprocs!r} (the GPUs it may use: gpus=[...])")
     if gpus and nprocs not in (None, len(gpus)):
         raise ConfigError(f"nprocs={nprocs} but gpus={list(gpus)}: one process per GPU; drop nprocs")
     name = name or default_name(what["target"])
@@ -134,7 +139,8 @@ def place_plan(p: LaunchPlan) -> LaunchPlan:
     """``p`` with where it runs: its number of ranks, backend, the ranks' ``CUDA_VISIBLE_DEVICES``
     and process-group timeout. Unknown or repeated GPU ids are refused here, listing the GPUs,
     before the run folder exists."""
-    world = len(p.gpus) if p.gpus else (p.nprocs or 1)
+    # A script that starts its own processes runs in one launcher, with every chosen GPU visible.
+    world = 1 if p.call == conventions.SPAWNS else len(p.gpus) if p.gpus else (p.nprocs or 1)
     if not isinstance(world, int) or world < 1:
         raise ConfigError(f"nprocs={p.nprocs!r}: must be an integer >= 1")
     # The kernel's own words for the chosen GPUs (index, GPU-/MIG- UUID): never a bare index
@@ -153,14 +159,15 @@ def _what_runs(target: Any, args: Sequence[Any], kwargs: Dict[str, Any], call: s
         raise ConfigError(f"call={call!r}: use one of {', '.join(map(repr, conventions.CALLS))} (fn(ctx, ...), "
                           "fn(rank, ...) with its own process group, fn(...) with torchrun's environment)")
     if target == "-m" or isinstance(target, str) and conventions.is_script(target):
-        spec, args = _script_spec(target, args, _argv(argv))
+        spec, args, spawns = _script_spec(target, args, _argv(argv))
         if args or kwargs:
             raise ConfigError(f"{spec} is a script: pass its command line as argv=[...] (sys.argv[1:]), not "
                               "positional arguments or kwargs")
         if call == conventions.MP_SPAWN:
             raise ConfigError(f"{spec} is a script, run as __main__ with torchrun's environment; call='mp.spawn' "
                               "is for a function: 'file.py:main'")
-        return dict(target=spec, args=(), argv=_argv(argv), call=conventions.TORCHRUN)
+        return dict(target=spec, args=(), argv=_argv(argv),
+                    call=conventions.SPAWNS if spawns else conventions.TORCHRUN)
     if argv is not None:
         raise ConfigError("argv=[...] is for scripts ('train.py' or '-m', 'pkg.train'); a function takes its "
                           "arguments positionally and as kwargs={...}")
@@ -188,12 +195,13 @@ def check_picklable(args: tuple, kwargs: dict) -> None:
             ) from exc
 
 
-def _script_spec(target: str, args: Sequence[Any], argv: Sequence[str] = ()) -> Tuple[str, Sequence[Any]]:
-    """``("train.py" | "-m pkg.train", the rest of args)``, checked without running it."""
+def _script_spec(target: str, args: Sequence[Any], argv: Sequence[str] = ()) -> Tuple[str, Sequence[Any], Any]:
+    """``("train.py" | "-m pkg.train", the rest of args, the spawn call it reaches or None)``, read
+    without running it (:func:`nbddp.contract.conventions.script_spawns`)."""
     import ast
     import importlib.machinery
 
-    from .conventions import check_script
+    from .conventions import script_spawns
 
     if target == "-m" or target.startswith(conventions.MODULE_PREFIX):
         module = target[len(conventions.MODULE_PREFIX):].strip() if target != "-m" else (args[0] if args else "")
@@ -208,12 +216,11 @@ def _script_spec(target: str, args: Sequence[Any], argv: Sequence[str] = ()) -> 
         if not found:
             raise ConfigError(f"no module {module!r} can be imported from {os.getcwd()} (python -m {module} would "
                               "fail the same way); check the name and the working directory")
-        source = _module_source(module)
-        if source is not None:  # one that spawns its own processes is refused as a script is
+        source, spawns = _module_source(module), None
+        if source is not None:  # one that spawns its own processes runs in a launcher, as a script does
             with contextlib.suppress(SyntaxError, OSError, UnicodeDecodeError):  # python -m will say it
-                check_script(str(source), ast.parse(source.read_bytes(), filename=str(source)), launch=module,
-                             argv=argv)
-        return conventions.MODULE_PREFIX + module, args
+                spawns = script_spawns(ast.parse(source.read_bytes(), filename=str(source)), argv)
+        return conventions.MODULE_PREFIX + module, args, spawns
     path = Path(target).expanduser()
     if not path.is_file():
         raise ConfigError(f"script {target} does not exist (relative paths start at the kernel's working directory "
@@ -222,8 +229,7 @@ def _script_spec(target: str, args: Sequence[Any], argv: Sequence[str] = ()) -> 
         tree = ast.parse(path.read_text(), filename=str(path))
     except SyntaxError as exc:
         raise ConfigError(f"script {target} has a syntax error at line {exc.lineno}: {exc.msg}") from None
-    check_script(target, tree, argv=argv)  # an mp.spawn script would start its own processes in every rank
-    return target, args
+    return target, args, script_spawns(tree, argv)
 
 
 def _module_source(module: str) -> Optional[Path]:
@@ -292,8 +298,8 @@ def run_to_resume(resume: Any, runs_dir: Union[str, os.PathLike], name: str, che
 def default_name(spec: str) -> str:
     """A target's run name: its file's stem and its function (``"my_worker-train"``), a cell
     function's name, a script's stem or a module's last part."""
-    if spec.startswith(conventions.MODULE_PREFIX):
-        return spec.rpartition(".")[2] or "run"
+    if spec.startswith(conventions.MODULE_PREFIX):  # "-m app" -> "app", "-m pkg.train" -> "train"
+        return spec[len(conventions.MODULE_PREFIX):].strip().rpartition(".")[2] or "run"
     if conventions.is_script(spec):
         return Path(spec).stem or "run"
     where, _, qual = spec.rpartition(":")

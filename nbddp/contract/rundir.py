@@ -9,7 +9,9 @@ module spells a file name of it. What is in a run folder, and who writes it::
     class_indices.json       {"0": class name, ...}              rank 0 of the built-in worker
     val_predictions.json     the final validation predictions    rank 0 of the built-in worker
     sweep.json               a sweep's trial: sweep, study, trial, params   the kernel (nbddp.sweep), at launch
-    logs/rank<r>.log         stdout and stderr of rank r         rank r (runtime.redirect_output); 0600, logs/ 0700
+    logs/rank<r>.log         stdout and stderr of rank r         rank r (rank.logs.redirect_output); 0600, logs/ 0700
+    logs/spawned<i>.log      stdout and stderr of process i a    that process (rank.spawned); 0600
+                             launcher script started itself
     checkpoints/<name>.pt    last.pt, best.pt (weights-only)     rank 0 (built-in worker, ctx.save_checkpoint)
     export/                  model.pth, model.safetensors,       export_weights (built-in worker, export_run)
                              class_indices.json, meta.json
@@ -94,7 +96,7 @@ NAME_RULE = (f"must be 1-{NAME_MAX} characters of ASCII letters, digits and ._- 
 
 #: What the logs folder holds, for messages about it.
 RUN_LOGS = "the run's logs (every rank's output)"
-_RANK_LOG = re.compile(r"rank\d+\.log")
+_RANK_LOG = re.compile(r"(rank|spawned)\d+\.log")
 #: Folder names given to runs: ``<YYYYmmdd-HHMMSS>-<name>``, then ``-2``, ``-3``...
 _STAMPED_RUN = re.compile(r"(\d{8}-\d{6})-(.+?)(?:-(\d+))?\Z")
 
@@ -144,6 +146,11 @@ def rank_log(run_dir: PathLike, rank: int) -> Path:
     return logs_dir(run_dir) / f"rank{rank}.log"
 
 
+def spawned_log(run_dir: PathLike, index: int) -> Path:
+    """The log of process ``index`` that a launcher script started itself (:mod:`nbddp.rank.spawned`)."""
+    return logs_dir(run_dir) / f"spawned{index}.log"
+
+
 def log_sizes(run_dir: PathLike, world_size: int) -> Dict[int, int]:
     """Each rank's log size now (0 for none): where a launch's own lines start in the appended logs."""
     sizes = {}
@@ -161,7 +168,7 @@ def stacks_log(run_dir: PathLike, rank: int) -> Path:
 
 
 def is_rank_log(path: PathLike, run_dir: PathLike) -> bool:
-    """True if ``path`` is (textually) one of ``run_dir``'s rank logs."""
+    """True if ``path`` is (textually) one of ``run_dir``'s rank logs (or of the processes a launcher script started)."""
     path = Path(path)
     return bool(_RANK_LOG.fullmatch(path.name)) and path.parent.name == LOGS and str(path.parent.parent) == str(run_dir)
 

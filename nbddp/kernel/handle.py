@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..contract.errors import NbddpError, RunAbandoned, TrainingInterrupted, WorkerError
-from ..contract.conventions import MP_SPAWN
+from ..contract.conventions import MP_SPAWN, SPAWNS
 from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
 from ..contract import rundir
@@ -173,7 +173,7 @@ def _note_restarts(error: WorkerError, restarts: List[Restart], not_restarted: s
 def _open_store_port(spec: LaunchSpec) -> Optional[int]:
     """The port of the TCP store every local user can reach where this launch's ranks meet: the
     kernel's (``env://``), or the one an mp.spawn function's rank 0 hosts; None for a private store."""
-    return spec.store_port or (spec.master_port if spec.call == MP_SPAWN else None)
+    return spec.store_port or (spec.master_port if spec.call in (MP_SPAWN, SPAWNS) else None)
 
 
 def _success(spec: LaunchSpec, metrics: List[dict], seconds: float, stopped: bool,
@@ -308,7 +308,8 @@ class RunHandle:
         self.progress: dict = {}
         self._log_starts = dict(log_starts or {})
         self._log_tail = OutputTail(rundir.rank_log(self.run_dir, 0), start=self._log_starts.get(0, 0))
-        self._echo = CellEcho("[rank0] ", log=rundir.rank_log(self.run_dir, 0))
+        # A launcher script's own lines stand bare, as in a terminal; its processes' lines carry their rank.
+        self._echo = CellEcho("" if spec.call == SPAWNS else "[rank0] ", log=rundir.rank_log(self.run_dir, 0))
         self._metrics_tail = _LineTail(rundir.metrics_path(self.run_dir))
         self._listeners: List[Callable[[str, Any], None]] = []
         self._lock = threading.RLock()

@@ -140,7 +140,8 @@ def interrupted(world_size: int, run_dir: Path, how: str, stacks: Optional[Stack
         head = (f"training interrupted: all {world_size} workers stopped and returned. "
                 "Their result is kept: r = sys.last_value.result")
     else:
-        head = f"training interrupted: all {world_size} workers were stopped and reaped."
+        head = f"training interrupted: {f'all {world_size} workers were' if world_size != 1 else 'the worker was'} " \
+               "stopped and reaped."
     lines = [head]
     if how and not ended_first:
         lines.append(f"  how: {how}")

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..contract.conventions import MP_SPAWN, makes_own_group
+from ..contract.conventions import MP_SPAWN, SPAWNS, makes_own_group
 
 #: The store file inside the launch's private folder.
 STORE_FILE = "store"
@@ -139,7 +139,7 @@ def rendezvous_for(call: str, target: str, timeout_s: float, within: Optional[st
     a private ``FileStore`` is made in ``within`` (the launch's private temp folder)."""
     if not makes_own_group(call, target):
         return Rendezvous("file", timeout_s, within)
-    return Rendezvous("own" if call == MP_SPAWN else "tcp", timeout_s)
+    return Rendezvous("own" if call in (MP_SPAWN, SPAWNS) else "tcp", timeout_s)
 
 
 __all__ = ["Rendezvous", "rendezvous_for", "free_tcp_store", "reserve_port", "listening_store", "free_port",

@@ -7,6 +7,7 @@
 ``"mp.spawn"``  ``fn(rank, *args, **kwargs)``        made by the function (its own ``setup()``)
 ``"torchrun"``  ``fn(*args, **kwargs)``              made by the function, ``init_method="env://"``
 script          ``python train.py *argv``            made by the script, ``init_method="env://"``
+``"spawns"``    ``python multigpu.py *argv``, once   made by the processes it spawns (:mod:`.spawned`)
 ==============  ===================================  ==============================================
 
 A script (``"train.py"``, or ``"-m pkg.train"``) runs as ``__main__`` with ``sys.argv`` as torchrun
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Sequence
 
 from ..contract import targets
-from ..contract.conventions import CALLS, CTX, MODULE_PREFIX, MP_SPAWN, TORCHRUN, is_script, makes_own_group  # noqa: F401
+from ..contract.conventions import CALLS, CTX, MODULE_PREFIX, MP_SPAWN, SPAWNS, TORCHRUN, is_script, makes_own_group  # noqa: F401
 from ..contract.errors import ConfigError
 
 
@@ -128,5 +129,5 @@ def exit_code(exc: SystemExit) -> int:
     return code if isinstance(code, int) else 1
 
 
-__all__ = ["CTX", "MP_SPAWN", "TORCHRUN", "CALLS", "MODULE_PREFIX", "torchrun_environment", "is_script",
+__all__ = ["CTX", "MP_SPAWN", "SPAWNS", "TORCHRUN", "CALLS", "MODULE_PREFIX", "torchrun_environment", "is_script",
            "run_script", "call_function", "exit_code", "makes_own_group"]

@@ -22,6 +22,7 @@ import ctypes
 import datetime
 import faulthandler
 import json
+import multiprocessing.process
 import os
 import signal
 import sys
@@ -38,11 +39,11 @@ import torch.distributed as dist
 
 from . import calls, debugger
 from . import reaper
+from .logs import open_private_log, redirect_output
 from ..contract import cells, rundir, targets
 from .heartbeat import HeartbeatThread
 from . import interrupt as rank_interrupt
 from ..contract.errors import ConfigError
-from ..contract.private import open_private_file
 from ..contract.protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
                        MAX_RESTARTS_ENV, RESTART_ENV, STACK_SIGNAL, note_checkpoint, read_stop_request,
                        write_result)
@@ -568,27 +569,6 @@ def fork_children() -> None:
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
-def open_private_log(log_path: Path) -> int:
-    """A descriptor appending to ``log_path``, a file of the user's alone (:func:`nbddp.contract.private.open_private_file`).
-
-    A rank's output and its stacks (paths, tokens a library prints, the code's names) are its
-    user's alone, however group-writable the runs folder is: created ``0600`` whatever the umask,
-    never through a link, and never into a folder or file another user put in the logs' place."""
-    return open_private_file(log_path, rundir.RUN_LOGS)
-
-
-def redirect_output(log_path: Path) -> None:
-    """Send fd 1 and 2 (Python and C++ output alike) to the rank's log file, line-buffered."""
-    fd = open_private_log(log_path)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
-    sys.stderr = open(2, "w", buffering=1, closefd=False, encoding="utf-8", errors="replace")
-
-
 #: What torch says when a group is initialised a second time, and what nbddp says instead.
 _SECOND_INIT = "trying to initialize the default process group twice"
 _SECOND_INIT_FIX = (
@@ -626,7 +606,13 @@ def _interrupt_on_stop(ctx: Context, beat: HeartbeatThread) -> None:
 def _call_user_code(ctx: Context, target: Union[str, Callable[..., Any]], args: tuple, kwargs: dict, call: str,
                     argv: tuple, payload: Optional[bytes]) -> Any:
     """Run the user's code as it was written: a script as ``__main__``, a function by its convention."""
-    with calls.refuse_nested_spawn():  # the ranks are the processes: an mp.spawn inside would double them
+    if call == calls.SPAWNS:  # a launcher script: the processes it spawns are watched, not refused
+        from .spawned import watch_spawns
+
+        spawns = watch_spawns(ctx.run_dir, target)
+    else:  # the ranks are the processes: an mp.spawn inside would double them
+        spawns = calls.refuse_nested_spawn()
+    with spawns:
         return _call_as_written(ctx, target, args, kwargs, call, argv, payload)
 
 
@@ -734,6 +720,9 @@ def _become_rank_process(spec: LaunchSpec) -> None:
         tempfile.tempdir = None  # TMPDIR is the run's private folder: a forked rank forgets the server's
     if spec.cwd:
         os.chdir(spec.cwd)  # the kernel's working directory now, not the warm server's at its start
+        # multiprocessing finds a spawned child's __main__ ("python train.py" run by a relative
+        # path) from the directory the process started in: the kernel's, as for `python train.py`.
+        multiprocessing.process.ORIGINAL_DIR = spec.cwd
     # The run's marker (``procs.MARKER_ENV``), absolute, before any user code: every process the
     # rank starts inherits it, so the kernel finds them even in a session of their own.
     os.environ[_MARKER_ENV] = os.path.abspath(spec.run_dir)
@@ -774,11 +763,14 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
 
     # torchrun's environment, for every kind of target: code written for torchrun reads it,
     # and env:// in code that makes its own group meets the kernel's store (its "agent store").
+    # A launcher script (one that spawns its own processes) gets what `python script.py` gets:
+    # no rank variables, only MASTER_ADDR/MASTER_PORT (a free port) for code that reads them.
     own_group = calls.makes_own_group(spec.call, spec.target)
-    os.environ.update(calls.torchrun_environment(
-        rank, spec.world_size, spec.store_host, spec.master_port or spec.store_port, run_id=run_dir.name,
-        agent_store=own_group and spec.call != calls.MP_SPAWN, restart=int(os.environ.get(RESTART_ENV) or 0),
-        max_restarts=int(os.environ.get(MAX_RESTARTS_ENV) or 0)))
+    if spec.call != calls.SPAWNS:
+        os.environ.update(calls.torchrun_environment(
+            rank, spec.world_size, spec.store_host, spec.master_port or spec.store_port, run_id=run_dir.name,
+            agent_store=own_group and spec.call != calls.MP_SPAWN, restart=int(os.environ.get(RESTART_ENV) or 0),
+            max_restarts=int(os.environ.get(MAX_RESTARTS_ENV) or 0)))
     torch.set_num_threads(spec.threads)
     # No CUDA call here: device set-up runs inside run_rank's error handling, so "invalid
     # device ordinal" or "no NVIDIA driver" reach the notebook as this rank's error.

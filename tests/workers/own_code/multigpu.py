@@ -43,6 +43,7 @@ def main(rank: int, world_size: int, total_epochs: int, batch_size: int, out: st
         with open(os.path.join(out, "report.json"), "w") as f:
             json.dump({"world": dist.get_world_size(), "weight": model.module.weight.sum().item(),
                        "port": os.environ["MASTER_PORT"]}, f)
+    dist.barrier()  # every rank is done with the group before any leaves it (gloo aborts otherwise)
     dist.destroy_process_group()
     return rank * 10
 

@@ -1,0 +1,243 @@
+"""A script that starts its own processes, run as it is: the processes it spawns are watched.
+
+``python multigpu.py`` ending in ``mp.spawn(main, args=(...), nprocs=world_size)`` runs in one
+nbddp process, the launcher (``call="spawns"``, chosen by the kernel from the script's source,
+:func:`nbddp.contract.conventions.script_spawns`). While it runs,
+``torch.multiprocessing.spawn`` and ``start_processes`` start the same processes, with the same
+function, arguments and start method, each wrapped (:class:`Spawned`) so that
+
+* its output (Python's and C++'s: fd 1 and 2) goes to a log of its own, ``logs/spawned{i}.log``
+  (``0600``, as a rank's log), and the launcher echoes every line of it into its own output,
+  prefixed ``[rank{i}] ``: the cell shows the processes live, the logs keep all of it;
+* its torch threads are the launcher's share divided among the processes it started;
+* a failure's traceback is in its log too (torch sends it only to the launcher).
+
+The launcher is a child subreaper whose descendants nbddp ends and reaps at the run's end
+(:mod:`nbddp.rank.reaper`), and torch gives each process a parent-death signal: nothing it
+spawned outlives the run. A stop or an Interrupt raises ``KeyboardInterrupt`` in the launcher,
+waiting in ``join()``; it passes SIGINT to every live process so that their ``finally:`` blocks
+run, waits :data:`GRACE_S`, then SIGTERM, then SIGKILL, and re-raises. A process that fails is
+named, with its log, before torch's exception goes up through the script.
+
+Worker side (the launcher and the processes it starts).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+from ..contract import rundir
+from ..contract.conventions import MP_SPAWN, check_call
+from ..contract.errors import ConfigError
+from .logs import redirect_output
+
+#: Seconds the launcher's processes get to end on their own after an Interrupt reached them.
+GRACE_S = 2.0
+#: Seconds between two reads of the processes' logs.
+POLL_S = 0.1
+
+
+class Spawned:
+    """The function a script spawns, as one watched process runs it: ``fn(index, *args)``."""
+
+    def __init__(self, fn: Callable[..., Any], run_dir: str, threads: int):
+        self.fn, self.run_dir, self.threads = fn, run_dir, threads
+
+    def __call__(self, index: int, *args: Any) -> Any:
+        redirect_output(rundir.spawned_log(self.run_dir, index))
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(self.threads)
+        import torch
+
+        torch.set_num_threads(self.threads)
+        try:
+            return self.fn(index, *args)
+        except Exception:
+            traceback.print_exc()  # torch hands it to the launcher only; the log keeps it too
+            raise
+
+
+class LogEcho:
+    """Copies what the processes' logs gain into the launcher's output, each line prefixed with its
+    rank (a ``\\r`` progress line too, so the cell updates it in place)."""
+
+    def __init__(self, out: Callable[[str], None]):
+        self._out = out
+        self._files: Dict[int, List[Any]] = {}  # index -> [path, offset, unfinished line]
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def follow(self, paths: Sequence[Path]) -> None:
+        with self._lock:
+            for index, path in enumerate(paths):
+                if index not in self._files or self._files[index][0] != path:
+                    start = path.stat().st_size if path.exists() else 0  # a later spawn appends
+                    self._files[index] = [path, start, ""]
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="nbddp-spawned-echo", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.read()
+
+    def read(self, final: bool = False) -> None:
+        with self._lock:
+            for index, entry in sorted(self._files.items()):
+                path, offset, rest = entry
+                try:
+                    with open(path, "rb") as f:
+                        f.seek(offset)
+                        data = f.read()
+                except OSError:
+                    continue
+                entry[1] = offset + len(data)
+                text = rest + data.decode("utf-8", "replace")
+                pieces = text.splitlines(keepends=True)
+                entry[2] = pieces.pop() if pieces and not pieces[-1].endswith(("\n", "\r")) else ""
+                if final and entry[2]:
+                    pieces.append(entry[2] + "\n")
+                    entry[2] = ""
+                if pieces:
+                    self._out("".join(f"[rank{index}] {piece}" for piece in pieces))
+
+    def close(self) -> None:
+        """Stop following; what the logs hold that was not shown yet is shown now."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.read(final=True)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def watch_spawns(run_dir: Path, script: str) -> Iterator[None]:
+    """While the launcher runs ``script``, its ``torch.multiprocessing`` spawns are watched (see the module)."""
+    import torch
+    import torch.multiprocessing as tmp
+
+    original = tmp.start_processes
+    echo = LogEcho(_write)
+
+    def start_processes(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True,
+                        daemon: bool = False, start_method: str = "spawn") -> Any:
+        print(launch_notice(script, fn, args, nprocs), flush=True)
+        echo.follow([rundir.spawned_log(run_dir, i) for i in range(nprocs)])
+        threads = max(1, torch.get_num_threads() // max(nprocs, 1))
+        context = original(Spawned(fn, str(run_dir), threads), args, nprocs, join=False, daemon=daemon,
+                           start_method=start_method)
+        if not join:
+            return context  # the script joins; the echo and the reaper still follow its processes
+        try:
+            while not context.join():
+                pass
+        except BaseException as exc:
+            _end(context.processes, exc, fn, run_dir)
+            raise
+        finally:
+            echo.read()
+        return None
+
+    def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
+              start_method: str = "spawn") -> Any:
+        return start_processes(fn, args, nprocs, join, daemon, start_method)
+
+    saved = tmp.spawn, tmp.start_processes
+    tmp.spawn, tmp.start_processes = spawn, start_processes
+    try:
+        yield
+    finally:
+        tmp.spawn, tmp.start_processes = saved
+        echo.close()
+
+
+def _end(processes: List[Any], exc: BaseException, fn: Callable[..., Any], run_dir: Path) -> None:
+    """After ``join()`` raised: an Interrupt reaches every live process (SIGINT, then SIGTERM, then
+    SIGKILL); a process's failure is named with its log."""
+    index = getattr(exc, "error_index", None)
+    if index is not None:
+        _name_the_process(exc, index, len(processes), getattr(fn, "__name__", "fn"), run_dir)
+    live = [p for p in processes if p.is_alive()]
+    for how, wait in ((signal.SIGINT, GRACE_S), (signal.SIGTERM, GRACE_S), (signal.SIGKILL, 0.0)):
+        for p in live:
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, how)
+        deadline = time.monotonic() + wait
+        while live and time.monotonic() < deadline:
+            live = [p for p in live if p.is_alive()]
+            time.sleep(0.05)
+        live = [p for p in live if p.is_alive()]
+        if not live:
+            break
+    for p in processes:
+        p.join(timeout=5)
+
+
+def _name_the_process(exc: BaseException, index: int, count: int, name: str, run_dir: Path) -> None:
+    """Put the failed process, what it raised and its log in the first line of torch's exception
+    (``ProcessRaisedException`` starts with a blank line), which stays the same exception for the script."""
+    original = str(exc)
+    raised = [line for line in original.splitlines() if line.strip()]
+    what = f"raised {raised[-1].strip()}" if type(exc).__name__ == "ProcessRaisedException" and raised else \
+        (raised[0].strip().replace(f"process {index:d} ", "", 1) if raised else "failed")
+    named = f"process {index} of {count} ({name}) {what}; its output: {rundir.spawned_log(run_dir, index)}"
+    exc.args = (f"{named}\n{original.lstrip()}",)
+    if hasattr(exc, "msg"):
+        exc.msg = exc.args[0]
+
+
+def launch_notice(script: str, fn: Callable[..., Any], args: tuple, nprocs: int) -> str:
+    """What the launcher says when the script spawns: what nbddp watches, and the function form
+    with every nbddp feature, as a call that can be copied when the arguments are plain values."""
+    name = getattr(fn, "__name__", "fn")
+    head = (f"nbddp: {Path(script).name} started {nprocs} process{'es' if nprocs != 1 else ''} running {name}; "
+            f"nbddp watches them (output below by rank, logs in logs/spawned<i>.log). For heartbeats, per-rank return "
+            f"values and restarts, launch the function itself:")
+    call = function_form(script, fn, args, nprocs)
+    return f"{head}\n  {call}"
+
+
+def function_form(script: str, fn: Callable[..., Any], args: tuple, nprocs: int) -> str:
+    """``spawn_train('<script>:<fn>', *args, nprocs=N, call='mp.spawn')``, checked: the function is
+    defined at the top level of the script, and every argument is a plain value written as Python
+    reads it back. Otherwise a sentence that says what keeps it from being one."""
+    code = getattr(fn, "__code__", None)
+    qualname = getattr(fn, "__qualname__", "")
+    script_file = os.path.abspath(script) if not script.startswith("-m ") else None
+    if code is None or "<" in qualname or "." in qualname or \
+            (script_file is not None and os.path.abspath(code.co_filename) != script_file):
+        return f"(not from here: {qualname or fn!r} is not a top-level function of {script})"
+    where = script if script_file is not None else script[3:].strip()
+    written = []
+    for i, value in enumerate(args):
+        text = repr(value)
+        try:
+            if ast.literal_eval(text) != value:
+                raise ValueError
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return (f"spawn_train({f'{where}:{qualname}'!r}, ..., nprocs={nprocs}, call='mp.spawn'), with its "
+                    f"arguments after the rank: argument {i + 1} is a {type(value).__name__}, which a launch "
+                    "from the notebook would build itself (plain values cross to the processes)")
+        written.append(text)
+    try:  # the kernel's own check of such a launch, so that the call shown is one that starts
+        check_call(fn, MP_SPAWN, args, {}, qualname)
+    except ConfigError as exc:
+        return f"(the function form does not fit as it is: {exc})"
+    shown = "".join(f", {t}" for t in written)
+    return f"spawn_train({f'{where}:{qualname}'!r}{shown}, nprocs={nprocs}, call='mp.spawn')"
+
+
+__all__ = ["Spawned", "LogEcho", "watch_spawns", "launch_notice", "function_form", "GRACE_S"]
