@@ -1,7 +1,8 @@
 """A refusal that only a rank could make (``mp.spawn`` behind a condition of the script's own), said once.
 
-What can be refused is refused in the kernel before any process starts
-(:func:`nbddp.contract.conventions.check_script`); what only a rank sees (a branch taken on a
+A spawn every run of the script reaches is read in the kernel before any process starts, and
+the script then runs in one launcher whose processes nbddp watches
+(:func:`nbddp.contract.conventions.script_spawns`); what only a rank sees (a branch taken on a
 value the kernel cannot know) is refused there, by every rank alike. The notebook then gets
 that refusal once, as the ``ConfigError`` it is, with where the user's code made the call (their
 file and line, never ``runpy``'s), instead of a failure report that repeats it for every rank.

@@ -86,8 +86,9 @@ def refuse_nested_spawn() -> Iterator[None]:
 
     nbddp's ranks are the processes: code that spawns its own (``if args.multiprocessing_distributed:
     mp.spawn(main_worker, ...)``) would start a set per rank and fight over its port. The error
-    names the function it spawns and the launch that runs it as intended. Calls every run makes
-    are refused in the kernel already (:func:`nbddp.contract.conventions.check_script`)."""
+    names the function it spawns and the launch that runs it as intended. A script whose every
+    run makes such a call runs in one launcher instead, its spawns watched
+    (:func:`nbddp.contract.conventions.script_spawns`, :mod:`nbddp.rank.spawned`)."""
     import torch.multiprocessing as tmp
 
     def refusal(spawner: str) -> Callable[..., None]:
