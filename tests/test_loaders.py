@@ -101,3 +101,17 @@ def test_skip_sampler_leaves_out_the_batches_done_for_one_pass_only():
     assert again.epoch == 0 and len(again) == 24
     with pytest.raises(ValueError, match="integer >= 0"):
         again.skip(-1)
+
+
+def test_seeding_an_item_touches_only_the_cpu_generator(monkeypatch):
+    """Loading in a GPU rank (``num_workers=0``) must not reseed its GPU generators for every image:
+    that would reset the training's GPU randomness (dropout) at each batch, and ``torch.manual_seed``
+    also records a Python stack per call while CUDA is not initialised (a cost of every item)."""
+    called = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: called.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: called.append(seed))
+    items = [SeededDataset(_Random())[(i, 100 + i)] for i in range(4)]
+    assert called == [], "the GPU generators were seeded by the data loading"
+    torch.manual_seed(0)
+    same = [SeededDataset(_Random())[(i, 100 + i)] for i in range(4)]
+    assert all(torch.equal(a, b) for a, b in zip(items, same)), "each item's draws depend on its seed alone"
