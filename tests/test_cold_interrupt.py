@@ -30,7 +30,7 @@ sys.path.insert(0, {root!r})
 import nbddp, nbddp.kernel.launch  # torch is imported: the interrupt falls on the launch itself
 print("launching", flush=True)
 try:
-    nbddp.spawn_train({target!r}, {go!r}, nprocs=2, runs_dir={runs!r}, echo=False, grace_s=1)
+    nbddp.spawn_train({target!r}, {go!r}, nprocs=2, runs_dir={runs!r}, echo=False, grace_s=1, start_method={method!r})
 except BaseException as exc:
     print("ended with", type(exc).__name__, exc, flush=True)
 print("alive", flush=True)
@@ -44,7 +44,7 @@ def test_an_interrupt_to_the_group_early_in_a_cold_launch_raises_training_interr
     while the warm server starts and imports torch."""
     marker = uuid.uuid4().hex
     code = _COLD_LAUNCH.format(root=str(ROOT), target=f"{FAULTY}:barrier_then_wait_for_file",
-                               go=str(tmp_path / "go"), runs=str(tmp_path / "runs"))
+                               go=str(tmp_path / "go"), runs=str(tmp_path / "runs"), method="forkserver")
     env = {**os.environ, "NBDDP_TEST_MARKER": marker, "NBDDP_PREWARM": "0"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -63,6 +63,38 @@ def test_an_interrupt_to_the_group_early_in_a_cold_launch_raises_training_interr
         runs = tmp_path / "runs"
         assert ended.startswith("ended with TrainingInterrupted") or (
             ended.startswith("ended with KeyboardInterrupt") and not runs.exists()), out
+        assert wait_for(lambda: not launch_workers(marker, proc.pid), timeout=10), (
+            f"workers of the launch remain: {launch_workers(marker, proc.pid)}; output: {out}")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("delay", [0.5, 1.5])
+def test_an_interrupt_while_spawned_ranks_start_reaches_none_of_them(tmp_path, delay):
+    """Under ``start_method="spawn"`` a rank is in the kernel's process group until its first line
+    moves it out, seconds later (it imports torch first): Jupyter's SIGINT to the group in that
+    window must stop the launch, never raise in a starting rank and print its traceback."""
+    code = _COLD_LAUNCH.format(root=str(ROOT), target=f"{FAULTY}:barrier_then_wait_for_file",
+                               go=str(tmp_path / "go"), runs=str(tmp_path / "runs"), method="spawn")
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "NBDDP_TEST_MARKER": marker, "NBDDP_PREWARM": "0"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout.readline().startswith("launching")
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("alive"):
+                break
+        out = "".join(lines)
+        ended = next(line for line in lines if line.startswith("ended with"))
+        assert ended.startswith("ended with TrainingInterrupted") or (
+            ended.startswith("ended with KeyboardInterrupt") and not (tmp_path / "runs").exists()), out
+        assert "Traceback" not in out and "KeyboardInterrupt\n" not in out, out
         assert wait_for(lambda: not launch_workers(marker, proc.pid), timeout=10), (
             f"workers of the launch remain: {launch_workers(marker, proc.pid)}; output: {out}")
     finally:

@@ -76,6 +76,27 @@ def bare_main():
 
 
 @contextlib.contextmanager
+def sigint_held(hold: bool):
+    """While spawned ranks start, SIGINT is blocked in this thread, so they start with it blocked.
+
+    A spawned rank is in the kernel's process group until its first line moves it to its own,
+    and Jupyter's Interrupt goes to that whole group: during the seconds the rank imports torch
+    it would raise a bare ``KeyboardInterrupt`` there and print its traceback into the cell. A
+    blocked signal stays pending instead; the rank drops it and unblocks SIGINT once it is in its
+    own group (:func:`nbddp.rank.interrupt.install`). An Interrupt meant for the kernel in this
+    moment is delivered to it when the block ends, not lost.
+    """
+    if not hold:
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
 def error_files_in(folder: str):
     """torch's per-rank error files (``pytorch-errorfile-*``) go to ``folder``, not the shared temp folder.
 
@@ -270,7 +291,7 @@ class RankGroup:
         try:
             start_helpers(start_method)  # a launch server that died is started again
             store.open()  # env://'s store listens from here on: after a warm server's cold start, not during it
-            with patched_env(child_env), bare_main(), error_files_in(tmp_dir):
+            with patched_env(child_env), bare_main(), error_files_in(tmp_dir), sigint_held(start_method == "spawn"):
                 procs = mp.start_processes(start_rank, args=(spec,), nprocs=spec.world_size, join=False,
                                            start_method=start_method)
         except BaseException:

@@ -28,6 +28,12 @@ def _raise(signum, frame):
 def install() -> None:
     """SIGINT raises ``KeyboardInterrupt`` in this rank's main thread, and is not blocked."""
     signal.signal(signal.SIGINT, _raise)
-    # The warm server may start its children with SIGINT blocked: a rank must not have it blocked,
-    # or neither the kernel's SIGINT nor its own children's Ctrl-C would arrive.
+    # A rank starts with SIGINT blocked (the warm server's children; under spawn, the kernel blocks
+    # it while starting them, so that a Jupyter Interrupt sent to the kernel's process group during
+    # the rank's first seconds, before it leaves that group, never interrupts its imports). One
+    # that waits now was sent to the kernel's group, not to this rank: it is taken and dropped.
+    # Then it must not stay blocked, or neither the kernel's SIGINT nor its own children's Ctrl-C
+    # would arrive.
+    if signal.SIGINT in signal.sigpending():
+        signal.sigwait({signal.SIGINT})
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
