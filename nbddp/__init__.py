@@ -74,8 +74,11 @@ rank      ``rank.profiling``                    torch.profiler on the worker's s
 rank      ``rank.trackers``                     rank 0's MLflow / W&B thread: metrics, settings, weights
 task      ``tasks.classification.planning``     the built-in worker's preflight and plan (run in the kernel)
 task      ``tasks.classification.worker``       ``train(ctx, cfg)``: the built-in worker (run in each rank)
-task      ``tasks.classification.data``,        class folders, samplers, transforms; the decoded tensor cache;
-          ``tasks.classification.tensor_data``, file bytes decoded and augmented batch by batch on the device
+task      ``tasks.classification.pipelines``    its data in a rank: the split, and the loaders of the pil, decode, tensor pipelines
+task      ``tasks.classification.data``,        class folders (scan, split, checks), transforms; reading images;
+          ``tasks.classification.images``,      a rank's loader processes and samplers; the decoded tensor cache;
+          ``tasks.classification.loading``,     file bytes decoded and augmented batch by batch on the device
+          ``tasks.classification.tensor_data``,
           ``tasks.classification.decode_data``
 task      ``tasks.classification.data_record``  the images and split a run was made from (``data.json``): a resume on changed data is refused
 task      ``tasks.classification.models``       torchvision models, weights files (training and prediction)
@@ -114,6 +117,8 @@ SIDES = {
     "rank.interrupt": "rank",
     "tasks": "task", "tasks.classification": "task", "tasks.classification.planning": "task",
     "tasks.classification.worker": "task", "tasks.classification.data": "task",
+    "tasks.classification.images": "task", "tasks.classification.loading": "task",
+    "tasks.classification.pipelines": "task",
     "tasks.classification.tensor_data": "task", "tasks.classification.decode_data": "task",
     "tasks.classification.models": "task", "tasks.classification.data_record": "task",
 }

@@ -38,13 +38,13 @@ time.sleep(120)  # the kernel lives on after the interrupted cell
 """
 
 
-@pytest.mark.parametrize("delay", [0.3, 0.6, 1.0, 2.0])
-def test_an_interrupt_to_the_group_early_in_a_cold_launch_raises_training_interrupted(tmp_path, delay):
-    """SIGINT to the launcher's whole group (as Jupyter sends it) ``delay`` s into its first launch,
-    while the warm server starts and imports torch."""
+def _interrupt_a_cold_launch(tmp_path, delay: float, method: str) -> str:
+    """A fresh launcher's first launch (start method ``method``) and SIGINT to its whole group
+    ``delay`` s in, as Jupyter sends it; checks it ended as an Interrupt must and left no worker.
+    Returns what the launcher printed."""
     marker = uuid.uuid4().hex
     code = _COLD_LAUNCH.format(root=str(ROOT), target=f"{FAULTY}:barrier_then_wait_for_file",
-                               go=str(tmp_path / "go"), runs=str(tmp_path / "runs"), method="forkserver")
+                               go=str(tmp_path / "go"), runs=str(tmp_path / "runs"), method=method)
     env = {**os.environ, "NBDDP_TEST_MARKER": marker, "NBDDP_PREWARM": "0"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -65,9 +65,17 @@ def test_an_interrupt_to_the_group_early_in_a_cold_launch_raises_training_interr
             ended.startswith("ended with KeyboardInterrupt") and not runs.exists()), out
         assert wait_for(lambda: not launch_workers(marker, proc.pid), timeout=10), (
             f"workers of the launch remain: {launch_workers(marker, proc.pid)}; output: {out}")
+        return out
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.6, 1.0, 2.0])
+def test_an_interrupt_to_the_group_early_in_a_cold_launch_raises_training_interrupted(tmp_path, delay):
+    """SIGINT to the launcher's whole group (as Jupyter sends it) ``delay`` s into its first launch,
+    while the warm server starts and imports torch."""
+    _interrupt_a_cold_launch(tmp_path, delay, "forkserver")
 
 
 @pytest.mark.parametrize("delay", [0.5, 1.5])
@@ -75,31 +83,8 @@ def test_an_interrupt_while_spawned_ranks_start_reaches_none_of_them(tmp_path, d
     """Under ``start_method="spawn"`` a rank is in the kernel's process group until its first line
     moves it out, seconds later (it imports torch first): Jupyter's SIGINT to the group in that
     window must stop the launch, never raise in a starting rank and print its traceback."""
-    code = _COLD_LAUNCH.format(root=str(ROOT), target=f"{FAULTY}:barrier_then_wait_for_file",
-                               go=str(tmp_path / "go"), runs=str(tmp_path / "runs"), method="spawn")
-    marker = uuid.uuid4().hex
-    env = {**os.environ, "NBDDP_TEST_MARKER": marker, "NBDDP_PREWARM": "0"}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert proc.stdout.readline().startswith("launching")
-        time.sleep(delay)
-        os.killpg(proc.pid, signal.SIGINT)
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("alive"):
-                break
-        out = "".join(lines)
-        ended = next(line for line in lines if line.startswith("ended with"))
-        assert ended.startswith("ended with TrainingInterrupted") or (
-            ended.startswith("ended with KeyboardInterrupt") and not (tmp_path / "runs").exists()), out
-        assert "Traceback" not in out and "KeyboardInterrupt\n" not in out, out
-        assert wait_for(lambda: not launch_workers(marker, proc.pid), timeout=10), (
-            f"workers of the launch remain: {launch_workers(marker, proc.pid)}; output: {out}")
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    out = _interrupt_a_cold_launch(tmp_path, delay, "spawn")
+    assert "Traceback" not in out and "KeyboardInterrupt\n" not in out, out
 
 
 def test_a_server_killed_mid_run_is_named(runs_dir, tmp_path):

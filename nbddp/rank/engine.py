@@ -419,7 +419,7 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
 
     Args:
         start: the part of this epoch done before (a resumed epoch), ``None`` for a whole epoch.
-            ``loader`` then yields the remaining batches only (``nbddp.tasks.classification.data.SkipSampler``); step
+            ``loader`` then yields the remaining batches only (``nbddp.tasks.classification.loading.SkipSampler``); step
             numbers, progress and the returned totals continue from ``start``.
     """
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
@@ -592,7 +592,7 @@ def evaluate(model, loader, device, amp_dtype: Optional[torch.dtype] = None, cha
              batch_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, ctx=None) -> EvalResult:
     """Exact distributed evaluation: each image counted once, whatever the set and world sizes.
 
-    ``loader`` must use :class:`nbddp.tasks.classification.data.ShardSampler` (no padding). Correct counts, summed
+    ``loader`` must use :class:`nbddp.tasks.classification.loading.ShardSampler` (no padding). Correct counts, summed
     losses and image counts are all-reduced, so the accuracy equals a single-process run.
     Pass the bare model (``ddp.module``): evaluation needs no gradient synchronisation.
     Totals stay on the device until the end: no host synchronisation per batch. With ``ctx``,

@@ -34,13 +34,13 @@ def _builtin_loaders(ctx, data_path: str, num_workers: int):
     """nbddp's own PIL-pipeline loaders, as the built-in worker builds them."""
     from nbddp import TrainConfig
     from nbddp.tasks.classification import data as D
-    from nbddp.tasks.classification.worker import _loaders
+    from nbddp.tasks.classification.pipelines import make_loaders
 
     cfg = TrainConfig(data_path=data_path, image_size=16, batch_size=2, num_workers=num_workers,
                       nprocs=ctx.world_size, hflip=False)
     _, samples = D.scan_class_folders(data_path)
     train_s, val_s = D.split_samples(samples, cfg.val_fraction, cfg.seed)
-    loaders = _loaders(cfg, ctx, train_s, val_s)
+    loaders = make_loaders(cfg, ctx, train_s, val_s)
     return loaders.sampler, loaders.train, loaders.val
 
 

@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import random
@@ -27,15 +26,16 @@ import stat
 import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-import numpy as np
-from PIL import Image, ImageOps
-from torch.utils.data import Dataset, Sampler
 from torchvision import transforms as T
 
 from ...contract.errors import DataError
 from ...contract.paths import PathLike, pseudo_filesystem, special_file_kind
+# Reading images and loading them in a rank live in their own modules; their names stay here too.
+from .images import ImageListDataset, check_images, load_rgb
+from .loading import (DieWithParent, SeededDataset, SeededSampler, ShardSampler, SkipSampler, item_seed,
+                      loader_context, loader_processes, loader_workers)
 
 Sample = tuple[str, int]
 
@@ -348,295 +348,9 @@ def split_samples(
     return sorted(train), sorted(val)
 
 
-# ---------------------------------------------------------------------------- reading images
-def _decode_check(path: str) -> None:
-    # verify() checks the container (PNG chunk CRCs...) without decoding, but is a no-op for
-    # JPEG and misses pixel data cut short, so the image is also decoded. draft() lets libjpeg
-    # decode at 1/8 scale, which still reads every byte, so truncation is caught cheaply.
-    with Image.open(path) as im:
-        im.verify()
-    with Image.open(path) as im:
-        im.draft("RGB", (max(1, im.width // 8), max(1, im.height // 8)))
-        im.load()
-
-
-def check_images(paths: Sequence[PathLike], max_errors: int = 20) -> list[tuple[str, str]]:
-    """Find images that PIL cannot read.
-
-    Args:
-        paths: image files to check.
-        max_errors: stop after this many bad files (enough to see the pattern, and fast).
-
-    Returns:
-        ``(path, error)`` for each unreadable, corrupt or truncated file, in ``paths`` order.
-    """
-    bad: list[tuple[str, str]] = []
-    with warnings.catch_warnings():
-        # A huge photo warns (DecompressionBombWarning); only an error makes it unusable.
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        for p in paths:
-            try:
-                _decode_check(os.fspath(p))
-            except Exception as err:  # PIL raises OSError, SyntaxError, ValueError...
-                bad.append((os.fspath(p), f"{type(err).__name__}: {err}"))
-                if len(bad) >= max_errors:
-                    break
-    return bad
-
-
-def _sixteen_bit_to_l(im: Image.Image) -> Image.Image:
-    # PIL's own convert() clips 16-bit values at 255, turning a 16-bit photo almost all white;
-    # rescale the full 0..65535 range to 0..255 instead ("I" is how 16-bit PNG/TIFF may decode).
-    arr = np.asarray(im, dtype=np.float64) / 257.0
-    return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8))
-
-
-def _has_alpha(im: Image.Image) -> bool:
-    return im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
-
-
-def _to_rgb(im: Image.Image) -> Image.Image:
-    if im.mode.startswith("I;16") or im.mode == "I":
-        im = _sixteen_bit_to_l(im)
-    if _has_alpha(im):
-        # Composite on white: the colour stored under transparent pixels is arbitrary (often
-        # black), so dropping alpha would show garbage; white is how viewers show the image.
-        rgba = im.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return im.convert("RGB")  # L, 1, P, CMYK (naive, no ICC), YCbCr... and a copy of RGB
-
-
-def load_rgb(path: PathLike) -> Image.Image:
-    """Open an image as 8-bit RGB, whatever its mode.
-
-    Grayscale (``L``, ``1``) is replicated to three channels; palette (``P``) is expanded;
-    16-bit (``I;16*``, and ``I``, assumed to hold 16-bit values) is scaled from 0..65535 to
-    0..255; images with alpha (``RGBA``, ``LA``, palette or grayscale with a transparency key)
-    are **composited on white**; ``CMYK`` uses PIL's conversion. The EXIF orientation is
-    applied, so a phone photo is seen the way it was labelled.
-
-    Args:
-        path: image file.
-
-    Returns:
-        A loaded ``PIL.Image`` in mode ``RGB`` (the file is closed).
-
-    Raises:
-        DataError: ``cannot read image <path>: <error>`` for a missing, corrupt or truncated file.
-    """
-    try:
-        with Image.open(path) as im:
-            im.load()
-            im = ImageOps.exif_transpose(im) or im
-            return _to_rgb(im)
-    except Exception as err:
-        raise DataError(f"cannot read image {os.fspath(path)}: {err}") from err
-
-
-class ImageListDataset(Dataset):
-    """A map-style dataset over ``(path, class_index)`` pairs.
-
-    Args:
-        samples: ``(path, class_index)`` pairs.
-        transform: applied to the RGB ``PIL.Image`` (e.g. from :func:`build_transforms`);
-            ``None`` returns the image itself.
-
-    Items are ``(transform(image), class_index)``.
-    """
-
-    def __init__(self, samples: Sequence[Sample], transform: Optional[Callable] = None, cache: bool = False):
-        self.samples = [(os.fspath(p), int(c)) for p, c in samples]
-        self.targets = [c for _, c in self.samples]
-        self.transform = transform
-        # Decode once, keep the RGB image: random augmentation still differs every epoch, but
-        # small datasets (digits, flowers at low resolution) stop paying JPEG/PNG decoding.
-        # Each DataLoader worker holds its own cache, so use it with few workers.
-        self._cache: Optional[dict] = {} if cache else None
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int):
-        path, label = self.samples[index]
-        if self._cache is None:
-            image = load_rgb(path)
-        else:
-            image = self._cache.get(index)
-            if image is None:
-                image = self._cache[index] = load_rgb(path)
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, label
-
-
-# ---------------------------------------------------------------------------- loader processes
-def loader_context() -> Optional[str]:
-    """Start method of nbddp's DataLoader workers: ``"fork"`` where the platform has it.
-
-    A forked worker is a copy of the rank with torch already imported: its first batch comes in
-    milliseconds, where a spawned or forkserver-started one first imports torch (seconds each).
-    Workers never touch CUDA, so forking a rank that uses a GPU is safe.
-    """
-    import multiprocessing
-
-    return "fork" if "fork" in multiprocessing.get_all_start_methods() else None
-
-
-class DieWithParent:
-    """``worker_init_fn`` that ends a DataLoader worker when the process that started it dies.
-
-    A rank killed with SIGKILL (the kernel died, the OOM killer) cannot end its workers itself;
-    with Linux's parent-death signal they follow it at once, under any launcher.
-    """
-
-    def __init__(self):
-        self.parent = os.getpid()  # the loader's process, recorded where the loader is built
-
-    def __call__(self, worker_id: int) -> None:
-        from ...rank.runtime import set_parent_death_signal
-
-        set_parent_death_signal(self.parent)
-
-
-def loader_processes(num_workers: int) -> dict:
-    """The DataLoader keyword arguments that start ``num_workers`` worker processes well."""
-    if num_workers <= 0:
-        return {"num_workers": 0}
-    return {"num_workers": num_workers, "multiprocessing_context": loader_context(), "worker_init_fn": DieWithParent()}
-
-
-def item_seed(seed: int, epoch: int, index: int) -> int:
-    """Seed of one sample's augmentation: a function of (seed, epoch, sample index) alone."""
-    # splitmix64 over the three numbers: nearby inputs give unrelated seeds.
-    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (2**64 - 1)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    return (x ^ (x >> 31)) & (2**63 - 1)
-
-
-class SeededSampler(Sampler):
-    """Wraps a sampler to yield ``(index, seed)`` pairs for :class:`SeededDataset`.
-
-    The seed depends on ``(seed, epoch, index)`` only, where the epoch is the wrapped sampler's
-    (``DistributedSampler.set_epoch``). So each image's random crop is the same whichever worker
-    process draws it, however many workers there are, and whether the workers persist between
-    epochs or not: a resumed run sees exactly what an uninterrupted one sees.
-    """
-
-    def __init__(self, sampler: Sampler, seed: int):
-        self.sampler, self.seed = sampler, seed
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        epoch = getattr(self.sampler, "epoch", 0)
-        return ((i, item_seed(self.seed, epoch, i)) for i in self.sampler)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-
-class SkipSampler(Sampler):
-    """Wraps a sampler so that one pass can leave out its first items: a resumed epoch's batches already done.
-
-    ``skip(n)`` drops the first ``n`` items of the *next* pass only; ``len()`` is what remains of
-    it, so a ``DataLoader`` (or :class:`nbddp.tasks.classification.tensor_data.TensorBatches`) over this sampler has
-    exactly the remaining steps, and a ``drop_last`` loader that skips ``steps * batch_size``
-    items yields the very batches an uninterrupted pass would have yielded after ``steps``. The
-    pass ends at the next ``set_epoch`` or the next iteration, after which nothing is skipped.
-    Everything else (``set_epoch``, ``epoch``) is the wrapped sampler's.
-
-    Example:
-        >>> sampler = SkipSampler(DistributedSampler(ds, num_replicas=2, rank=0))
-        >>> sampler.set_epoch(3)
-        >>> sampler.skip(5 * batch_size)        # epoch 3 resumes at its step 5
-        >>> loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=True)
-    """
-
-    def __init__(self, sampler: Sampler):
-        self.sampler = sampler
-        self._skip = 0
-        self._state = "done"  # "armed" (next pass skips), "active" (this pass skips), "done"
-
-    def skip(self, n: int) -> None:
-        """Leave out the first ``n`` items of the next pass (``0``: leave out nothing)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"SkipSampler.skip({n!r}): need an integer >= 0")
-        self._skip, self._state = n, "armed" if n else "done"
-
-    @property
-    def skipping(self) -> int:
-        """Items the next (or current) pass leaves out."""
-        return self._skip if self._state != "done" else 0
-
-    @property
-    def epoch(self) -> int:
-        return getattr(self.sampler, "epoch", 0)
-
-    def set_epoch(self, epoch: int) -> None:
-        if self._state == "active":
-            self._state = "done"  # a new epoch is a new pass
-        self.sampler.set_epoch(epoch)
-
-    def __iter__(self) -> Iterator:
-        if self._state == "active":
-            self._state = "done"  # a second pass over the same epoch skips nothing
-        n = self.skipping
-        if self._state == "armed":
-            self._state = "active"
-        it = iter(self.sampler)
-        return itertools.islice(it, n, None) if n else it
-
-    def __len__(self) -> int:
-        return max(0, len(self.sampler) - self.skipping)
-
-
-class SeededDataset(Dataset):
-    """Reads ``(index, seed)`` keys: seeds torch and ``random`` with ``seed``, then returns ``dataset[index]``.
-
-    In the rank's own process (``num_workers=0``) the global random state is restored after the
-    item, so data loading leaves the training randomness alone.
-    """
-
-    def __init__(self, dataset: Dataset):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]):
-        import torch
-        from torch.utils.data import get_worker_info
-
-        index, seed = key
-        in_worker = get_worker_info() is not None
-        if not in_worker:
-            saved = torch.get_rng_state(), random.getstate()
-        # The CPU generator only, which the image transforms draw from: torch.manual_seed would
-        # also reseed every GPU generator (the training's dropout, in a GPU rank without loader
-        # workers) and, before CUDA starts, record a Python stack per call (5-8% of a CPU step).
-        torch.default_generator.manual_seed(seed)
-        random.seed(seed)
-        try:
-            return self.dataset[index]
-        finally:
-            if not in_worker:
-                torch.set_rng_state(saved[0])
-                random.setstate(saved[1])
-
-
 def resize_size(image_size: int) -> int:
     """Side the evaluation resize gives the shorter edge before the centre crop (224 -> 256)."""
     return int(image_size / 0.875)
-
-
-def loader_workers(world_size: int, at_least: int = 0) -> int:
-    """Data-loading processes per rank: the rank's share of the cores, less the rank itself (at most 16)."""
-    from ...contract.system import cpu_cores
-
-    return max(at_least, min(16, cpu_cores() // max(world_size, 1) - 1))
 
 
 def build_transforms(
@@ -659,40 +373,6 @@ def build_transforms(
         train.append(T.RandomHorizontalFlip())
     val = [T.Resize(resize_size(image_size)), T.CenterCrop(image_size)]
     return T.Compose(train + norm), T.Compose(val + norm)
-
-
-# ---------------------------------------------------------------------------- distribution
-class ShardSampler(Sampler[int]):
-    """Exact, disjoint shards of a dataset for distributed evaluation.
-
-    Rank ``r`` gets indices ``r, r + W, r + 2W, ...``: no padding and no duplicates, so the
-    shards together hold every index exactly once (their lengths differ by at most one).
-    Summing correct counts and sample counts over ranks then gives the exact accuracy.
-
-    Why not ``DistributedSampler``: it pads the index list by repeating its first samples until
-    the length divides by the world size, so some images are scored twice while the reference
-    script divides by ``len(dataset)``: the accuracy is off, and can even exceed 100% on a tiny
-    set. (Its ``drop_last=True`` instead skips samples.) Neither is an exact evaluation.
-
-    Args:
-        dataset_len: number of items in the dataset.
-        rank: this process's rank, ``0 <= rank < world_size``.
-        world_size: number of processes.
-    """
-
-    def __init__(self, dataset_len: int, rank: int, world_size: int):
-        if world_size < 1 or not 0 <= rank < world_size or dataset_len < 0:
-            raise ValueError(
-                f"ShardSampler(dataset_len={dataset_len}, rank={rank}, world_size={world_size}): "
-                "need dataset_len >= 0, world_size >= 1 and 0 <= rank < world_size"
-            )
-        self.indices = range(rank, dataset_len, world_size)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
 
 
 def rank_share(n_train: int, world_size: int) -> int:
@@ -818,6 +498,7 @@ __all__ = [
     "item_seed",
     "loader_context",
     "loader_processes",
+    "loader_workers",
     "load_rgb",
     "rank_share",
     "scan_class_folders",

@@ -17,14 +17,12 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
 
-from . import data as D
-from . import data_record
+from .pipelines import TaskData, load_data
 from ...contract import rundir
 from ...contract.checkpoint import BackgroundSaver, atomic_save, export_weights, load_checkpoint
 from ...contract.config import TrainConfig
@@ -53,26 +51,6 @@ def _seed_epoch(seed: int, epoch: int, rank: int) -> None:
     s = (seed * 1_000_003 + epoch * 1_009 + rank) % (2**31)
     torch.manual_seed(s)
     random.seed(s)
-
-
-@dataclass
-class _Loaders:
-    """This rank's loaders; the transforms are batch transforms run on the device (tensor pipeline), else None."""
-
-    sampler: D.SkipSampler  # the training order: set_epoch every epoch, skip(n) to resume in the middle of one
-    train: Any
-    val: Any
-    train_transform: Optional[Callable] = None
-    val_transform: Optional[Callable] = None
-
-
-@dataclass
-class _Data:
-    classes: List[str]
-    num_classes: int
-    train_samples: list
-    val_samples: list
-    loaders: _Loaders
 
 
 @dataclass
@@ -111,90 +89,6 @@ class _Progress:
     # Seconds the training path spent on checkpoints since the last epoch record (a fixed cost).
     checkpoint_s: float = 0.0
     rng: Optional[list] = None
-
-
-def _loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
-    """The loaders of the configured pipeline: decoded tensors on the device, or PIL images per item."""
-    if cfg.data_pipeline == "tensor":
-        return _tensor_loaders(cfg, ctx, train_s, val_s)
-    if cfg.data_pipeline == "decode":
-        return _decode_loaders(cfg, ctx, train_s, val_s)
-    cuda = ctx.device.type == "cuda"
-    train_tf, val_tf = D.build_transforms(cfg.image_size, cfg.crop_scale, cfg.hflip)
-    train_ds = D.ImageListDataset(train_s, train_tf, cache=cfg.cache_images)
-    val_ds = D.ImageListDataset(val_s, val_tf, cache=cfg.cache_images)
-    workers = cfg.num_workers
-    if workers is None:
-        # On CPU the ranks already use every core for compute; on GPU feed them from the rest.
-        workers = D.loader_workers(ctx.world_size, at_least=1) if cuda else 0
-    # DistributedSampler gives each rank a disjoint shard, reshuffled by set_epoch every epoch.
-    sampler = DistributedSampler(train_ds, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
-    # Each image's augmentation is seeded by (seed, epoch, index): the same with any number of
-    # workers, and with workers that persist between epochs (their own seeds are drawn once).
-    # A resumed epoch leaves out the batches done before the checkpoint (SkipSampler).
-    order = D.SkipSampler(D.SeededSampler(sampler, cfg.seed))
-    # Forked (not spawned: no torch import per worker), dying with the rank, and kept between
-    # epochs: re-creating them costs a fork and the first batches' latency every epoch.
-    common = dict(pin_memory=cuda, persistent_workers=cfg.persistent_workers and workers > 0,
-                  **D.loader_processes(workers))
-    # drop_last: a tiny final batch gives noisy BatchNorm statistics and uneven step counts.
-    # Its own generator: a DataLoader draws its workers' base seed whenever it starts a pass,
-    # from torch's global generator by default, which training draws from too (dropout); a run
-    # resumed in the middle of an epoch starts a pass where an uninterrupted one does not.
-    train_loader = DataLoader(D.SeededDataset(train_ds), batch_size=cfg.batch_size, sampler=order, drop_last=True,
-                              generator=torch.Generator().manual_seed(cfg.seed), **common)
-    val_loader = DataLoader(val_ds, batch_size=cfg.batch_size,
-                            sampler=D.ShardSampler(len(val_ds), ctx.rank, ctx.world_size), **common)
-    return _Loaders(order, train_loader, val_loader)
-
-
-def _decode_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
-    """Loader processes read the files' bytes; each batch is decoded and augmented on the device
-    (:mod:`nbddp.tasks.classification.decode_data`), every image seeded by (seed, epoch, image) as in the PIL pipeline."""
-    from . import decode_data as DD
-
-    cuda = ctx.device.type == "cuda"
-    workers = cfg.num_workers
-    if workers is None:  # reading bytes is light: a few processes feed a GPU
-        workers = min(4, D.loader_workers(ctx.world_size, at_least=1)) if cuda else 0
-    sampler = DistributedSampler(range(len(train_s)), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                 seed=cfg.seed)
-    order = D.SkipSampler(D.SeededSampler(sampler, cfg.seed))
-    common = dict(pin_memory=cuda, persistent_workers=cfg.persistent_workers and workers > 0,
-                  **D.loader_processes(workers))
-    train_loader, val_loader = DD.decode_loaders(train_s, val_s, order, cfg.batch_size,
-                                                 D.ShardSampler(len(val_s), ctx.rank, ctx.world_size), common,
-                                                 generator=torch.Generator().manual_seed(cfg.seed))
-    return _Loaders(order, train_loader, val_loader,
-                    DD.DeviceDecoder(ctx.device, cfg.image_size, True, cfg.crop_scale, cfg.hflip),
-                    DD.DeviceDecoder(ctx.device, cfg.image_size, False))
-
-
-def _tensor_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> _Loaders:
-    from . import tensor_data as TD
-
-    workers = D.loader_workers(ctx.world_size) if cfg.num_workers is None else cfg.num_workers
-    train_cache = TD.TensorCache(train_s, cfg.image_size, ctx.device, workers)
-    val_cache = TD.TensorCache(val_s, cfg.image_size, ctx.device, workers)
-    order = D.SkipSampler(DistributedSampler(train_cache, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                             seed=cfg.seed))
-    train_loader = TD.TensorBatches(train_cache, order, cfg.batch_size, drop_last=True)
-    val_loader = TD.TensorBatches(val_cache, D.ShardSampler(len(val_cache), ctx.rank, ctx.world_size),
-                                  cfg.batch_size)
-    return _Loaders(order, train_loader, val_loader,
-                    TD.BatchAugment(cfg.image_size, cfg.crop_scale, cfg.hflip), TD.CenterCropNormalize(cfg.image_size))
-
-
-def _load_data(cfg: TrainConfig, ctx) -> _Data:
-    classes, samples = D.scan_class_folders(cfg.data_path)
-    train_s, val_s = D.split_samples(samples, cfg.val_fraction, cfg.seed)
-    if ctx.is_main:
-        rundir.write_class_indices(ctx.run_dir, classes)
-        data_record.write(ctx.run_dir, data_record.describe(str(cfg.data_path), classes, samples, cfg.val_fraction,
-                                                            cfg.seed))
-        print(f"data: {len(classes)} classes, {len(train_s)} train / {len(val_s)} val images; "
-              f"{ctx.world_size} x {ctx.device.type} ({ctx.backend})", flush=True)
-    return _Data(classes, cfg.num_classes or len(classes), train_s, val_s, _loaders(cfg, ctx, train_s, val_s))
 
 
 def _build(cfg: TrainConfig, ctx, num_classes: int) -> _Trainer:
@@ -422,7 +316,7 @@ def _checkpoint(t: _Trainer, progress: _Progress, epoch: int, cfg: TrainConfig, 
 
 def train(ctx, cfg: TrainConfig) -> dict:
     """Train, evaluate exactly, checkpoint, export. Returns a small summary (rank 0's is kept)."""
-    data = _load_data(cfg, ctx)
+    data = load_data(cfg, ctx)
     t = _build(cfg, ctx, data.num_classes)
     progress = _resume(cfg, ctx, t)
     if ctx.is_main:
@@ -443,7 +337,7 @@ def train(ctx, cfg: TrainConfig) -> dict:
     return _final_pass(cfg, ctx, data, t, progress)
 
 
-def _train_epochs(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress, writer) -> None:
+def _train_epochs(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: _Progress, writer) -> None:
     """Epochs from ``progress.start_epoch`` on: train, validate, log, save; a stop request ends them."""
     steps_per_epoch = len(data.loaders.train)  # before a resumed epoch leaves out its first batches
     # Mid-epoch checkpoints at most every checkpoint_every_s: rank 0 keeps the time, and every
@@ -535,7 +429,7 @@ class _CheckpointClock:
         return self.every_s > 0 and time.monotonic() - self.last >= self.every_s
 
 
-def _continue_epoch(cfg: TrainConfig, ctx, data: _Data, progress: _Progress) -> Optional[EpochStats]:
+def _continue_epoch(cfg: TrainConfig, ctx, data: TaskData, progress: _Progress) -> Optional[EpochStats]:
     """Resuming in the middle of this epoch: leave out the batches done, restore this rank's random state.
 
     Called after the epoch's shuffle and seeding, so the rest of the epoch draws what an
@@ -578,7 +472,7 @@ def _gather_rng_states(ctx) -> Optional[list]:
     return states
 
 
-def _save_mid_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress, epoch: int,
+def _save_mid_epoch(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: _Progress, epoch: int,
                     done: EpochStats) -> None:
     """Collective: last.pt in the middle of ``epoch``, after ``done.steps`` steps, with every rank's random state.
 
@@ -665,7 +559,7 @@ def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int
     return improved
 
 
-def _save_epoch(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress, epoch: int,
+def _save_epoch(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: _Progress, epoch: int,
                 improved: bool) -> None:
     """Rank 0 saves last.pt (and best.pt); every rank raises if that failed, the rest PeerError."""
     whole = _whole_states(cfg, ctx, t)
@@ -699,7 +593,7 @@ def _wait_for_checkpoints(ctx, t: _Trainer) -> None:
     agree_on_error(error, "writing the last checkpoint")
 
 
-def _final_pass(cfg: TrainConfig, ctx, data: _Data, t: _Trainer, progress: _Progress) -> dict:
+def _final_pass(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: _Progress) -> dict:
     """Evaluate the best weights (the exported model's own validation predictions) and export them."""
     summary = {"run_dir": str(ctx.run_dir), "classes": list(data.classes), "best_accuracy": progress.best,
                "best_epoch": progress.best_epoch, "metrics": progress.history, "stopped": progress.stopped,
@@ -735,7 +629,7 @@ def _interrupted(ctx) -> bool:
     return False
 
 
-def _export(cfg: TrainConfig, ctx, data: _Data, best_state, best_epoch: int, final) -> Path:
+def _export(cfg: TrainConfig, ctx, data: TaskData, best_state, best_epoch: int, final) -> Path:
     """Rank 0: the export folder and val_predictions.json; returns the exported .pth."""
     meta = {"model": cfg.model, "num_classes": data.num_classes, "image_size": cfg.image_size,
             "epoch": best_epoch, "val_accuracy": final.accuracy}
