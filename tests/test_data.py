@@ -335,6 +335,7 @@ def test_make_digits_is_byte_identical(tmp_path):
 
 def test_cached_dataset_decodes_once_and_still_augments(tmp_path, monkeypatch):
     import nbddp.tasks.classification.data as D
+    import nbddp.tasks.classification.images as images
     from PIL import Image
 
     for c in ("a", "b"):
@@ -343,7 +344,7 @@ def test_cached_dataset_decodes_once_and_still_augments(tmp_path, monkeypatch):
     _, samples = D.scan_class_folders(tmp_path)
     calls = []
     real = D.load_rgb
-    monkeypatch.setattr(D, "load_rgb", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(images, "load_rgb", lambda p: calls.append(p) or real(p))
     train_tf, _ = D.build_transforms(8, crop_scale=0.2)
     ds = D.ImageListDataset(samples, train_tf, cache=True)
     first = [ds[i][0] for i in range(2)] + [ds[i][0] for i in range(2)]
