@@ -64,6 +64,7 @@ def main():
                                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                                 "world": world, "threads": torch.get_num_threads()}) + "\n")
     if distributed:
+        dist.barrier()  # every rank is done with the group before any leaves it (gloo may abort otherwise)
         dist.destroy_process_group()
 
 

@@ -25,6 +25,7 @@ def _step(rank, world, out):
     if rank == 0:
         with open(out, "w") as f:
             f.write(str(time.time()))
+    dist.barrier()  # every rank is done with the group before any leaves it (gloo may abort otherwise)
     dist.destroy_process_group()
 
 
