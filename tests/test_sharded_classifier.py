@@ -27,11 +27,13 @@ def runs(tmp_path_factory):
     resumed.last = load_checkpoint(resumed.run_dir / "checkpoints" / "last.pt")  # before the next launch goes on
     # On 1 process, and under DDP: the checkpoint keeps the whole model, its optimizer state by name.
     on_one = spawn_train(cfg.replace(name="cut", resume=True, nprocs=1, epochs=2, strategy="ddp"), echo=False)
+    # And back: that DDP checkpoint (its optimizer's groups say fused=True) continues sharded on two.
+    back = spawn_train(cfg.replace(name="cut", resume=True, epochs=3), echo=False)
     # Out of memory on rank 1 at step 2: restarted from the mid-epoch checkpoint with half the batch and
     # twice the accumulation (FSDP's gradients then stay unsharded until a group's last batch).
     oom = spawn_train(cfg.replace(name="oom", checkpoint_every_s=0.001, oom="halve"), echo=False,
                       env=fault_env("step0.2:1:oom"), restart_backoff_s=0)
-    return cfg, straight, cut, resumed, on_one, oom
+    return cfg, straight, cut, resumed, on_one, oom, back
 
 
 def test_a_sharded_run_learns_and_exports_one_plain_state_dict(runs):
@@ -65,6 +67,14 @@ def test_a_checkpoint_of_two_sharded_ranks_continues_on_one_under_ddp(runs):
     assert [m["epoch"] for m in on_one.metrics] == [0, 1] and on_one.world_size == 1
     log = (on_one.run_dir / "logs" / "rank0.log").read_text()
     assert "resumed from" in log and "at epoch 1" in log
+
+
+def test_a_ddp_checkpoint_continues_sharded_on_two(runs):
+    """The DDP run stepped with torch's fused kernel; FSDP's sharded parameters have none, so the
+    resumed optimizer steps as this run does, whatever the checkpoint's groups say."""
+    back = runs[6]
+    assert [m["epoch"] for m in back.metrics] == [0, 1, 2] and back.world_size == 2
+    assert "at epoch 2" in (back.run_dir / "logs" / "rank0.log").read_text()
 
 
 def test_out_of_memory_restarts_a_sharded_run_with_half_the_batch(runs):

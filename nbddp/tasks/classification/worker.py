@@ -152,14 +152,22 @@ def _fused(device: torch.device, sharded: bool) -> dict:
     return {"fused": True} if device.type in _get_fused_kernels_supported_devices() else {}
 
 
+def with_this_runs_step(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """``state`` (an optimizer's, from a checkpoint) with each group's ``fused`` set to how this run's
+    ``optimizer`` steps. torch takes ``fused`` from the file and places a step counter by it (on
+    the device for a fused AdamW): a checkpoint of a default step resumed fused would fail on a
+    GPU (step on the CPU), one of a fused DDP run resumed under FSDP would run the fused kernel on
+    sharded tensors (which it has none for), one from before the fused step would resume slower."""
+    if not state or "param_groups" not in state:  # a rank that receives it from rank 0
+        return state
+    kernels = [group.get("fused") for group in optimizer.param_groups]
+    return {**state, "param_groups": [{**saved, "fused": kernel}
+                                      for saved, kernel in zip(state["param_groups"], kernels)]}
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """``optimizer.load_state_dict(state)``, keeping how this run steps: torch takes a group's
-    ``fused`` from the checkpoint, so a run saved before the fused step (or on another device)
-    would resume on the slower default."""
-    fused = [group.get("fused") for group in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for group, kernel in zip(optimizer.param_groups, fused):
-        group["fused"] = kernel
+    """``optimizer.load_state_dict(state)``, stepping as this run steps (:func:`with_this_runs_step`)."""
+    optimizer.load_state_dict(with_this_runs_step(state, optimizer))
 
 
 #: The ``torch.compile`` backend of ``TrainConfig(compile=True)``: inductor unless this variable
@@ -201,7 +209,7 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
     optimizer_state = optimizer_state_as(ck["optimizer"], t.model, by_name=cfg.strategy == "fsdp")
     if cfg.strategy == "fsdp":  # whole tensors, keyed by name: each rank keeps its shard (any world size)
         load_full_state_dict(t.model, ck["model"])
-        load_full_optimizer_state_dict(t.model, t.optimizer, optimizer_state)
+        load_full_optimizer_state_dict(t.model, t.optimizer, with_this_runs_step(optimizer_state, t.optimizer))
     else:
         t.model.load_state_dict(ck["model"])
         load_optimizer_state(t.optimizer, optimizer_state)
