@@ -173,7 +173,7 @@ def test_a_script_that_spawns_its_own_processes_runs_as_it_is(project, tmp_path,
     out = capsys.readouterr().out
     assert "rank 1 of 2, local rank 1" in (result.run_dir / "logs" / "spawned1.log").read_text()
     assert "[rank1] rank 1 of 2, local rank 1" in out, out
-    assert "argument 2 is a Namespace" in out, out
+    assert "argument 2 (Namespace) is not a plain value" in out, out
 
 
 def test_a_crash_and_a_stop_reach_every_process_a_launcher_script_started(project, tmp_path):
@@ -205,6 +205,16 @@ def test_a_crash_and_a_stop_reach_every_process_a_launcher_script_started(projec
     assert (out / "finally0").exists() and (out / "finally1").exists()
     assert time.time() - t0 < handle.grace_s + 2
     assert len(pids) >= 3 and not survivors(pids), survivors(pids)
+
+    # join=False and a script that returns without joining: `python script.py` waits for them at its
+    # exit, and so does the launcher (nothing it started is cut short).
+    for f in out.iterdir():
+        f.unlink()
+    (project / "no_join.py").write_text(SPAWNER.replace("time.sleep(120)", "time.sleep(1.5)").replace(
+        "mp.spawn(work, args=(sys.argv[1], sys.argv[2]), nprocs=2)",
+        "mp.start_processes(work, args=(sys.argv[1], sys.argv[2]), nprocs=2, join=False)"))
+    result = spawn_train("no_join.py", argv=["wait", str(out)], runs_dir=runs, echo=False)
+    assert (out / "finally0").exists() and (out / "finally1").exists() and not result.stopped
 
 
 def test_a_spawn_a_rank_reaches_behind_a_condition_is_refused_once_at_the_users_line(project, tmp_path):

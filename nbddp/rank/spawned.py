@@ -17,7 +17,9 @@ The launcher is a child subreaper whose descendants nbddp ends and reaps at the 
 spawned outlives the run. A stop or an Interrupt raises ``KeyboardInterrupt`` in the launcher,
 waiting in ``join()``; it passes SIGINT to every live process so that their ``finally:`` blocks
 run, waits :data:`GRACE_S`, then SIGTERM, then SIGKILL, and re-raises. A process that fails is
-named, with its log, before torch's exception goes up through the script.
+named, with its log, before torch's exception goes up through the script. Processes started with
+``join=False`` that the script leaves unjoined are waited for when it returns, as ``python
+script.py`` waits for them at its exit (and ended as above when it raises).
 
 Worker side (the launcher and the processes it starts).
 """
@@ -25,13 +27,16 @@ Worker side (the launcher and the processes it starts).
 from __future__ import annotations
 
 import ast
+import codecs
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -40,8 +45,9 @@ from ..contract.conventions import MP_SPAWN, check_call
 from ..contract.errors import ConfigError
 from .logs import redirect_output
 
-#: Seconds the launcher's processes get to end on their own after an Interrupt reached them.
-GRACE_S = 2.0
+#: Seconds the launcher's processes get to end on their own after an Interrupt (SIGINT), then after
+#: SIGTERM: both within the kernel's own 3 s before it sends the launcher SIGTERM.
+GRACE_S = 1.0
 #: Seconds between two reads of the processes' logs.
 POLL_S = 0.1
 
@@ -65,13 +71,47 @@ class Spawned:
             raise
 
 
+#: One piece of output: a line, or a rewrite of the current line (a ``\r`` progress bar).
+_PIECE = re.compile(r"[^\r\n]*(?:\r\n|\n|\r)")
+
+
+def pieces_of(text: str, final: bool = False) -> tuple:
+    """``(pieces, rest)``: ``text`` cut after each ``\n``, ``\r\n`` or ``\r``, and what follows the last.
+
+    Only these end a piece (``str.splitlines`` also cuts at form feeds and Unicode separators,
+    which belong inside a line). A ``\r`` at the very end waits for the next read, since it may
+    be the start of ``\r\n``; ``final`` gives everything, a last line without its newline too.
+    """
+    pieces, pos = [], 0
+    for m in _PIECE.finditer(text):
+        if not final and m.end() == len(text) and m.group().endswith("\r"):
+            break
+        pieces.append(m.group())
+        pos = m.end()
+    rest = text[pos:]
+    if final and rest:
+        pieces.append(rest + "\n")
+        rest = ""
+    return pieces, rest
+
+
+class _Followed:
+    """One process's log as the echo reads it: where it is, and what of it is not shown yet."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0  # a later spawn appends to the log
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a read waits
+        self.rest = ""
+
+
 class LogEcho:
-    """Copies what the processes' logs gain into the launcher's output, each line prefixed with its
-    rank (a ``\\r`` progress line too, so the cell updates it in place)."""
+    """Copies what the processes' logs gain into the launcher's output, each piece prefixed with its
+    rank (a ``\r`` progress line too, so the cell updates it in place)."""
 
     def __init__(self, out: Callable[[str], None]):
         self._out = out
-        self._files: Dict[int, List[Any]] = {}  # index -> [path, offset, unfinished line]
+        self._files: Dict[int, _Followed] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -79,34 +119,31 @@ class LogEcho:
     def follow(self, paths: Sequence[Path]) -> None:
         with self._lock:
             for index, path in enumerate(paths):
-                if index not in self._files or self._files[index][0] != path:
-                    start = path.stat().st_size if path.exists() else 0  # a later spawn appends
-                    self._files[index] = [path, start, ""]
+                if index not in self._files or self._files[index].path != path:
+                    self._files[index] = _Followed(path)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="nbddp-spawned-echo", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
-            self.read()
+            try:
+                self.read()
+            except Exception:  # noqa: BLE001 - the output is in the logs whatever happens to the echo
+                pass
 
     def read(self, final: bool = False) -> None:
         with self._lock:
-            for index, entry in sorted(self._files.items()):
-                path, offset, rest = entry
+            for index, followed in sorted(self._files.items()):
                 try:
-                    with open(path, "rb") as f:
-                        f.seek(offset)
+                    with open(followed.path, "rb") as f:
+                        f.seek(followed.offset)
                         data = f.read()
                 except OSError:
                     continue
-                entry[1] = offset + len(data)
-                text = rest + data.decode("utf-8", "replace")
-                pieces = text.splitlines(keepends=True)
-                entry[2] = pieces.pop() if pieces and not pieces[-1].endswith(("\n", "\r")) else ""
-                if final and entry[2]:
-                    pieces.append(entry[2] + "\n")
-                    entry[2] = ""
+                followed.offset += len(data)
+                text = followed.rest + followed.decoder.decode(data, final=final)
+                pieces, followed.rest = pieces_of(text, final)
                 if pieces:
                     self._out("".join(f"[rank{index}] {piece}" for piece in pieces))
 
@@ -118,50 +155,88 @@ class LogEcho:
         self.read(final=True)
 
 
-def _write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+def _writer(stream: Any) -> Callable[[str], None]:
+    """Writes to ``stream``, the launcher's output when the script started (not a stream it swaps in)."""
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+    return write
 
 
 @contextlib.contextmanager
 def watch_spawns(run_dir: Path, script: str) -> Iterator[None]:
     """While the launcher runs ``script``, its ``torch.multiprocessing`` spawns are watched (see the module)."""
-    import torch
     import torch.multiprocessing as tmp
 
-    original = tmp.start_processes
-    echo = LogEcho(_write)
+    saved = tmp.spawn, tmp.start_processes
+    watch = _Watch(run_dir, script, saved[1])
+    tmp.spawn, tmp.start_processes = watch.spawn, watch.start_processes
+    try:
+        yield
+        watch.join_left()  # as `python script.py` waits at its exit for the processes it did not join
+    except BaseException:
+        watch.end_left()
+        raise
+    finally:
+        tmp.spawn, tmp.start_processes = saved
+        watch.echo.close()
 
-    def start_processes(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True,
+
+class _Watch:
+    """The launcher's ``spawn`` and ``start_processes``: torch's, each process wrapped and watched."""
+
+    def __init__(self, run_dir: Path, script: str, original: Callable[..., Any]):
+        self.run_dir, self.script, self.original = run_dir, script, original
+        self.echo = LogEcho(_writer(sys.stdout))
+        self.pid = os.getpid()
+        self.unjoined: List[tuple] = []  # (context, fn) of the script's join=False starts
+
+    def spawn(self, fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True,
+              daemon: bool = False, start_method: str = "spawn") -> Any:
+        if start_method != "spawn":  # as torch's own spawn: it warns and spawns
+            warnings.warn(f"torch.multiprocessing.spawn only supports start_method=spawn (got: {start_method}); "
+                          "use torch.multiprocessing.start_processes for another", FutureWarning, stacklevel=2)
+        return self.start_processes(fn, args, nprocs, join, daemon, "spawn")
+
+    def start_processes(self, fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True,
                         daemon: bool = False, start_method: str = "spawn") -> Any:
-        print(launch_notice(script, fn, args, nprocs), flush=True)
-        echo.follow([rundir.spawned_log(run_dir, i) for i in range(nprocs)])
+        import torch
+
+        if os.getpid() != self.pid:  # a forked process of the script's starts its own: torch's, unwatched
+            return self.original(fn, args, nprocs, join, daemon, start_method)
+        try:
+            print(launch_notice(self.script, fn, args, nprocs), flush=True)
+        except Exception:  # noqa: BLE001 - a notice never stands in the way of the script's own call
+            pass
+        self.echo.follow([rundir.spawned_log(self.run_dir, i) for i in range(nprocs)])
         threads = max(1, torch.get_num_threads() // max(nprocs, 1))
-        context = original(Spawned(fn, str(run_dir), threads), args, nprocs, join=False, daemon=daemon,
-                           start_method=start_method)
+        context = self.original(Spawned(fn, str(self.run_dir), threads), args, nprocs, join=False, daemon=daemon,
+                                start_method=start_method)
         if not join:
-            return context  # the script joins; the echo and the reaper still follow its processes
+            self.unjoined.append((context, fn))
+            return context  # the script joins it; the echo and the reaper follow its processes
+        self._join(context, fn)
+        return None
+
+    def _join(self, context: Any, fn: Callable[..., Any]) -> None:
         try:
             while not context.join():
                 pass
         except BaseException as exc:
-            _end(context.processes, exc, fn, run_dir)
+            _end(context.processes, exc, fn, self.run_dir)
             raise
         finally:
-            echo.read()
-        return None
+            self.echo.read()
 
-    def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
-              start_method: str = "spawn") -> Any:
-        return start_processes(fn, args, nprocs, join, daemon, start_method)
+    def join_left(self) -> None:
+        for context, fn in self.unjoined:
+            if any(not p.daemon for p in context.processes):
+                self._join(context, fn)
 
-    saved = tmp.spawn, tmp.start_processes
-    tmp.spawn, tmp.start_processes = spawn, start_processes
-    try:
-        yield
-    finally:
-        tmp.spawn, tmp.start_processes = saved
-        echo.close()
+    def end_left(self) -> None:
+        for context, fn in self.unjoined:
+            if any(p.is_alive() for p in context.processes):
+                _end(context.processes, KeyboardInterrupt(), fn, self.run_dir)
 
 
 def _end(processes: List[Any], exc: BaseException, fn: Callable[..., Any], run_dir: Path) -> None:
@@ -224,13 +299,16 @@ def function_form(script: str, fn: Callable[..., Any], args: tuple, nprocs: int)
     written = []
     for i, value in enumerate(args):
         text = repr(value)
+        if len(text) > 200:
+            return (f"spawn_train({f'{where}:{qualname}'!r}, ..., nprocs={nprocs}, call='mp.spawn'), with its "
+                    f"arguments after the rank: argument {i + 1} ({type(value).__name__}) is too long to write here")
         try:
             if ast.literal_eval(text) != value:
                 raise ValueError
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             return (f"spawn_train({f'{where}:{qualname}'!r}, ..., nprocs={nprocs}, call='mp.spawn'), with its "
-                    f"arguments after the rank: argument {i + 1} is a {type(value).__name__}, which a launch "
-                    "from the notebook would build itself (plain values cross to the processes)")
+                    f"arguments after the rank: argument {i + 1} ({type(value).__name__}) is not a plain value, "
+                    "which a launch from the notebook would build itself (plain values cross to the processes)")
         written.append(text)
     try:  # the kernel's own check of such a launch, so that the call shown is one that starts
         check_call(fn, MP_SPAWN, args, {}, qualname)
