@@ -58,6 +58,7 @@ kernel    ``kernel.sweep``, ``kernel.slots``,   ``nbddp.sweep``: Optuna trials o
           ``kernel.study``, ``kernel.trials``   in SQLite in the runs folder; one trial's launch, pruning and end
 kernel    ``ui``                                ``TrainingPanel``, charts, TensorBoard, a sweep's live table
 rank      ``rank.runtime``                      a rank's entry: ``Context``, heartbeats, error records
+rank      ``rank.process``                      what makes a process a rank: parent-death signal, own group, subreaper, forks
 rank      ``rank.calls``                        how a rank calls ctx, mp.spawn and torchrun functions, and scripts
 rank      ``rank.spawned``                      a script that spawns its own processes: their logs, echo and end
 rank      ``rank.logs``                         a process's output in its private log file
@@ -109,7 +110,7 @@ SIDES = {
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel",
-    "rank": "rank", "rank.runtime": "rank", "rank.heartbeat": "rank", "rank.rank_errors": "rank",
+    "rank": "rank", "rank.runtime": "rank", "rank.process": "rank", "rank.heartbeat": "rank", "rank.rank_errors": "rank",
     "rank.elastic": "rank", "rank.dist": "rank", "rank.engine": "rank", "rank.sync_bn": "rank",
     "rank.calls": "rank", "rank.spawned": "rank", "rank.logs": "rank", "rank.debugger": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
     "rank.profiling": "rank", "rank.trackers": "rank",

@@ -125,6 +125,26 @@ def test_ddp_buffer_option_is_accepted_without_deprecation_warnings():
         dist.destroy_process_group()
 
 
+def test_gradients_live_in_ddps_buckets_on_gpus_only():
+    """On GPUs the bucket views save a gradient-sized buffer of GPU memory; on CPU ranks they slow
+    the backward (ResNet18 on 2 gloo ranks: 131-143 ms against 125-132 ms), so they are off."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from nbddp.rank.dist import ddp_options
+
+    assert ddp_options(torch.device("cuda", 0))["gradient_as_bucket_view"] is True
+    assert ddp_options(torch.device("cpu"))["gradient_as_bucket_view"] is False
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = DDP(torch.nn.Linear(3, 2), **ddp_options(torch.device("cpu")))  # torch takes them as they are
+        model(torch.randn(4, 3)).sum().backward()
+        assert model.module.weight.grad is not None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_checkpoints_in_the_middle_of_an_epoch_and_a_resumed_epoch_continue_its_steps():
     import torch
 

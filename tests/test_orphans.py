@@ -127,9 +127,9 @@ def test_loader_workers_end_with_their_ranks_main_thread(runs_dir):
 
 _LATE_CHILD = """
 import ctypes, os, platform, threading, time
-from nbddp.rank import runtime
+from nbddp.rank import process
 os.register_at_fork(after_in_child=lambda: time.sleep(1.0))  # runs before the rank's own hook
-runtime.fork_children()
+process.fork_children()
 threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
 pid = os.fork()
 if pid == 0:

@@ -1,7 +1,7 @@
 """Where is each rank? Every rank's Python stack, on demand and when a run hangs or fails.
 
 Each rank registers ``faulthandler`` on :data:`~nbddp.contract.protocol.STACK_SIGNAL`, writing every
-thread's stack to ``logs/rank<r>.stacks.log`` (``runtime._stacks_on_signal``). The kernel sends
+thread's stack to ``logs/rank<r>.stacks.log`` (``nbddp.rank.process.stacks_on_signal``). The kernel sends
 the signal, reads what each file gained and names, per rank, the innermost frame of the code
 that trains (the worker's own, or nbddp's engine for the built-in worker) and the collective it
 waits in, if any: "rank 1 is in `load_batch` (my_worker.py:42); rank 0 is in `train`

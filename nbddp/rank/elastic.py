@@ -30,7 +30,8 @@ from ..contract.errors import ConfigError
 from ..contract.config import STRATEGY_ENV
 from ..contract.private import compile_cache_env, open_private_file
 from ..contract.system import cpu_cores, start_time
-from .runtime import Context, run_rank, run_rank_hook
+from .process import run_rank_hook
+from .runtime import Context, run_rank
 from ..contract.plans import LaunchPlan
 from ..contract.observe import check_trackers, tracker_plan
 

@@ -1,7 +1,7 @@
 """The fault matrix, injected through nbddp's per-rank start-up hook (``NBDDP_RANK_HOOK``).
 
 ``NBDDP_FAULT`` lists ``"<where>:<rank>:<action>"`` items, comma-separated; :func:`install` runs
-first thing in every rank (``nbddp.rank.runtime.run_rank_hook``) and arms the items of its own rank by
+first thing in every rank (``nbddp.rank.process.run_rank_hook``) and arms the items of its own rank by
 wrapping what the rank calls at that point. ``conftest.fault_env(spec)`` builds the environment
 that turns it on. Nothing here is in nbddp's own code paths.
 

@@ -37,7 +37,7 @@ class DieWithParent:
         self.parent = os.getpid()  # the loader's process, recorded where the loader is built
 
     def __call__(self, worker_id: int) -> None:
-        from ...rank.runtime import set_parent_death_signal
+        from ...rank.process import set_parent_death_signal
 
         set_parent_death_signal(self.parent)
 
