@@ -215,6 +215,18 @@ def test_a_crash_and_a_stop_reach_every_process_a_launcher_script_started(projec
         "mp.start_processes(work, args=(sys.argv[1], sys.argv[2]), nprocs=2, join=False)"))
     result = spawn_train("no_join.py", argv=["wait", str(out)], runs_dir=runs, echo=False)
     assert (out / "finally0").exists() and (out / "finally1").exists() and not result.stopped
+    # Two starts running side by side: each process keeps a log of its own.
+    (project / "two_groups.py").write_text(
+        "import sys, time\nimport torch.multiprocessing as mp\n\n\ndef work(rank, tag):\n"
+        "    time.sleep(0.5)\n    print(f'{tag} process {rank}', flush=True)\n\n\n"
+        "if __name__ == '__main__':\n    a = mp.start_processes(work, args=('first',), nprocs=2, join=False)\n"
+        "    b = mp.start_processes(work, args=('second',), nprocs=2, join=False)\n"
+        "    a.join()\n    b.join()\n")
+    logs = spawn_train("two_groups.py", runs_dir=runs, echo=False).run_dir / "logs"
+    assert [(logs / f"spawned{i}.log").read_text().strip() for i in (0, 1)] == ["first process 0", "first process 1"]
+    assert [(logs / f"spawned{i}-1.log").read_text().strip() for i in (0, 1)] == ["second process 0",
+                                                                                    "second process 1"]
+    assert "[group1.rank1] second process 1" in (logs / "rank0.log").read_text()
 
 
 def test_a_spawn_a_rank_reaches_behind_a_condition_is_refused_once_at_the_users_line(project, tmp_path):

@@ -20,7 +20,7 @@ def test_a_read_that_cuts_a_character_or_a_crlf_changes_nothing(tmp_path):
     echo._files = {}  # follow without the thread: reads are made by hand below
     from nbddp.rank.spawned import _Followed
 
-    echo._files[1] = _Followed(log)
+    echo._files["rank1"] = _Followed(log)
     text = "température 1\r\nprogress 50%\rprogress 100%\nfin".encode()
     cut = text.index("é".encode()) + 1  # inside the two bytes of "é"
     crlf = text.index(b"\r\n") + 1      # between \r and \n

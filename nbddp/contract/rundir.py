@@ -96,7 +96,7 @@ NAME_RULE = (f"must be 1-{NAME_MAX} characters of ASCII letters, digits and ._- 
 
 #: What the logs folder holds, for messages about it.
 RUN_LOGS = "the run's logs (every rank's output)"
-_RANK_LOG = re.compile(r"(rank|spawned)\d+\.log")
+_RANK_LOG = re.compile(r"rank\d+\.log|spawned\d+(-\d+)?\.log")
 #: Folder names given to runs: ``<YYYYmmdd-HHMMSS>-<name>``, then ``-2``, ``-3``...
 _STAMPED_RUN = re.compile(r"(\d{8}-\d{6})-(.+?)(?:-(\d+))?\Z")
 
@@ -146,9 +146,10 @@ def rank_log(run_dir: PathLike, rank: int) -> Path:
     return logs_dir(run_dir) / f"rank{rank}.log"
 
 
-def spawned_log(run_dir: PathLike, index: int) -> Path:
-    """The log of process ``index`` that a launcher script started itself (:mod:`nbddp.rank.spawned`)."""
-    return logs_dir(run_dir) / f"spawned{index}.log"
+def spawned_log(run_dir: PathLike, index: int, group: int = 0) -> Path:
+    """The log of process ``index`` that a launcher script started itself (:mod:`nbddp.rank.spawned`);
+    ``group`` numbers a start made while an earlier one still runs (``join=False``)."""
+    return logs_dir(run_dir) / (f"spawned{index}.log" if group == 0 else f"spawned{index}-{group}.log")
 
 
 def log_sizes(run_dir: PathLike, world_size: int) -> Dict[int, int]:

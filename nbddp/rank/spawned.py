@@ -55,20 +55,39 @@ POLL_S = 0.1
 class Spawned:
     """The function a script spawns, as one watched process runs it: ``fn(index, *args)``."""
 
-    def __init__(self, fn: Callable[..., Any], run_dir: str, threads: int):
-        self.fn, self.run_dir, self.threads = fn, run_dir, threads
+    def __init__(self, fn: Callable[..., Any], run_dir: str, threads: int, group: int = 0):
+        self.fn, self.run_dir, self.threads, self.group = fn, run_dir, threads, group
 
     def __call__(self, index: int, *args: Any) -> Any:
-        redirect_output(rundir.spawned_log(self.run_dir, index))
+        redirect_output(rundir.spawned_log(self.run_dir, index, self.group))
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(self.threads)
         import torch
 
         torch.set_num_threads(self.threads)
         try:
-            return self.fn(index, *args)
+            self.fn(index, *args)  # torch's spawn drops what it returns
         except Exception:
             traceback.print_exc()  # torch hands it to the launcher only; the log keeps it too
             raise
+        _leave()
+
+
+def _leave() -> None:
+    """End a process that returned, as a rank ends: Python's own exit steps (its threads joined,
+    ``atexit`` run, output flushed), then ``os._exit(0)``, without the C++ teardown. torch 2.14's
+    gloo can abort there ("terminate called without an active exception": SIGABRT after a clean
+    run, about one ``python multigpu.py`` in ten on this 2-core machine even with a barrier
+    before ``destroy_process_group``), which mp.spawn reports as the process's failure."""
+    import atexit
+
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()  # the non-daemon threads the code started, as the interpreter waits for them
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 #: One piece of output: a line, or a rewrite of the current line (a ``\r`` progress bar).
@@ -111,16 +130,16 @@ class LogEcho:
 
     def __init__(self, out: Callable[[str], None]):
         self._out = out
-        self._files: Dict[int, _Followed] = {}
+        self._files: Dict[str, _Followed] = {}  # by the label its pieces carry
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
-    def follow(self, paths: Sequence[Path]) -> None:
+    def follow(self, paths: Sequence[Path], labels: Sequence[str]) -> None:
         with self._lock:
-            for index, path in enumerate(paths):
-                if index not in self._files or self._files[index].path != path:
-                    self._files[index] = _Followed(path)
+            for label, path in zip(labels, paths):
+                if label not in self._files or self._files[label].path != path:
+                    self._files[label] = _Followed(path)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="nbddp-spawned-echo", daemon=True)
             self._thread.start()
@@ -134,7 +153,7 @@ class LogEcho:
 
     def read(self, final: bool = False) -> None:
         with self._lock:
-            for index, followed in sorted(self._files.items()):
+            for label, followed in self._files.items():
                 try:
                     with open(followed.path, "rb") as f:
                         f.seek(followed.offset)
@@ -145,7 +164,7 @@ class LogEcho:
                 text = followed.rest + followed.decoder.decode(data, final=final)
                 pieces, followed.rest = pieces_of(text, final)
                 if pieces:
-                    self._out("".join(f"[rank{index}] {piece}" for piece in pieces))
+                    self._out("".join(f"[{label}] {piece}" for piece in pieces))
 
     def close(self) -> None:
         """Stop following; what the logs hold that was not shown yet is shown now."""
@@ -190,6 +209,7 @@ class _Watch:
         self.echo = LogEcho(_writer(sys.stdout))
         self.pid = os.getpid()
         self.unjoined: List[tuple] = []  # (context, fn) of the script's join=False starts
+        self.starts: List[Any] = []      # every start's context
 
     def spawn(self, fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True,
               daemon: bool = False, start_method: str = "spawn") -> Any:
@@ -208,10 +228,16 @@ class _Watch:
             print(launch_notice(self.script, fn, args, nprocs), flush=True)
         except Exception:  # noqa: BLE001 - a notice never stands in the way of the script's own call
             pass
-        self.echo.follow([rundir.spawned_log(self.run_dir, i) for i in range(nprocs)])
+        # A start after the earlier ones ended appends to their logs; one beside a start that still
+        # runs (join=False) gets logs, and labels, of its own.
+        group = len(self.starts) if any(p.is_alive() for c in self.starts for p in c.processes) else 0
+        labels = [f"rank{i}" if group == 0 else f"group{group}.rank{i}" for i in range(nprocs)]
+        self.echo.follow([rundir.spawned_log(self.run_dir, i, group) for i in range(nprocs)], labels)
         threads = max(1, torch.get_num_threads() // max(nprocs, 1))
-        context = self.original(Spawned(fn, str(self.run_dir), threads), args, nprocs, join=False, daemon=daemon,
-                                start_method=start_method)
+        context = self.original(Spawned(fn, str(self.run_dir), threads, group), args, nprocs, join=False,
+                                daemon=daemon, start_method=start_method)
+        context.nbddp_group = group  # which logs its processes write
+        self.starts.append(context)
         if not join:
             self.unjoined.append((context, fn))
             return context  # the script joins it; the echo and the reaper follow its processes
@@ -223,7 +249,7 @@ class _Watch:
             while not context.join():
                 pass
         except BaseException as exc:
-            _end(context.processes, exc, fn, self.run_dir)
+            _end(context, exc, fn, self.run_dir)
             raise
         finally:
             self.echo.read()
@@ -236,15 +262,17 @@ class _Watch:
     def end_left(self) -> None:
         for context, fn in self.unjoined:
             if any(p.is_alive() for p in context.processes):
-                _end(context.processes, KeyboardInterrupt(), fn, self.run_dir)
+                _end(context, KeyboardInterrupt(), fn, self.run_dir)
 
 
-def _end(processes: List[Any], exc: BaseException, fn: Callable[..., Any], run_dir: Path) -> None:
+def _end(context: Any, exc: BaseException, fn: Callable[..., Any], run_dir: Path) -> None:
     """After ``join()`` raised: an Interrupt reaches every live process (SIGINT, then SIGTERM, then
     SIGKILL); a process's failure is named with its log."""
+    processes = context.processes
     index = getattr(exc, "error_index", None)
     if index is not None:
-        _name_the_process(exc, index, len(processes), getattr(fn, "__name__", "fn"), run_dir)
+        log = rundir.spawned_log(run_dir, index, getattr(context, "nbddp_group", 0))
+        _name_the_process(exc, index, len(processes), getattr(fn, "__name__", "fn"), log)
     live = [p for p in processes if p.is_alive()]
     for how, wait in ((signal.SIGINT, GRACE_S), (signal.SIGTERM, GRACE_S), (signal.SIGKILL, 0.0)):
         for p in live:
@@ -261,14 +289,14 @@ def _end(processes: List[Any], exc: BaseException, fn: Callable[..., Any], run_d
         p.join(timeout=5)
 
 
-def _name_the_process(exc: BaseException, index: int, count: int, name: str, run_dir: Path) -> None:
+def _name_the_process(exc: BaseException, index: int, count: int, name: str, log: Path) -> None:
     """Put the failed process, what it raised and its log in the first line of torch's exception
     (``ProcessRaisedException`` starts with a blank line), which stays the same exception for the script."""
     original = str(exc)
     raised = [line for line in original.splitlines() if line.strip()]
     what = f"raised {raised[-1].strip()}" if type(exc).__name__ == "ProcessRaisedException" and raised else \
         (raised[0].strip().replace(f"process {index:d} ", "", 1) if raised else "failed")
-    named = f"process {index} of {count} ({name}) {what}; its output: {rundir.spawned_log(run_dir, index)}"
+    named = f"process {index} of {count} ({name}) {what}; its output: {log}"
     exc.args = (f"{named}\n{original.lstrip()}",)
     if hasattr(exc, "msg"):
         exc.msg = exc.args[0]
