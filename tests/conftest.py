@@ -2,6 +2,7 @@
 asks), a free port, a clean launcher environment, a small learnable image tree and the small
 training config every launched test starts from."""
 
+import contextlib
 import os
 import queue
 import re
@@ -168,18 +169,25 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr("nbddp.ui.panel.list_gpus", lambda: [])
 
 
-@pytest.fixture
-def kernel(tmp_path):
-    """A real Jupyter kernel of this environment (kernelspec ``python3``), in ``tmp_path``."""
+@contextlib.contextmanager
+def real_kernel(cwd, env=None):
+    """A real Jupyter kernel of this environment (kernelspec ``python3``) in ``cwd``, shut down after."""
     pytest.importorskip("jupyter_client")
     from jupyter_client.manager import start_new_kernel
 
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(cwd), **({"env": env} if env is not None else {}))
     try:
         yield km, kc
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    """A real Jupyter kernel of this environment (kernelspec ``python3``), in ``tmp_path``."""
+    with real_kernel(tmp_path) as pair:
+        yield pair
 
 
 def execute(kc, code: str, timeout: float = 120.0):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, WORKERS, execute, survivors
+from conftest import ROOT, WORKERS, execute, real_kernel, survivors
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
@@ -24,16 +24,10 @@ HELD_VALUE = 15.0
 @pytest.fixture(scope="module")
 def debug_kernel(tmp_path_factory):
     """One real kernel for every test here: each leaves it usable, as a user's kernel is used cell after cell."""
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path_factory.mktemp("kernel")))
-    try:
+    with real_kernel(tmp_path_factory.mktemp("kernel")) as (km, kc):
         reply, out = execute(kc, f"import sys; sys.path.insert(0, {str(ROOT)!r}); from nbddp import spawn_train")
         assert reply["status"] == "ok", out
         yield km, kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def run_cell(kc, code, answer, allow_stdin=True, timeout=120.0):

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, WORKERS, children_of, execute, kernel_pid, proc_state, wait_for
+from conftest import ROOT, WORKERS, children_of, execute, kernel_pid, proc_state, real_kernel, wait_for
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
@@ -62,14 +62,8 @@ def _only_helpers_left(km):
 @pytest.fixture
 def fresh_kernel(tmp_path):
     """A fresh kernel per case: its first launch is the one interrupted."""
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        yield km, kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
+    with real_kernel(tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
@@ -98,17 +92,10 @@ def test_an_interrupt_of_a_fresh_kernels_first_launch_ends_it_with_training_inte
 
 @pytest.fixture(scope="module")
 def warm_kernel(tmp_path_factory):
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path_factory.mktemp("kernel")),
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
+    with real_kernel(tmp_path_factory.mktemp("kernel"), env={**os.environ, "PYTHONPATH": str(ROOT)}) as (km, kc):
         reply, out = execute(kc, "import sys, nbddp; from nbddp import spawn_train")
         assert reply["status"] == "ok", out
         yield km, kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def test_a_ctx_loop_that_never_checks_should_stop_runs_its_finally_and_the_notice_is_short(warm_kernel, tmp_path):

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, WORKERS, execute, kernel_pid, survivors, wait_for
+from conftest import ROOT, WORKERS, execute, kernel_pid, real_kernel, survivors, wait_for
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
@@ -14,14 +14,8 @@ jupyter_client = pytest.importorskip("jupyter_client")
 def shared_kernel(tmp_path_factory):
     """One real kernel for the tests that leave it usable, as a user's kernel is used cell after cell
     (interrupted runs included); the tests that kill or restart their kernel get their own."""
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path_factory.mktemp("kernel")))
-    try:
-        yield km, kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
+    with real_kernel(tmp_path_factory.mktemp("kernel")) as pair:
+        yield pair
 
 
 def test_interrupt_in_real_kernel_stops_every_worker_and_kernel_stays_usable(shared_kernel, tmp_path):
