@@ -50,10 +50,30 @@ def test_a_torchrun_script_runs_unchanged_and_trains_as_under_torchrun(project, 
     # The same file under torchrun itself ends with the same weights.
     out = tmp_path / "torchrun"
     out.mkdir()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-                    str(free_port()), "torchrun_train.py", *argv, "--out", str(out)], check=True, timeout=180,
-                   capture_output=True)
+    torchrun_itself(["torchrun_train.py", *argv, "--out", str(out)])
     assert json.loads((out / "report.json").read_text())["weight"] == report["weight"]
+
+
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def torchrun_itself(args: list[str], tries: int = 3) -> None:
+    """The reference: the script under plain torchrun, which must end cleanly.
+
+    torch 2.14's gloo aborts a plain process now and then after its last line: the DDP module sits
+    in a reference cycle, so the process group it holds is destroyed by the interpreter's final
+    collection ("terminate called without an active exception", SIGABRT; 3 of 20 runs of this
+    script on a loaded 2-core machine, 0 of 25 with the model collected before
+    ``destroy_process_group``). nbddp's ranks leave with ``os._exit`` and never reach it; the
+    reference is run again only for that abort, and any other failure fails the test.
+    """
+    for attempt in range(tries):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                               "--master_port", str(free_port()), *args], timeout=180, capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        if TEARDOWN_ABORT not in done.stderr + done.stdout or attempt == tries - 1:
+            raise AssertionError(f"plain torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
 
 def test_a_module_runs_as_python_m_does(project, tmp_path):
