@@ -154,3 +154,44 @@ def test_trackers_in_the_config_the_panel_and_the_command_line(tmp_path):
     assert build_config(ns).trackers == ("wandb",)
     with pytest.raises(ConfigError, match="trackers"):
         TrainConfig(data_path=str(tmp_path), trackers="neptune")
+
+
+TRACKED_AT_ONCE = """
+import sys, time
+from pathlib import Path
+from nbddp.contract.observe import tracker_plan
+from nbddp.rank.trackers import _MLflow
+runs, start = Path(sys.argv[1]), float(sys.argv[2])
+plan = tracker_plan(["mlflow"], "at-once", runs, {"lr": 0.1})
+import mlflow.store.tracking.sqlalchemy_store  # imported before the start, as a rank has by its first log
+time.sleep(max(0.0, start - time.time()))
+run_dir = runs / sys.argv[3]
+run_dir.mkdir()
+_MLflow(run_dir, plan)
+"""
+
+
+def test_runs_side_by_side_open_one_new_mlflow_store_at_once_and_leave_it_whole(tmp_path):
+    """A sweep's trials side by side on a new runs folder: MLflow fails when two processes make the
+    tables of one new SQLite store at once, and leaves it mid-migration for every later run."""
+    import os
+    import subprocess
+    import time
+
+    from conftest import ROOT
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    start = time.time() + 10.0  # every process has imported MLflow by then
+    procs = [subprocess.Popen([sys.executable, "-c", TRACKED_AT_ONCE, str(runs), str(start), f"trial{i}"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("at-once")
+    runs_made = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_name for r in runs_made) == ["trial0", "trial1", "trial2"]
+    assert sorted(p.name for p in runs.iterdir()) == ["mlflow.db", "trial0", "trial1", "trial2"]

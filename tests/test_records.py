@@ -1,8 +1,12 @@
-"""RecordFile: the heartbeat and progress records readers poll while workers rewrite them."""
+"""RecordFile: the heartbeat and progress records readers poll while workers rewrite them; create_once:
+a file (a database) nobody sees half made."""
 
 import json
 import os
 
+import pytest
+
+from nbddp.contract import rundir
 from nbddp.contract.rundir import RecordFile
 
 
@@ -29,3 +33,32 @@ def test_first_write_replaces_a_stale_record_atomically(tmp_path):
     assert json.loads(path.read_text()) == {"step": 0}
     assert os.stat(path).st_ino != stale_inode
     rec.close()
+
+
+def test_create_once_makes_a_missing_file_whole_keeps_one_that_exists_and_leaves_nothing_on_failure(tmp_path):
+    path = tmp_path / "sub" / "store.db"
+    made = []
+
+    def make(scratch):
+        assert scratch.parent == path.parent and not path.exists()  # built beside it, never at it
+        scratch.write_bytes(b"whole")
+        made.append(scratch)
+
+    assert rundir.create_once(path, make) is True and path.read_bytes() == b"whole"
+    assert rundir.create_once(path, make) is False and len(made) == 1  # an existing file is never remade
+    assert sorted(p.name for p in path.parent.iterdir()) == ["store.db"]
+
+    other = tmp_path / "other.db"
+
+    def first_then_fail(scratch):
+        other.write_bytes(b"theirs")  # another process linked its file meanwhile
+        scratch.write_bytes(b"mine")
+
+    assert rundir.create_once(other, first_then_fail) is False and other.read_bytes() == b"theirs"
+
+    def broken(scratch):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        rundir.create_once(tmp_path / "broken.db", broken)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db", "sub"]

@@ -224,3 +224,60 @@ def test_stop_of_a_background_sweep_ends_its_trials(tmp_path):
     assert (t.state.name, t.user_attrs["ended"]) == ("FAIL", "stopped")
     assert not live_workers(t.user_attrs["run_dir"])
     assert json.loads((Path(t.user_attrs["run_dir"]) / "ended.json").read_text())["reason"] == "stop"
+
+
+
+OPENER = """
+import sys, time
+from pathlib import Path
+from nbddp.kernel.study import open_study
+start = float(sys.argv[3])
+time.sleep(max(0.0, start - time.time()))
+open_study(Path(sys.argv[1]), sys.argv[2], "maximize", None, None)
+"""
+
+READER = """
+import sys, time
+import optuna
+db, start = sys.argv[1] + "/sweeps/" + sys.argv[2] + "/study.db", float(sys.argv[3])
+time.sleep(max(0.0, start - time.time()))
+while time.time() < start + 8:
+    try:
+        optuna.load_study(study_name=sys.argv[2], storage="sqlite:///" + db)
+        break
+    except Exception:  # not made yet, or made by this very reader (Optuna makes a missing file) and racing
+        time.sleep(0.01)
+"""
+
+
+def test_a_new_study_opened_by_kernels_at_once_is_never_seen_half_made_nor_fails_them(tmp_path):
+    """Optuna fails when two processes make one new SQLite study at once ("UNIQUE constraint failed:
+    alembic_version.version_num"). Two kernels open study ``a`` at once while the test watches for
+    its file; two more open study ``b`` while a notebook polls it with ``optuna.load_study``, which
+    makes the file itself when it is missing."""
+    import sqlite3
+
+    runs = tmp_path / "runs"
+    start = time.time() + 6.0  # every process has imported optuna by then
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    openers = [subprocess.Popen([sys.executable, "-c", OPENER, str(runs), name, str(start)], env=env,
+                                stderr=subprocess.PIPE, text=True) for name in "aabb"]
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(runs), "b", str(start)], env=env)
+    db = runs / "sweeps" / "a" / "study.db"
+    first_sight = None
+    while first_sight is None and time.time() < start + 30:
+        if db.exists():  # the moment the file appears, it already holds Optuna's stamped tables
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+                try:
+                    first_sight = con.execute("SELECT count(*) FROM alembic_version").fetchone()
+                except sqlite3.OperationalError as e:  # no such table: the file is half made
+                    first_sight = str(e)
+        time.sleep(0.002)
+    errors = [p.communicate(timeout=60)[1] for p in openers]
+    reader.wait(timeout=60)
+    assert [p.returncode for p in openers] == [0, 0, 0, 0], "\n".join(errors)
+    assert first_sight == (1,), "the study file was seen before its tables were made"
+    for name in "ab":
+        folder = runs / "sweeps" / name
+        assert [s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{folder / 'study.db'}")] == [name]
+        assert sorted(p.name for p in folder.iterdir()) == ["study.db"]  # no scratch file left

@@ -403,6 +403,34 @@ def atomic_write(path: PathLike, data: Union[bytes, Callable[[BinaryIO], None]],
     return path
 
 
+def create_once(path: PathLike, make: Callable[[Path], None]) -> bool:
+    """Make ``path`` if it is missing, so that no process ever sees it half made; True if this call made it.
+
+    ``make`` builds the file at a temp path next to ``path`` (``.<name>.tmp-<pid>-<token>``), which
+    is then hard-linked into place: the link fails if another process linked its own first, and
+    then that file is kept and this one dropped. For databases whose tables the first opener
+    makes (an Optuna study, MLflow's store): two processes making the tables of one new SQLite
+    file at once fail, and can leave it unusable.
+    """
+    path = Path(path)
+    if path.exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = _open_temp(path)
+    os.close(fd)  # an empty file is an empty SQLite database
+    try:
+        make(tmp)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False  # another process made it first: its file is the one
+        return True
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + "-journal")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
+
+
 def atomic_write_text(path: PathLike, text: str) -> Path:
     """Write UTF-8 ``text`` to ``path`` atomically and durably."""
     return atomic_write(path, text.encode("utf-8"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -39,8 +40,10 @@ def open_study(runs_dir: Path, name: str, direction: str, sampler, pruner):
     folder = rundir.sweep_dir(runs_dir, name)
     folder.mkdir(parents=True, exist_ok=True)
     path = (folder / "study.db").resolve()
-    # A busy SQLite file (another kernel writing the same study) waits instead of failing at once.
-    storage = optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"connect_args": {"timeout": 30}})
+    # Made whole in a file of its own first: Optuna fails when two processes make the tables of one
+    # new file at once (two kernels starting one sweep, a notebook reading a sweep as it starts).
+    rundir.create_once(path, lambda scratch: optuna.storages.RDBStorage(f"sqlite:///{scratch}").engine.dispose())
+    storage = _storage(optuna, path)
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial is nbddp's
     study = optuna.create_study(storage=storage, study_name=name, direction=direction, sampler=sampler,
                                 pruner=pruner or optuna.pruners.MedianPruner(), load_if_exists=True)
@@ -49,6 +52,22 @@ def open_study(runs_dir: Path, name: str, direction: str, sampler, pruner):
         raise ConfigError(f"the sweep {name!r} ({path}) was started with direction={had!r}; continue it with "
                           f"direction={had!r}, or give this search another name=")
     return study, path
+
+
+def _storage(optuna, path: Path, tries: int = 5):
+    """Optuna's storage on ``path``; a file another program is still making (``optuna.load_study``
+    on a missing file makes one) is opened again once that program has stamped its tables."""
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    for attempt in range(tries):
+        try:
+            # A busy SQLite file (another kernel writing the same study) waits instead of failing at once.
+            return optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"connect_args": {"timeout": 30}})
+        except (IntegrityError, OperationalError) as e:
+            half_made = isinstance(e, IntegrityError) or "already exists" in str(e)
+            if not half_made or attempt == tries - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))
 
 
 def mine() -> List[int]:

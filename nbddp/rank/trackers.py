@@ -154,6 +154,7 @@ class _MLflow:
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # its database set-up would fill the cell
 
+        _make_sqlite_store(plan)
         self.client = MlflowClient(tracking_uri=plan.mlflow_uri)
         known = read_tracker_ids(run_dir).get(self.name) or {}
         if known.get("uri") == plan.mlflow_uri and known.get("run_id"):
@@ -194,6 +195,32 @@ class _MLflow:
         for path in files:
             self.client.log_artifact(self.run_id, str(path), artifact_path="export")
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+def sqlite_file(uri: Optional[str]) -> Optional[Path]:
+    """The file of an ``sqlite:///<path>`` tracking URI (relative or absolute), else None."""
+    prefix = "sqlite:///"
+    if not uri or not uri.startswith(prefix) or "?" in uri or uri == prefix:
+        return None
+    return Path(uri[len(prefix):]).absolute()
+
+
+def _make_sqlite_store(plan: TrackerPlan) -> None:
+    """Make a missing MLflow SQLite store whole before anyone opens it.
+
+    MLflow makes its tables and runs its migrations when it first opens a file; two processes
+    doing that at once (a sweep's trials side by side, two kernels) fail, and the file is left
+    mid-migration, refusing every later run ("table _alembic_tmp_... already exists").
+    """
+    path = sqlite_file(plan.mlflow_uri)
+    if path is None or path.exists():
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    def make(scratch: Path) -> None:
+        SqlAlchemyStore(f"sqlite:///{scratch}", plan.artifact_root or str(path.parent / "mlartifacts")).engine.dispose()
+
+    rundir.create_once(path, make)
 
 
 class _WandB:
