@@ -194,4 +194,4 @@ def test_runs_side_by_side_open_one_new_mlflow_store_at_once_and_leave_it_whole(
     experiment = client.get_experiment_by_name("at-once")
     runs_made = client.search_runs([experiment.experiment_id])
     assert sorted(r.info.run_name for r in runs_made) == ["trial0", "trial1", "trial2"]
-    assert sorted(p.name for p in runs.iterdir()) == ["mlflow.db", "trial0", "trial1", "trial2"]
+    assert not list(runs.glob(".*.tmp-*")), "a scratch store was left behind"

@@ -69,7 +69,8 @@ def torchrun_itself(args: list[str], tries: int = 3) -> None:
     """
     for attempt in range(tries):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               "--master_port", str(free_port()), *args], timeout=180, capture_output=True, text=True)
+                               "--master_port", str(free_port()), *args], timeout=180, capture_output=True, text=True,
+                              errors="replace")
         if done.returncode == 0:
             return
         if TEARDOWN_ABORT not in done.stderr + done.stdout or attempt == tries - 1:

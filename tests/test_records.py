@@ -37,6 +37,7 @@ def test_first_write_replaces_a_stale_record_atomically(tmp_path):
 
 def test_create_once_makes_a_missing_file_whole_keeps_one_that_exists_and_leaves_nothing_on_failure(tmp_path):
     path = tmp_path / "sub" / "store.db"
+    path.parent.mkdir()
     made = []
 
     def make(scratch):
@@ -62,3 +63,20 @@ def test_create_once_makes_a_missing_file_whole_keeps_one_that_exists_and_leaves
     with pytest.raises(RuntimeError, match="disk full"):
         rundir.create_once(tmp_path / "broken.db", broken)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db", "sub"]
+
+
+def test_create_once_without_hard_links_or_a_folder_makes_nothing_and_lets_the_caller_open_it(tmp_path, monkeypatch):
+    """FAT, some FUSE and SMB mounts refuse hard links (EPERM, ENOTSUP): the caller then opens the
+    path itself, as before; a dead writer's leftover scratch file is removed on the way."""
+    import errno
+
+    def no_links(src, dst):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    leftover = tmp_path / ".store.db.tmp-999999999-dead"  # a pid no process has
+    leftover.write_bytes(b"half")
+    monkeypatch.setattr(os, "link", no_links)
+    assert rundir.create_once(tmp_path / "store.db", lambda scratch: scratch.write_bytes(b"whole")) is False
+    assert list(tmp_path.iterdir()) == []
+    assert rundir.create_once(tmp_path / "missing" / "store.db", lambda scratch: None) is False
+    assert list(tmp_path.iterdir()) == []  # no folder made for a mistyped path

@@ -230,6 +230,7 @@ def test_stop_of_a_background_sweep_ends_its_trials(tmp_path):
 OPENER = """
 import sys, time
 from pathlib import Path
+import optuna  # imported before the start, so the openers meet at it
 from nbddp.kernel.study import open_study
 start = float(sys.argv[3])
 time.sleep(max(0.0, start - time.time()))

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import glob
 import json
 import os
 import re
@@ -403,20 +404,26 @@ def atomic_write(path: PathLike, data: Union[bytes, Callable[[BinaryIO], None]],
     return path
 
 
-def create_once(path: PathLike, make: Callable[[Path], None]) -> bool:
-    """Make ``path`` if it is missing, so that no process ever sees it half made; True if this call made it.
+def create_once(path: PathLike, make: Callable[[Path], None], mode: int = 0o644) -> bool:
+    """Make ``path`` if it is missing, never half made in place; True if this call made it.
 
-    ``make`` builds the file at a temp path next to ``path`` (``.<name>.tmp-<pid>-<token>``), which
-    is then hard-linked into place: the link fails if another process linked its own first, and
-    then that file is kept and this one dropped. For databases whose tables the first opener
-    makes (an Optuna study, MLflow's store): two processes making the tables of one new SQLite
-    file at once fail, and can leave it unusable.
+    ``make`` builds the file at a temp path beside ``path`` (``.<name>.tmp-<pid>-<token>``, ``mode``
+    less the umask, as SQLite makes its files), which is then hard-linked into place: the link
+    fails if another process linked its own first, and then that file is kept and this one
+    dropped. For databases whose tables the first opener makes (an Optuna study, MLflow's store):
+    two processes making the tables of one new SQLite file at once fail, and can leave it
+    unusable. Where the folder is missing, or its file system has no hard links (FAT, some FUSE
+    and SMB mounts), nothing is made and False returned: the caller opens ``path`` as it would
+    have. A dead writer's leftover temp file of ``path`` is removed first.
     """
     path = Path(path)
-    if path.exists():
+    if path.exists() or not path.parent.is_dir():
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _open_temp(path)
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}{TMP_MARK}*"):
+        if not temp_writer_alive(leftover):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+    fd, tmp = _open_temp(path, mode)
     os.close(fd)  # an empty file is an empty SQLite database
     try:
         make(tmp)
@@ -424,11 +431,13 @@ def create_once(path: PathLike, make: Callable[[Path], None]) -> bool:
             os.link(tmp, path)
         except FileExistsError:
             return False  # another process made it first: its file is the one
+        except OSError:
+            return False  # no hard links here: the caller makes it in place, as it would have
         return True
     finally:
-        for leftover in (tmp, tmp.with_name(tmp.name + "-journal")):
+        for scratch in (tmp, tmp.with_name(tmp.name + "-journal")):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(leftover)
+                os.unlink(scratch)
 
 
 def atomic_write_text(path: PathLike, text: str) -> Path:

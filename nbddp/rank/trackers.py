@@ -197,12 +197,20 @@ class _MLflow:
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
 
 
-def sqlite_file(uri: Optional[str]) -> Optional[Path]:
-    """The file of an ``sqlite:///<path>`` tracking URI (relative or absolute), else None."""
-    prefix = "sqlite:///"
-    if not uri or not uri.startswith(prefix) or "?" in uri or uri == prefix:
+def sqlite_file(uri: Optional[str]):
+    """``(file, url)`` of an SQLite tracking URI, read as SQLAlchemy reads it (``%`` escapes,
+    relative or absolute); None for anything else (a server, ``:memory:``, a ``file:`` URI)."""
+    if not uri or not uri.startswith("sqlite:"):
         return None
-    return Path(uri[len(prefix):]).absolute()
+    try:
+        from sqlalchemy.engine import make_url
+
+        url = make_url(uri)
+    except Exception:  # noqa: BLE001 - no SQLAlchemy, or a URI MLflow will explain itself
+        return None
+    if not url.database or url.database == ":memory:" or "uri" in url.query:
+        return None
+    return Path(url.database).absolute(), url
 
 
 def _make_sqlite_store(plan: TrackerPlan) -> None:
@@ -210,15 +218,19 @@ def _make_sqlite_store(plan: TrackerPlan) -> None:
 
     MLflow makes its tables and runs its migrations when it first opens a file; two processes
     doing that at once (a sweep's trials side by side, two kernels) fail, and the file is left
-    mid-migration, refusing every later run ("table _alembic_tmp_... already exists").
+    mid-migration, refusing every later run ("table _alembic_tmp_... already exists"). A file
+    another program is making at that moment (``mlflow ui`` started just then) is not covered.
     """
-    path = sqlite_file(plan.mlflow_uri)
-    if path is None or path.exists():
+    found = sqlite_file(plan.mlflow_uri)
+    if found is None or found[0].exists():
         return
+    path, url = found
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     def make(scratch: Path) -> None:
-        SqlAlchemyStore(f"sqlite:///{scratch}", plan.artifact_root or str(path.parent / "mlartifacts")).engine.dispose()
+        store = SqlAlchemyStore(url.set(database=str(scratch)).render_as_string(hide_password=False),
+                                plan.artifact_root or str(path.parent / "mlartifacts"))
+        store.engine.dispose()
 
     rundir.create_once(path, make)
 
