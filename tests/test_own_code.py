@@ -60,12 +60,12 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 def torchrun_itself(args: list[str], tries: int = 3) -> None:
     """The reference: the script under plain torchrun, which must end cleanly.
 
-    torch 2.14's gloo aborts a plain process now and then after its last line: the DDP module sits
-    in a reference cycle, so the process group it holds is destroyed by the interpreter's final
-    collection ("terminate called without an active exception", SIGABRT; 3 of 20 runs of this
-    script on a loaded 2-core machine, 0 of 25 with the model collected before
-    ``destroy_process_group``). nbddp's ranks leave with ``os._exit`` and never reach it; the
-    reference is run again only for that abort, and any other failure fails the test.
+    torch 2.14's gloo aborts a plain process now and then after ``destroy_process_group`` has
+    returned, as the process tears down ("terminate called without an active exception",
+    SIGABRT: 3 of 20 runs of this script on a loaded 2-core machine, with or without a barrier;
+    0 of 25 with the model, optimizer and loss released before ``destroy_process_group``).
+    nbddp's ranks leave with ``os._exit`` and never reach it; the reference is run again only
+    for that abort, and any other failure fails the test.
     """
     for attempt in range(tries):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
