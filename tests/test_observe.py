@@ -7,7 +7,9 @@ sharing one runs folder (and so one MLflow SQLite store, made once). MLflow runs
 
 import gzip
 import json
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -174,17 +176,10 @@ _MLflow(run_dir, plan)
 def test_runs_side_by_side_open_one_new_mlflow_store_at_once_and_leave_it_whole(tmp_path):
     """A sweep's trials side by side on a new runs folder: MLflow fails when two processes make the
     tables of one new SQLite store at once, and leaves it mid-migration for every later run."""
-    import os
-    import subprocess
-    import time
-
-    from conftest import ROOT
-
     runs = tmp_path / "runs"
     runs.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     start = time.time() + 10.0  # every process has imported MLflow by then
-    procs = [subprocess.Popen([sys.executable, "-c", TRACKED_AT_ONCE, str(runs), str(start), f"trial{i}"], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", TRACKED_AT_ONCE, str(runs), str(start), f"trial{i}"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)

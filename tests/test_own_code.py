@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import children_of, free_port, survivors
+from conftest import children_of, free_port, survivors, wait_for
 from nbddp import spawn_train
 from nbddp.contract.errors import ConfigError, TrainingInterrupted, WorkerError
 
@@ -214,9 +214,7 @@ def test_a_crash_and_a_stop_reach_every_process_a_launcher_script_started(projec
     for f in out.iterdir():
         f.unlink()
     handle = spawn_train("spawner.py", argv=["wait", str(out)], runs_dir=runs, echo=False, block=False)
-    deadline = time.time() + 60
-    while not ((out / "started0").exists() and (out / "started1").exists()) and time.time() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: (out / "started0").exists() and (out / "started1").exists(), 60)
     pids = [*handle.pids, *(c for p in handle.pids for c in children_of(p))]
     t0 = time.time()
     handle.stop(wait=False)

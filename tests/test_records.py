@@ -1,6 +1,7 @@
 """RecordFile: the heartbeat and progress records readers poll while workers rewrite them; create_once:
 a file (a database) nobody sees half made."""
 
+import errno
 import json
 import os
 
@@ -68,8 +69,6 @@ def test_create_once_makes_a_missing_file_whole_keeps_one_that_exists_and_leaves
 def test_create_once_without_hard_links_or_a_folder_makes_nothing_and_lets_the_caller_open_it(tmp_path, monkeypatch):
     """FAT, some FUSE and SMB mounts refuse hard links (EPERM, ENOTSUP): the caller then opens the
     path itself, as before; a dead writer's leftover scratch file is removed on the way."""
-    import errno
-
     def no_links(src, dst):
         raise PermissionError(errno.EPERM, "Operation not permitted")
 

@@ -1,7 +1,7 @@
 """The echo of a launcher script's processes: their logs read piece by piece into the launcher's
 output, each piece marked with its rank, nothing cut or joined wrongly whatever a read splits."""
 
-from nbddp.rank.spawned import LogEcho, function_form, pieces_of
+from nbddp.rank.spawned import LogEcho, _Followed, function_form, pieces_of
 
 
 def test_pieces_end_at_newlines_and_carriage_returns_only():
@@ -17,10 +17,7 @@ def test_a_read_that_cuts_a_character_or_a_crlf_changes_nothing(tmp_path):
     log.write_bytes(b"")
     shown = []
     echo = LogEcho(shown.append)
-    echo._files = {}  # follow without the thread: reads are made by hand below
-    from nbddp.rank.spawned import _Followed
-
-    echo._files["rank1"] = _Followed(log)
+    echo._files = {"rank1": _Followed(log)}  # followed without the thread: reads are made by hand below
     text = "température 1\r\nprogress 50%\rprogress 100%\nfin".encode()
     cut = text.index("é".encode()) + 1  # inside the two bytes of "é"
     crlf = text.index(b"\r\n") + 1      # between \r and \n

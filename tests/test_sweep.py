@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -256,14 +257,11 @@ def test_a_new_study_opened_by_kernels_at_once_is_never_seen_half_made_nor_fails
     alembic_version.version_num"). Two kernels open study ``a`` at once while the test watches for
     its file; two more open study ``b`` while a notebook polls it with ``optuna.load_study``, which
     makes the file itself when it is missing."""
-    import sqlite3
-
     runs = tmp_path / "runs"
     start = time.time() + 6.0  # every process has imported optuna by then
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    openers = [subprocess.Popen([sys.executable, "-c", OPENER, str(runs), name, str(start)], env=env,
+    openers = [subprocess.Popen([sys.executable, "-c", OPENER, str(runs), name, str(start)],
                                 stderr=subprocess.PIPE, text=True) for name in "aabb"]
-    reader = subprocess.Popen([sys.executable, "-c", READER, str(runs), "b", str(start)], env=env)
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(runs), "b", str(start)])
     db = runs / "sweeps" / "a" / "study.db"
     first_sight = None
     while first_sight is None and time.time() < start + 30:

@@ -90,6 +90,11 @@ class WorkerError(NbddpError):
         self.restarts: list = []
 
 
+def workers_were(world_size: int) -> str:
+    """``"all 4 workers were"``, or ``"the worker was"`` for a run of one."""
+    return f"all {world_size} workers were" if world_size != 1 else "the worker was"
+
+
 class TrainingInterrupted(NbddpError, KeyboardInterrupt):
     """Training was interrupted (Jupyter's Interrupt, Ctrl-C, or ``stop()``) and every worker is gone.
 
@@ -128,8 +133,7 @@ class TrainingInterrupted(NbddpError, KeyboardInterrupt):
         kept = (f"Logs and the last checkpoint ({checkpoint}) are kept in {run_dir}" if checkpoint
                 else f"Logs are kept in {run_dir} (no checkpoint was written)")
         ended = f" ({how})" if how else ""
-        workers = f"all {world_size} workers were" if world_size != 1 else "the worker was"
-        return cls(f"training {what}: {workers} stopped and reaped{ended}. {kept}",
+        return cls(f"training {what}: {workers_were(world_size)} stopped and reaped{ended}. {kept}",
                    run_dir=run_dir)
 
     @classmethod

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 from ..contract import rundir
 from ..contract.conventions import makes_own_group
-from ..contract.errors import TrainingInterrupted
+from ..contract.errors import TrainingInterrupted, workers_were
 from ..contract.protocol import read_checkpoint_note
 from .report import ranks_alike
 from .stacks import Stacks
@@ -140,8 +140,7 @@ def interrupted(world_size: int, run_dir: Path, how: str, stacks: Optional[Stack
         head = (f"training interrupted: all {world_size} workers stopped and returned. "
                 "Their result is kept: r = sys.last_value.result")
     else:
-        head = f"training interrupted: {f'all {world_size} workers were' if world_size != 1 else 'the worker was'} " \
-               "stopped and reaped."
+        head = f"training interrupted: {workers_were(world_size)} stopped and reaped."
     lines = [head]
     if how and not ended_first:
         lines.append(f"  how: {how}")
