@@ -409,8 +409,9 @@ def test_panel_trains_stops_and_tensorboard_shows_the_run_in_jupyterlab(lab, pag
     expect(status).to_contain_text("Finished", timeout=150 * MS)
     status_text = text(status)
     assert "best val accuracy" in status_text and "2 epochs completed" in status_text, status_text
-    final = text(label)
-    assert re.search(r"epoch 2/2 · step \d+/\d+ · loss \d+\.\d{4} .* · ended after \d+:\d\d", final), final
+    # The label changes to "ended after" a moment after the status: waited for, not read once.
+    expect(label).to_have_text(re.compile(r"epoch 2/2 · step \d+/\d+ · loss \d+\.\d{4} .* · ended after \d+:\d\d"),
+                               timeout=30 * MS)
     expect(bar).to_have_class(re.compile("progress-bar-success"))
     trained_png = image_bytes(chart)
     assert trained_png[:8] == b"\x89PNG\r\n\x1a\n" and trained_png != empty_png
@@ -462,7 +463,7 @@ def test_panel_trains_stops_and_tensorboard_shows_the_run_in_jupyterlab(lab, pag
     expect(status).to_contain_text("Stopped", timeout=60 * MS)
     stop_s = time.monotonic() - clicked
     assert stop_s < 30, f"Stop took {stop_s:.0f} s"
-    assert re.search(r"epoch \d+/50 · .* · ended after", text(label)), text(label)
+    expect(label).to_have_text(re.compile(r"epoch \d+/50 · .* · ended after"), timeout=30 * MS)
     expect(train).to_be_enabled(timeout=30 * MS)
     expect(stop).to_be_disabled()
     expect(bar).to_have_class(re.compile("progress-bar-warning"))

@@ -193,7 +193,7 @@ class _MLflow:
 
     def end(self, ok: bool, files: List[Path]) -> None:
         for path in files:
-            self.client.log_artifact(self.run_id, str(path), artifact_path="export")
+            self.client.log_artifact(self.run_id, str(path), artifact_path=rundir.EXPORT)
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
 
 
