@@ -36,6 +36,8 @@ case "${1:-}" in
     shift
     # Chromium for tests/test_browser.py (Debian package); never fails, says why it skipped.
     bash scripts/install_browser.sh
+    # A one-host SLURM cluster for tests/test_slurm.py (Debian's slurm-wlm, munge); never fails.
+    bash scripts/install_slurm.sh
     # Notebooks shorten their training in CI but still run every code path.
     export NBDDP_SMOKE=${NBDDP_SMOKE:-1}
     # Two test processes side by side (NBDDP_TEST_PROCS=1: one); a file's tests stay together,
