@@ -1,15 +1,20 @@
 """A sweep's Optuna study: where it lives, what its trials count for, and what a killed kernel left.
 
 The study is data in an SQLite file of the runs folder (``<runs_dir>/sweeps/<name>/study.db``),
-so a later ``nbddp.sweep`` with the same name, in any kernel, continues it. Each trial notes
-the kernel that runs it (pid and start time); a trial still RUNNING whose kernel is gone was cut
-off by that kernel's end: it is marked FAIL, its run folder kept, and it counts for nothing.
+so a later ``nbddp.sweep`` with the same name, in any kernel, continues it; the file is the
+user's alone (:mod:`nbddp.kernel.study_file`). Each trial notes the kernel that runs it (pid and
+start time); a trial still RUNNING whose kernel is gone was cut off by that kernel's end: it is
+marked FAIL, its run folder kept, and it counts for nothing. Its leftover workers are ended only
+when the run's own private launch state says this study's trial launched it from a kernel now
+gone. A trial whose fixed or enqueued parameters are outside the space it suggests is refused.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -17,12 +22,13 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..contract import rundir
 from ..contract.errors import ConfigError
 from ..contract.system import is_same_process, start_time
+from .study_file import StudyFile
 
 #: user_attrs of a trial: its run folder, the kernel that runs it, why it ended early, its error,
 #: and the failed trial it runs again (``retry_failed=True``).
 RUN_DIR, KERNEL, ENDED, ERROR, RETRY_OF = "run_dir", "kernel", "ended", "error", "retry_of"
 #: ``ENDED`` values: trials that never finished, so they count for nothing in ``n_trials``.
-STOPPED, KERNEL_DIED = "stopped", "kernel died"
+STOPPED, KERNEL_DIED, OUTSIDE = "stopped", "kernel died", "outside the search space"
 
 
 def import_optuna():
@@ -35,34 +41,44 @@ def import_optuna():
 
 
 def open_study(runs_dir: Path, name: str, direction: str, sampler, pruner):
-    """The study ``name`` in its SQLite file under ``runs_dir``, made or continued; ``(study, path)``."""
+    """The study ``name`` in its SQLite file under ``runs_dir``, made or continued; ``(study, file)``.
+
+    Raises:
+        NotPrivate: the study's folder or file is not the user's alone (see :mod:`nbddp.kernel.study_file`).
+        StudyError: the file is damaged, or another process kept it locked.
+    """
     optuna = import_optuna()
-    folder = rundir.sweep_dir(runs_dir, name)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = (folder / "study.db").resolve()
-    # Made whole in a file of its own first: Optuna fails when two processes make the tables of one
-    # new file at once (two kernels starting one sweep, a notebook reading a sweep as it starts).
-    rundir.create_once(path, lambda scratch: optuna.storages.RDBStorage(f"sqlite:///{scratch}").engine.dispose())
-    storage = _storage(optuna, path)
+    file = StudyFile(runs_dir, name, lambda scratch: optuna.storages.RDBStorage(f"sqlite:///{scratch}").engine.dispose())
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial is nbddp's
-    study = optuna.create_study(storage=storage, study_name=name, direction=direction, sampler=sampler,
-                                pruner=pruner or optuna.pruners.MedianPruner(), load_if_exists=True)
+    try:
+        storage = _storage(optuna, file)
+        study = optuna.create_study(storage=storage, study_name=name, direction=direction, sampler=sampler,
+                                    pruner=pruner or optuna.pruners.MedianPruner(), load_if_exists=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged or locked file is named; anything else as it was
+        error = file.error(exc)
+        if error is None:
+            raise
+        raise error from exc
     had = study.direction.name.lower()
     if had != direction:
-        raise ConfigError(f"the sweep {name!r} ({path}) was started with direction={had!r}; continue it with "
+        raise ConfigError(f"the sweep {name!r} ({file.path}) was started with direction={had!r}; continue it with "
                           f"direction={had!r}, or give this search another name=")
-    return study, path
+    return study, file
 
 
-def _storage(optuna, path: Path, tries: int = 5):
-    """Optuna's storage on ``path``; a file another program is still making (``optuna.load_study``
-    on a missing file makes one) is opened again once that program has stamped its tables."""
+def _storage(optuna, file: StudyFile, tries: int = 5):
+    """Optuna's storage on the checked ``file``; a file another program is still making
+    (``optuna.load_study`` on a missing file makes one) is opened again once that program has
+    stamped its tables."""
     from sqlalchemy.exc import IntegrityError, OperationalError
 
     for attempt in range(tries):
         try:
-            # A busy SQLite file (another kernel writing the same study) waits instead of failing at once.
-            return optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"connect_args": {"timeout": 30}})
+            # Every connection is opened by the file's own check (a swapped folder is refused), and
+            # waits for a busy file (another kernel writing the same study), saying so.
+            storage = optuna.storages.RDBStorage(f"sqlite:///{file.path}", engine_kwargs=file.engine_kwargs())
+            file.watch(storage.engine)
+            return storage
         except (IntegrityError, OperationalError) as e:
             half_made = isinstance(e, IntegrityError) or "already exists" in str(e)
             if not half_made or attempt == tries - 1:
@@ -75,8 +91,13 @@ def mine() -> List[int]:
     return [os.getpid(), start_time(os.getpid())]
 
 
-def fail_orphans(study) -> List[str]:
-    """Mark FAIL every RUNNING trial whose kernel is gone; end its leftover workers; one line each."""
+def fail_orphans(study, file: StudyFile, runs_dir: Path) -> List[str]:
+    """Mark FAIL every RUNNING trial whose kernel is gone; end its leftover workers; one line each.
+
+    The study's word is not enough to signal anything: a run's workers are ended only when the
+    run's own private launch state says that this study's trial launched it, from a kernel that
+    has ended, and nothing launched it since (:func:`_why_not_ended`).
+    """
     from optuna.trial import TrialState
 
     from .procs import cleanup
@@ -84,30 +105,105 @@ def fail_orphans(study) -> List[str]:
     lines = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         kernel = t.user_attrs.get(KERNEL)
-        if kernel and is_same_process(kernel[0], kernel[1]):
+        if isinstance(kernel, list) and len(kernel) == 2 and is_same_process(*kernel):
             continue  # a live kernel runs it (this study shared by two kernels)
         run_dir = t.user_attrs.get(RUN_DIR)
-        if run_dir and Path(run_dir).is_dir():
-            cleanup(run_dir, grace_s=1.0)  # its workers die with their kernel; anything left is ended
+        left = ""
+        if run_dir:
+            why = _why_not_ended(run_dir, file, t.number, runs_dir)
+            if why is None:
+                cleanup(run_dir, grace_s=1.0)  # its workers die with their kernel; anything left is ended
+            else:
+                left = f" No process of {run_dir} was ended: {why}."
         study._storage.set_trial_user_attr(t._trial_id, ENDED, KERNEL_DIED)
         study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
         lines.append(f"trial {t.number} was running when the kernel that ran it ended: marked FAIL, it counts for "
                      f"nothing in n_trials; its run folder is kept ({run_dir or 'none yet'}). To run its parameters "
-                     f"{t.params} again, call nbddp.sweep(..., retry_failed=True).")
+                     f"{t.params} again, call nbddp.sweep(..., retry_failed=True).{left}")
     return lines
 
 
+#: The private record a sweep keeps in each trial's launch state: the study and trial that launched it.
+TRIAL_RECORD = "sweep-trial.json"
+
+
+def record_trial(run_dir: Path, file: StudyFile, number: int) -> None:
+    """Note in the run's private launch state that trial ``number`` of this study launched it, from this kernel."""
+    rundir.write_json_atomic(rundir.state_path(run_dir, TRIAL_RECORD),
+                             {"study": str(file.path), "trial": number, "kernel": mine()}, mode=0o600)
+
+
+def _why_not_ended(run_dir: Any, file: StudyFile, number: int, runs_dir: Path) -> Optional[str]:
+    """None when the workers of ``run_dir`` may be ended for trial ``number``; else why not."""
+    folder = own_run(run_dir, runs_dir)
+    if folder is None:
+        return f"it is not a run folder of yours in {Path(runs_dir).resolve()}"
+    try:
+        record = json.loads(rundir.read_private(rundir.state_path(folder, TRIAL_RECORD)))
+    except (OSError, ValueError) as exc:  # NotPrivate included
+        return f"its launch state has no private record of this sweep's trial {number} ({type(exc).__name__})"
+    record = record if isinstance(record, dict) else {}
+    kernel = record.get("kernel")
+    if record.get("study") != str(file.path) or record.get("trial") != number or not (
+            isinstance(kernel, list) and len(kernel) == 2 and isinstance(kernel[0], int)):
+        return (f"its launch state says that another study or trial launched it ({record.get('study')}, "
+                f"trial {record.get('trial')})")
+    if is_same_process(*kernel):
+        return f"the kernel that launched it (pid {kernel[0]}) is alive"
+    parent = rundir.read_launch_record(folder).get("parent_pid")
+    if parent != kernel[0]:
+        return f"it was launched again since, by pid {parent}"
+    return None
+
+
+def own_run(run_dir: Any, runs_dir: Path) -> Optional[Path]:
+    """``run_dir`` as a folder of the user's directly in ``runs_dir`` (no link), else None."""
+    if not isinstance(run_dir, str) or not run_dir:
+        return None
+    path = Path(run_dir)
+    try:
+        if os.path.realpath(path.parent) != os.path.realpath(runs_dir):
+            return None
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return path if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() else None
+
+
 def retry_failed(study) -> List[int]:
-    """Ask again, once, the parameters of every FAIL trial not retried yet; the numbers retried."""
+    """Ask again, once, the parameters of every FAIL trial not retried yet; the numbers retried.
+
+    A trial refused for parameters outside the search space is not asked again."""
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
     retried = {t.user_attrs.get(RETRY_OF) for t in trials}
     out = []
     for t in trials:
-        if t.state == TrialState.FAIL and t.number not in retried and t.params:
+        if t.state == TrialState.FAIL and t.number not in retried and t.params and \
+                t.user_attrs.get(ENDED) != OUTSIDE:
             study.enqueue_trial(t.params, user_attrs={RETRY_OF: t.number})
             out.append(t.number)
+    return out
+
+
+def outside_space(trial) -> Dict[str, str]:
+    """The parameters of ``trial`` that its own distributions do not hold, each with its range.
+
+    Optuna runs a fixed or enqueued value outside the space the trial suggests (``lr=123456.0``
+    for ``suggest_float("lr", 1e-3, 0.1)``) with a warning only; nbddp refuses such a trial.
+    """
+    out = {}
+    for name, value in trial.params.items():
+        dist = trial.distributions.get(name)
+        if dist is None:
+            continue
+        try:
+            inside = dist._contains(dist.to_internal_repr(value))
+        except (ValueError, TypeError):
+            inside = False
+        if not inside:
+            out[name] = f"{name}={value!r} (the space: {dist})"
     return out
 
 

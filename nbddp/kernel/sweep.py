@@ -186,10 +186,14 @@ class Sweep:
 
     @property
     def trials(self) -> List[dict]:
-        """One row per trial, best first: number, params, state, value (so far), seconds, run_dir."""
+        """One row per trial, best first: number, params, state, value (so far), seconds, run_dir.
+
+        Finished trials come first, by value (the first is ``best``), then the others by their value so
+        far: a trial cut off mid-run may have logged more than a finished one returned."""
         rows = [dict(r) for r in list(self._rows.values())]  # the sweep's thread may add one meanwhile
         sign = -1.0 if self.direction == "maximize" else 1.0
-        return sorted(rows, key=lambda r: (r["value"] is None, sign * (r["value"] or 0.0), r["number"]))
+        return sorted(rows, key=lambda r: (r["state"] != "COMPLETE", r["value"] is None, sign * (r["value"] or 0.0),
+                                           r["number"]))
 
     @property
     def best(self) -> Optional[BestTrial]:
@@ -201,7 +205,7 @@ class Sweep:
             return None
         pick = max if self.direction == "maximize" else min
         t = pick(done, key=lambda x: x.value)
-        run_dir = Path(t.user_attrs[st.RUN_DIR]) if t.user_attrs.get(st.RUN_DIR) else None
+        run_dir = st.own_run(t.user_attrs.get(st.RUN_DIR), self.runs_dir)  # never a folder outside the runs folder
         weights = rundir.export_dir(run_dir) / rundir.EXPORT_PTH if run_dir is not None else None
         return BestTrial(t.number, dict(t.params), t.value, run_dir, weights if weights and weights.is_file() else None)
 
@@ -219,10 +223,10 @@ class Sweep:
         self._check_target()
         default_nprocs = self.target.nprocs if self.builtin else 1
         self.slots = make_slots(parallel, gpus_per_trial, nprocs, default_nprocs)
-        self.study, self.study_path = st.open_study(self.runs_dir, self.name, self.direction, self._sampler,
-                                                    self._pruner)
+        self.study, self._file = st.open_study(self.runs_dir, self.name, self.direction, self._sampler, self._pruner)
+        self.study_path = self._file.path
         self.tensorboard_dir = self.study_path.parent / rundir.TENSORBOARD
-        for line in st.fail_orphans(self.study):
+        for line in st.fail_orphans(self.study, self._file, self.runs_dir):
             self._say(line)
         if retry:
             again = st.retry_failed(self.study)
@@ -277,7 +281,10 @@ class Sweep:
                 self._show()
                 time.sleep(0.05)
         except BaseException as exc:  # noqa: BLE001 - every trial ends, whatever went wrong here
-            self._error = self._error or exc
+            named = self._file.error(exc) if isinstance(exc, Exception) else None
+            if named is not None:
+                named.__cause__ = exc
+            self._error = self._error or named or exc
             self._end_all()
         finally:
             for write in self._later:
@@ -297,19 +304,24 @@ class Sweep:
             if slot is None:
                 return True
             try:
-                self._start_trial(slot)
+                started = self._start_trial(slot)
             except BaseException:
                 self.slots.give(slot)
                 raise
+            if not started:
+                self.slots.give(slot)
         return False
 
-    def _start_trial(self, slot: Slot) -> None:
+    def _start_trial(self, slot: Slot) -> bool:
+        """Ask Optuna for a trial and launch it on ``slot``; False when it was refused instead."""
         from optuna.trial import TrialState
 
         trial = self.study.ask()
         trial.set_user_attr(st.KERNEL, st.mine())
         try:
             overrides = self.space(trial)
+            if self._refuse_outside(trial):
+                return False
             target, args, kwargs = self._trial_launch(trial.number, overrides, slot)
             handle = self._launch(target, args, kwargs, slot, trial.number)
         except BaseException as exc:
@@ -320,6 +332,7 @@ class Sweep:
             self.study.tell(trial, state=TrialState.FAIL)
             self._rows[trial.number] = st.row(self.study.get_trials(deepcopy=False)[trial.number])
             raise
+        st.record_trial(handle.run_dir, self._file, trial.number)  # the run's own word, before the study's
         trial.set_user_attr(st.RUN_DIR, str(handle.run_dir))
         rundir.write_json_atomic(rundir.sweep_path(handle.run_dir), {
             "sweep": self.name, "study": str(self.study_path), "trial": trial.number, "params": dict(trial.params),
@@ -327,6 +340,23 @@ class Sweep:
         self._running[trial.number] = _Running(trial, handle, slot, time.time(), [])
         self._rows[trial.number] = {"number": trial.number, "params": dict(trial.params), "state": "RUNNING",
                                     "value": None, "seconds": 0.0, "run_dir": str(handle.run_dir)}
+        return True
+
+    def _refuse_outside(self, trial) -> bool:
+        """A trial whose fixed or enqueued parameters lie outside the space it suggests is not run:
+        marked FAIL (counting for nothing), and said. True when refused."""
+        from optuna.trial import TrialState
+
+        outside = st.outside_space(trial)
+        if not outside:
+            return False
+        trial.set_user_attr(st.ENDED, st.OUTSIDE)
+        trial.set_user_attr(st.ERROR, f"outside the search space: {'; '.join(outside.values())}"[:2000])
+        self._rows[trial.number] = st.row(self.study.tell(trial, state=TrialState.FAIL))
+        print(f"[sweep {self.name}] trial {trial.number} not run: parameters fixed in advance (study.enqueue_trial, a "
+              f"retry) lie outside the space space(trial) suggests: {'; '.join(outside.values())}. It is marked FAIL "
+              f"and counts for nothing; to run such values, widen the space.", file=sys.stderr, flush=True)
+        return True
 
     def _trial_launch(self, number: int, overrides: Any, slot: Slot):
         """What ``spawn_train`` gets for this trial: ``(target, keyword arguments)``; bad overrides refused."""
