@@ -1,5 +1,6 @@
 """What makes a process a rank, before any of the user's code: it dies with its parent, leaves the
-warm server's pipe and the kernel's process group, becomes a child subreaper, takes SIGINT as a
+warm server's pipe and the kernel's process group, draws its own random state from the OS (a fork of
+the warm server would share the server's), becomes a child subreaper, takes SIGINT as a
 ``KeyboardInterrupt``, forks its own children (DataLoader workers) so that they die with it,
 writes its stacks on a signal, and runs the start-up hook tests and users may name.
 
@@ -13,12 +14,15 @@ import ctypes
 import faulthandler
 import multiprocessing.process
 import os
+import random
 import signal
 import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
+
+import torch
 
 from . import interrupt as rank_interrupt
 from . import reaper
@@ -160,10 +164,31 @@ def _release_server_alive_fd() -> None:
             os.close(fd)
 
 
+def fresh_random_state() -> None:
+    """Seed torch's, numpy's and Python's global generators from the OS, as a new interpreter does.
+
+    A warm rank is a fork of a server that imported torch and numpy long before, so it inherits
+    their generators: without this every rank, and with the server reused every launch, would
+    draw the same numbers (unseeded dropout, augmentation, random data, DataLoader workers' base
+    seeds), where under torchrun or spawn each rank draws its own. ``torch.seed()`` gives the CPU
+    generator a seed from ``/dev/urandom`` and queues the same for CUDA's generators until CUDA's
+    first use (it never starts CUDA here), where a later ``torch.manual_seed`` replaces it: code
+    that seeds draws the same numbers on every launch. Python's ``random`` is reseeded by fork
+    already, but not by every start; numpy only if loaded (an import seeds it). Runs first in a
+    rank, before the start-up hook and the user's code, which may seed as they like.
+    """
+    torch.seed()
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
 def become_rank_process(spec: LaunchSpec) -> None:
-    """This process as a rank: its own process group and subreaper, signals, the launching kernel's
-    environment and working directory, and the run's marker."""
+    """This process as a rank: its own process group and subreaper, signals, fresh random state, the
+    launching kernel's environment and working directory, and the run's marker."""
     set_parent_death_signal(spec.parent_pid)
+    fresh_random_state()
     # Whatever this rank starts stays in its process tree, however it hides (nbddp.rank.reaper).
     reaper.become_subreaper()
     _release_server_alive_fd()
@@ -187,5 +212,5 @@ def become_rank_process(spec: LaunchSpec) -> None:
     os.environ[_MARKER_ENV] = os.path.abspath(spec.run_dir)
 
 
-__all__ = ["set_parent_death_signal", "fork_children", "run_rank_hook", "RANK_HOOK_ENV", "stacks_on_signal",
-           "become_rank_process"]
+__all__ = ["set_parent_death_signal", "fresh_random_state", "fork_children", "run_rank_hook", "RANK_HOOK_ENV",
+           "stacks_on_signal", "become_rank_process"]
