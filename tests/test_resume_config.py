@@ -10,6 +10,7 @@ import pytest
 from nbddp import ConfigError, TrainConfig, spawn_train
 from nbddp.rank.engine import warmup_cosine_lambda
 from nbddp.contract.fieldspec import RESUME_FREE, RESUME_MORE, spec_of, specs
+from nbddp.tasks.classification import data_record
 from nbddp.tasks.classification.planning import resume_changes
 import conftest
 
@@ -65,6 +66,25 @@ def test_a_resume_on_changed_images_is_refused_before_any_rank_starts_or_taken_w
         resumed = spawn_train(cfg.replace(epochs=2, resume=True, allow_changed_data=True), echo=False)
     assert resumed.run_dir == first.run_dir
     assert json.loads((first.run_dir / "data.json").read_text())["counts"] == {"a": 14, "b": 11, "c": 12}
+
+
+def test_a_missing_or_edited_data_record_is_refused_as_changed_data_or_taken_when_allowed(first_run):
+    """data.json sits in the run folder, which a group member may write: an edited record (the same
+    images, other bytes) and a deleted one cannot say whether the images changed, so the resume is
+    refused as on changed data, never let through unchecked; allow_changed_data=True takes it."""
+    cfg, first = first_run
+    shown = first.run_dir / "data.json"
+    shown.write_text(json.dumps(json.loads(shown.read_text()), indent=1))
+    with pytest.raises(ConfigError, match=r"(?s)data.json was changed since the run wrote it.*resume=False.*"
+                                          r"allow_changed_data=True"):
+        spawn_train(cfg.replace(epochs=2, resume=True), echo=False)
+    shown.unlink()
+    with pytest.raises(ConfigError, match=r"(?s)data.json is missing, so nbddp cannot tell whether the images"):
+        spawn_train(cfg.replace(epochs=2, resume=True), echo=False)
+    with pytest.warns(UserWarning, match=r"data.json is missing, so what changed .* cannot be told"):
+        resumed = spawn_train(cfg.replace(epochs=2, resume=True, allow_changed_data=True), echo=False)
+    assert resumed.run_dir == first.run_dir
+    assert data_record.read(first.run_dir) == (json.loads(shown.read_text()), None)  # written anew, with its digest
 
 
 def test_fewer_epochs_are_taken_while_some_are_left_and_free_settings_pass(tree, runs_dir):

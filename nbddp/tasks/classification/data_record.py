@@ -7,7 +7,13 @@ the kernel, before any rank starts: images added to or removed from a class chan
 (:func:`nbddp.tasks.classification.data.split_samples` deals the images afresh), so validation images of the
 continued run may have been trained on. Such a resume is refused, naming the change per class;
 ``TrainConfig.allow_changed_data=True`` takes it, makes the split again from the images now and
-says what that did. A run from before this record has no ``data.json`` and is not checked.
+says what that did.
+
+``data.json`` sits in the run folder, which others may write on a shared server; the digest of its
+bytes is kept in the run's private state (``.nbddp/data-record.json``, written by the launch that
+wrote the record). A record that is missing, that no longer matches that digest, or that has none
+(its last launch ended before it read the data, a run from before the digest) cannot say whether
+the images changed: the resume is refused as on changed data, never let through unchecked.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from . import data as D
 from ...contract import rundir
 from ...contract.errors import ConfigError
 
-#: The record's file name in the run folder.
-DATA_RECORD = "data.json"
+#: The record's file name in the run folder, and that of its digest in the run's private state.
+DATA_RECORD, DATA_DIGEST = "data.json", "data-record.json"
 
 
 def _relative(root: str, samples: Sequence[D.Sample]) -> List[Tuple[str, int]]:
@@ -52,20 +58,40 @@ def describe(root: str, classes: Sequence[str], samples: Sequence[D.Sample], val
 
 
 def write(run_dir: Path, record: dict) -> Path:
-    """Write ``record`` as the run's ``data.json`` (rank 0, once it has read the class folders)."""
-    return rundir.atomic_write_text(Path(run_dir) / DATA_RECORD, json.dumps(record) + "\n")
+    """Write ``record`` as the run's ``data.json`` (rank 0, once it has read the class folders), and
+    the digest of its bytes in the run's private state."""
+    text = json.dumps(record) + "\n"
+    path = rundir.atomic_write_text(Path(run_dir) / DATA_RECORD, text)
+    rundir.write_json_atomic(rundir.state_path(run_dir, DATA_DIGEST),
+                             {"sha256": hashlib.sha256(text.encode()).hexdigest()}, durable=True, mode=0o600)
+    return path
 
 
-def read(run_dir: Path) -> Optional[dict]:
-    """The run's ``data.json``, or None when it has none (a run from before the record)."""
+def read(run_dir: Path) -> Tuple[Optional[dict], Optional[str]]:
+    """``(record, None)``: the run's ``data.json``, as rank 0 wrote it; else ``(None, what is wrong)``."""
+    path = Path(run_dir) / DATA_RECORD
     try:
-        record = json.loads((Path(run_dir) / DATA_RECORD).read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot resume {run_dir}: its {DATA_RECORD} cannot be read ({exc}); start a new run "
-                          "(resume=False)") from exc
-    return record if isinstance(record, dict) else None
+        return None, "is missing"
+    except OSError as exc:
+        return None, f"cannot be read ({exc})"
+    try:
+        kept = json.loads(rundir.read_private(rundir.state_path(run_dir, DATA_DIGEST))).get("sha256")
+    except (OSError, ValueError, AttributeError):  # NotPrivate included
+        kept = None
+    if kept is None:
+        return None, ("has no digest in the run's private state (its last launch ended before it read the data, "
+                      "or the run is from before nbddp kept one)")
+    if hashlib.sha256(data).hexdigest() != kept:
+        return None, "was changed since the run wrote it"
+    try:
+        record = json.loads(data)
+    except ValueError as exc:
+        return None, f"cannot be read ({exc})"
+    if not isinstance(record, dict) or not isinstance(record.get("files"), list):
+        return None, "is not a data record"
+    return record, None
 
 
 def _changes(was: dict, now: dict) -> List[str]:
@@ -105,10 +131,12 @@ def check_resume(run_dir: Path, root: str, classes: Sequence[str], samples: Sequ
 
     Raises:
         ConfigError: the class folders hold other images than the run was made from, naming the
-            change per class, what it does to the split, and the two ways on.
+            change per class, what it does to the split, and the two ways on; or the run's record
+            is missing, changed or unchecked, so no comparison can be made (see the module).
     """
-    was = read(run_dir)
-    if was is None or not isinstance(was.get("files"), list):
+    was, wrong = read(run_dir)
+    if was is None:
+        _unknown(run_dir, root, wrong, allow_changed)
         return
     now = describe(root, classes, samples, val_fraction, seed)
     if now["digest"] == was.get("digest"):
@@ -124,3 +152,17 @@ def check_resume(run_dir: Path, root: str, classes: Sequence[str], samples: Sequ
         f"Resumed, {effect}, so its accuracy would not be measured on unseen images. Start a new run "
         "(resume=False), or continue on the new images with allow_changed_data=True (the split is made again "
         "and the run says what changed).")
+
+
+def _unknown(run_dir: Path, root: str, wrong: str, allow_changed: bool) -> None:
+    """No record to compare with: taken as changed data (refused, or with ``allow_changed`` said)."""
+    record = Path(run_dir) / DATA_RECORD
+    if allow_changed:
+        warnings.warn(f"resuming {run_dir} with allow_changed_data=True: its data record {record} {wrong}, so what "
+                      f"changed in {root} cannot be told; the split is made again from the images now.", stacklevel=4)
+        return
+    raise ConfigError(
+        f"cannot resume {run_dir}: its data record {record} {wrong}, so nbddp cannot tell whether the images in "
+        f"{root} changed since the run was made (a changed split would validate on images it trained on). Start a "
+        "new run (resume=False), or continue with allow_changed_data=True (the split is made again from the images "
+        "now: the same split if they did not change).")
