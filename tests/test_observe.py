@@ -190,3 +190,32 @@ def test_runs_side_by_side_open_one_new_mlflow_store_at_once_and_leave_it_whole(
     runs_made = client.search_runs([experiment.experiment_id])
     assert sorted(r.info.run_name for r in runs_made) == ["trial0", "trial1", "trial2"]
     assert not list(runs.glob(".*.tmp-*")), "a scratch store was left behind"
+
+
+def test_a_resume_continues_only_its_own_tracker_run_whatever_trackers_json_says(tmp_path, capsys):
+    """trackers.json sits in the run folder, which a group member may write: pointed at another
+    run's MLflow id or W&B id, a resume still logs into its own run, never into that one."""
+    from nbddp.contract.observe import tracker_plan
+    from nbddp.rank.trackers import _MLflow, _WandB, wandb_id
+
+    runs = tmp_path / "runs"
+    a, b = runs / "a", runs / "b"
+    a.mkdir(parents=True), b.mkdir()
+    plan = tracker_plan(["mlflow", "wandb"], "own", runs, {"lr": 0.1})
+    theirs, mine = _MLflow(a, plan).run_id, _MLflow(b, plan).run_id
+    assert _MLflow(b, plan).run_id == mine  # a resume of b continues b's run
+    shown = b / "trackers.json"
+    edited = json.loads(shown.read_text())
+    edited["mlflow"]["run_id"] = theirs
+    edited["wandb"] = {"id": "theirs12345a", "project": "own", "mode": "offline"}
+    shown.write_text(json.dumps(edited))
+    again = _MLflow(b, plan)
+    assert again.run_id != theirs
+    assert again.client.get_run(again.run_id).data.tags["nbddp.run_dir"] == str(b)
+    assert f"trackers.json names MLflow run {theirs}, which is not this run folder's" in capsys.readouterr().out
+    wb = _WandB(b, plan)
+    try:
+        assert wb.run.id == wandb_id(b) != wandb_id(a)
+    finally:
+        wb.end(True, [])
+    assert json.loads(shown.read_text())["wandb"]["id"] == wandb_id(b)

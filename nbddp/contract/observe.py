@@ -6,7 +6,7 @@ process starts and reads what the ranks wrote; the ranks (:mod:`nbddp.rank.profi
 
     record           file                           writer                      reader
     ProfileRecord    profile/rank<r>.summary.json   rank r (profiling)          kernel (kernel.profiles)
-    tracker ids      trackers.json                  rank 0 (trackers)           rank 0 of a restart / resume, kernel
+    tracker ids      trackers.json                  rank 0 (trackers)           rank 0 of a restart / resume (checked), kernel
 """
 
 from __future__ import annotations
@@ -215,7 +215,12 @@ def _param(value: Any) -> str:
 
 
 def read_tracker_ids(run_dir: PathLike) -> Dict[str, Dict[str, Any]]:
-    """The tracker runs this run folder logs into: ``{"mlflow": {"run_id": ...}, "wandb": {"id": ...}}``."""
+    """The tracker runs this run folder logs into: ``{"mlflow": {"run_id": ...}, "wandb": {"id": ...}}``.
+
+    Anyone who may write the run folder may edit this file: rank 0 continues an MLflow run only
+    when the run's tag names this folder, and a W&B run's id is the folder's own
+    (:mod:`nbddp.rank.trackers`); the kernel shows what it says.
+    """
     data = rundir.read_json(rundir.trackers_path(run_dir))
     return data if isinstance(data, dict) else {}
 

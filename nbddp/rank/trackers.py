@@ -4,7 +4,9 @@ Only rank 0 talks to a tracker. ``ctx.log`` puts each record on a queue (microse
 daemon thread imports the tracker's package, opens the run and sends what came, in batches, so
 the training thread never waits for a database or a network. One run folder is one tracker run:
 its id is kept in ``trackers.json``, so a restart (``max_restarts``) and a ``resume=`` of the same
-folder continue the same MLflow run / W&B run. At the end the exported weights go as artifacts
+folder continue the same MLflow run / W&B run, and only that one: anyone who may write the run
+folder may edit that file, so an MLflow run is continued only when its tag names this folder, and
+a W&B run's id is made from the folder itself. At the end the exported weights go as artifacts
 and the tracker run is marked finished (or failed; a restart marks it running again).
 
 A tracker that fails (a server away, a full disk) is reported once in rank 0's log and dropped:
@@ -13,11 +15,11 @@ the training goes on.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -25,6 +27,8 @@ from ..contract import rundir
 from ..contract.observe import TrackerPlan, read_tracker_ids, write_tracker_ids
 
 _AXIS_KEYS = ("step", "epoch", "time")
+#: The MLflow tag that names a tracker run's run folder: a resume continues only a run it names.
+RUN_DIR_TAG = "nbddp.run_dir"
 _END = object()
 _FLUSH = object()
 
@@ -156,13 +160,13 @@ class _MLflow:
 
         _make_sqlite_store(plan)
         self.client = MlflowClient(tracking_uri=plan.mlflow_uri)
-        known = read_tracker_ids(run_dir).get(self.name) or {}
-        if known.get("uri") == plan.mlflow_uri and known.get("run_id"):
-            self.run_id = known["run_id"]
+        known = self._own_run(run_dir, plan)
+        if known:
+            self.run_id = known
             self.client.update_run(self.run_id, status="RUNNING")  # a restart or resume continues it
             return
         experiment = self._experiment(plan)
-        run = self.client.create_run(experiment, run_name=run_dir.name, tags={"nbddp.run_dir": str(run_dir)})
+        run = self.client.create_run(experiment, run_name=run_dir.name, tags={RUN_DIR_TAG: str(run_dir)})
         self.run_id = run.info.run_id
         _remember(run_dir, self.name, {"run_id": self.run_id, "uri": plan.mlflow_uri, "experiment_id": experiment})
         from mlflow.entities import Param
@@ -170,6 +174,24 @@ class _MLflow:
         params = [Param(k, v) for k, v in plan.params.items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def _own_run(self, run_dir: Path, plan: TrackerPlan) -> Optional[str]:
+        """The MLflow run ``trackers.json`` names, if its tag names this very run folder, else None.
+
+        Anyone who may write the run folder may edit ``trackers.json``: an id is never taken on its word."""
+        known = read_tracker_ids(run_dir).get(self.name)
+        run_id = known.get("run_id") if isinstance(known, dict) else None
+        if not isinstance(run_id, str) or not run_id or known.get("uri") != plan.mlflow_uri:
+            return None
+        try:
+            tagged = self.client.get_run(run_id).data.tags.get(RUN_DIR_TAG)
+        except Exception:  # noqa: BLE001 - no such run in this store
+            tagged = None
+        if tagged and os.path.realpath(tagged) == os.path.realpath(run_dir):
+            return run_id
+        print(f"tracker {self.name}: trackers.json names MLflow run {run_id}, which is not this run folder's (its "
+              f"tag {RUN_DIR_TAG} is {tagged!r}): a new MLflow run is made for {run_dir}", flush=True)
+        return None
 
     def _experiment(self, plan: TrackerPlan) -> str:
         found = self.client.get_experiment_by_name(plan.experiment)
@@ -235,17 +257,24 @@ def _make_sqlite_store(plan: TrackerPlan) -> None:
     rundir.create_once(path, make)
 
 
+def wandb_id(run_dir: Path) -> str:
+    """The W&B run id of a run folder: made from the folder itself (the user, its real path, its
+    inode), so every launch of it continues one W&B run and no file in it can point elsewhere."""
+    st = os.stat(run_dir)
+    key = f"{os.getuid()}:{os.path.realpath(run_dir)}:{st.st_dev}:{st.st_ino}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
 class _WandB:
-    """One W&B run per run folder: its id chosen once and kept, ``resume="allow"`` on every launch."""
+    """One W&B run per run folder: its id the folder's own (:func:`wandb_id`), ``resume="allow"`` on every launch."""
 
     name = "wandb"
 
     def __init__(self, run_dir: Path, plan: TrackerPlan):
         import wandb
 
-        known = read_tracker_ids(run_dir).get(self.name) or {}
-        run_id = known.get("id") or uuid.uuid4().hex[:12]
-        if not known:
+        run_id = wandb_id(run_dir)
+        if (read_tracker_ids(run_dir).get(self.name) or {}).get("id") != run_id:
             _remember(run_dir, self.name, {"id": run_id, "project": plan.experiment, "mode": plan.wandb_mode})
         self.wandb = wandb
         self.run = wandb.init(project=plan.experiment, id=run_id, name=run_dir.name, resume="allow",
