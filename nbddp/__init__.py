@@ -48,6 +48,7 @@ kernel    ``kernel.stall``                      from heartbeats: a hung rank (st
 kernel    ``kernel.restarts``                   which failures a run heals by restarting (the rule), and each restart's record
 kernel    ``kernel.stacks``                     where each rank is: every rank's Python stack, on demand and on a hang
 kernel    ``kernel.output``                     rank 0's output in the cell as a terminal shows it (``\\r`` bars, long lines)
+kernel    ``kernel.logline``                    rank 0's ``ctx.log`` values as the one line the cell shows under its output
 kernel    ``kernel.report``                     a failed run's root-cause rank and its one error
 kernel    ``kernel.debugger``                   a rank's pdb prompt in the cell (``input()``), or skipped headless
 kernel    ``kernel.procs``                      ``cleanup`` of an earlier launch's workers, proven by marker
@@ -102,6 +103,7 @@ SIDES = {
     "kernel": "kernel", "kernel.launch": "kernel", "kernel.rendezvous": "kernel", "kernel.forkserver": "kernel",
     "kernel.handle": "kernel", "kernel.ranks": "kernel", "kernel.report": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
     "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",
+    "kernel.logline": "kernel",
     "kernel.export": "kernel", "kernel.inference": "kernel", "kernel.debugger": "kernel",
     "kernel.profiles": "kernel",
     "kernel.sweep": "kernel", "kernel.slots": "kernel", "kernel.study": "kernel", "kernel.trials": "kernel",

@@ -22,6 +22,7 @@ from ..contract.errors import NbddpError, RunAbandoned, TrainingInterrupted, Wor
 from ..contract.conventions import MP_SPAWN, SPAWNS
 from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
+from .logline import LoggedValues
 from ..contract import rundir
 from ..contract.protocol import (LaunchSpec, clear_stop_request, has_result, read_checkpoint_note,
                                  read_error_records, read_progress, take_result, write_stop_request)
@@ -207,15 +208,20 @@ def _forward_output(self: "RunHandle", final: bool = False) -> None:
         if self.echo:
             self._echo.show(kind, text)
         self._emit(kind, text)  # "line", or "update": the current line rewritten (\r)
-    if self.echo:  # a few writes a second, each holding what arrived (Jupyter's rate limits)
-        self._echo.close() if final else self._echo.flush()
+    logged = self._logged if self.echo and self._thread is None else None  # a cell that waits for the run
     for line in self._metrics_tail.read():
         try:
             rec = json.loads(line)
         except ValueError:
             continue
         self.metrics.append(rec)
+        if logged is not None and isinstance(rec, dict):
+            logged.add(rec)
         self._emit("metrics", rec)
+    if self.echo:  # a few writes a second, each holding what arrived (Jupyter's rate limits)
+        if logged is not None:
+            self._echo.status(logged.text)  # ctx.log's values in one line under rank 0's output
+        self._echo.close() if final else self._echo.flush()
     progress = read_progress(self.run_dir)
     prog = progress.as_dict() if progress is not None else None
     if prog and prog != self.progress:
@@ -279,7 +285,7 @@ class RunHandle:
     def __init__(self, ranks: RankGroup, echo: bool, grace_s: float,
                  stall_timeout_s: Optional[float] = None, stop_timeout_s: float = STOP_TIMEOUT_S,
                  leases=None, log_starts: Optional[Dict[int, int]] = None, restarts: Optional[RestartPolicy] = None,
-                 debug: str = "prompt"):
+                 debug: str = "prompt", show_logs: bool = True, records_before: int = 0):
         # ranks: this start of the ranks, which owns their processes, meeting point, temp folder
         # and error files (nbddp.kernel.ranks.RankGroup); a restart replaces it with the next.
         # leases: the run's GPU leases (nbddp.contract.leases.Leases), held until the run ends.
@@ -287,7 +293,10 @@ class RunHandle:
         # the echo and the error quote only this launch's lines;
         # restarts: max_restarts and the launches a restart starts from (nbddp.kernel.restarts);
         # debug: what a breakpoint in a rank does: "prompt" (asked in a cell), "skip" (no one can
-        # answer: continued, with a line) or "stop" (debug="always": it waits for a prompt).
+        # answer: continued, with a line) or "stop" (debug="always": it waits for a prompt);
+        # show_logs: an echoed run that the cell waits for shows rank 0's ctx.log values in one line
+        # (False for a worker that prints its records itself: the built-in one's epoch lines);
+        # records_before: the lines of metrics.jsonl before this launch (a resumed run's), not shown there.
         self._ranks, self.echo, self.grace_s = ranks, echo, grace_s
         spec = ranks.spec
         self._leases = leases
@@ -311,6 +320,7 @@ class RunHandle:
         # A launcher script's own lines stand bare, as in a terminal; its processes' lines carry their rank.
         self._echo = CellEcho("" if spec.call == SPAWNS else "[rank0] ", log=rundir.rank_log(self.run_dir, 0))
         self._metrics_tail = _LineTail(rundir.metrics_path(self.run_dir))
+        self._logged = LoggedValues(skip=records_before) if show_logs else None
         self._listeners: List[Callable[[str, Any], None]] = []
         self._lock = threading.RLock()
         self._shutdown: Optional[Shutdown] = None

@@ -25,6 +25,7 @@ from .forkserver import start_method as _forkserver_start_method
 from ..contract.gpus import IDLE, list_gpus, resolve_gpus
 from .debugger import can_prompt, keep_cell_sources
 from .handle import RunHandle, TrainResult, interrupts_held
+from .logline import lines_in
 from .ranks import Launches, RankGroup, remove_private_tmp
 from .ranks import private_tmp  # noqa: F401 - the name tests and tools knew
 from .ranks import ranks_env as _child_env  # noqa: F401 - the name tests and tools knew
@@ -123,7 +124,10 @@ def spawn_train(
             When no rank makes progress and none lags (every rank stuck at the same point, e.g. in a
             data loader), the run goes on, but once that lasts ``stall_timeout_s`` and three times
             the longest gap seen so far, the cell says where every rank is (:mod:`nbddp.kernel.stall`).
-        echo: print rank 0's output live, prefixed with ``[rank0]``.
+        echo: print rank 0's output live, prefixed with ``[rank0]``; while the cell waits
+            (``block=True``), a worker's ``ctx.log`` values also show in one line under it,
+            rewritten in place in a notebook or terminal, a plain line now and then in a log file
+            (not for the built-in worker, whose epoch lines say them).
         on_event: called as ``on_event(kind, payload)`` for every ``"line"``, ``"metrics"``,
             ``"progress"`` and ``"end"`` event (see :meth:`RunHandle.subscribe`).
         start_method: ``"forkserver"`` (default, warm: workers fork from a server process
@@ -277,7 +281,9 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
         # Echo only what this launch writes: a resumed run appends to its rank logs.
         watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s,
                      log_starts=rundir.log_sizes(run_dir, spec.world_size),
-                     restarts=RestartPolicy(launcher=launcher, **restarts), debug=debug_mode(debug))
+                     restarts=RestartPolicy(launcher=launcher, **restarts), debug=debug_mode(debug),
+                     show_logs=plan.config is None,  # the built-in worker prints its epoch records itself
+                     records_before=lines_in(rundir.metrics_path(run_dir)))
         return _start(spec, meet, leases, child_env, launcher, tmp_dir, watch, on_event, block)
     except BaseException:
         meet.close()  # the handle closes it at the run's end; twice is harmless

@@ -18,6 +18,13 @@ holding what arrived, a ``\\r`` bar collapsed to its latest state; and it shows 
 beyond it are skipped, and once the flood ends (or the run does) a notice says how many, with the
 log that holds them all, followed by the flood's last :data:`TAIL_LINES` lines.
 
+Under rank 0's lines the echo keeps one status line (:meth:`CellEcho.status`: the values the
+worker passed to ``ctx.log``, :mod:`nbddp.kernel.logline`). Where ``\\r`` rewrites a line (a
+notebook, a terminal) it is rewritten in place, at most every :data:`STATUS_S` seconds, and the
+rank's lines are written above it; while the rank draws a ``\\r`` bar of its own, the bar is the
+line shown. Elsewhere (a log file, a CI job) it is a plain line, at most every
+:data:`PLAIN_STATUS_S` seconds, so the log stays readable. At the end its last state stays.
+
 Kernel side.
 """
 
@@ -41,6 +48,10 @@ FLUSH_S = 0.1
 BURST_BYTES, RATE_BYTES = 160_000, 16_000
 #: The last lines of a flood shown after its skipped middle (at most this many characters).
 TAIL_LINES, TAIL_BYTES = 200, 32_000
+#: Seconds between two rewrites of the status line where it updates in place (a notebook, a terminal).
+STATUS_S = 0.25
+#: Seconds between two plain status lines where it cannot (a log file, a CI job's output).
+PLAIN_STATUS_S = 10.0
 
 LINE, UPDATE = "line", "update"
 #: Room kept for the notice of a skipped flood when its end is shown.
@@ -136,16 +147,26 @@ class CellEcho:
         log: the file that holds the whole output, named by the notice of a skipped flood.
         out: where to write (``None``: ``sys.stdout`` at each write, as Jupyter and pytest swap it).
         clock: seconds, monotonic (tests pass their own).
+        in_place: whether the status line is rewritten in place (``None``: where ``out`` is a
+            terminal or a Jupyter kernel's stream, see :func:`rewrites_in_place`).
     """
 
     def __init__(self, prefix: str, log: Optional[Path] = None, out: Optional[TextIO] = None,
                  clock: Callable[[], float] = time.monotonic, flush_s: float = FLUSH_S,
                  burst: int = BURST_BYTES, rate: int = RATE_BYTES, tail_lines: int = TAIL_LINES,
-                 tail_bytes: int = TAIL_BYTES):
+                 tail_bytes: int = TAIL_BYTES, status_s: float = STATUS_S, plain_status_s: float = PLAIN_STATUS_S,
+                 in_place: Optional[bool] = None):
         self.prefix, self.log, self._out, self._clock = prefix, log, out, clock
         self.flush_s, self.burst, self.rate = flush_s, burst, rate
         self.tail_lines, self.tail_bytes = tail_lines, tail_bytes
+        self.status_s, self.plain_status_s, self.in_place = status_s, plain_status_s, in_place
         self.open_update = False  # the cell's last line is a bar: what comes next is written over it
+        self._rank_bar = False  # the rank's current line is a \r bar of its own: it, not the status, is shown
+        self._status: Optional[str] = None  # the status line's latest text
+        self._status_shown: Optional[str] = None  # ... as last written
+        self._status_open = False  # the cell's last line is the status line
+        self._status_kept = False  # the run's end (or a notice) ended the status line: it stays above
+        self._status_at = float("-inf")  # when the status was last written
         self.skipped = 0  # lines of the current flood that will not be shown
         self._lines: List[str] = []  # lines to write at the next flush
         self._bar: Optional[str] = None  # the bar's latest state, to write at the next flush
@@ -158,12 +179,18 @@ class CellEcho:
         """A flood is being cut: its lines go to the tail, and the notice comes when it ends."""
         return bool(self._tail) or self.skipped > 0
 
+    def status(self, text: Optional[str]) -> None:
+        """The status line's text from now on (written at the next writes that are due; see the module docstring)."""
+        self._status = text
+
     def show(self, kind: str, text: str) -> None:
         """Take one piece of :class:`OutputTail`: kept for the next write, or, in a flood, for its end."""
         if kind == UPDATE:
             self._bar = text  # only the latest state of a bar is worth a message
+            self._rank_bar = True
             return
         self._bar = None  # a line is written over the bar, as a terminal does after "\r"
+        self._rank_bar = False
         line = self.prefix + text
         self._refill()
         if not self.cutting and self._allowance >= len(line) + 1:
@@ -180,6 +207,8 @@ class CellEcho:
         """Write what arrived since the last write, if the last write is ``flush_s`` old."""
         if self._clock() - self._written >= self.flush_s:
             self._write(final=False)
+        elif self._status != self._status_shown and self._clock() - self._status_at >= self.status_s:
+            self._write(final=False)  # the status changed and may be rewritten: one message
 
     def close(self) -> None:
         """Write everything now; end a bar left mid-line, so what follows starts a new line."""
@@ -200,28 +229,78 @@ class CellEcho:
             self._allowance -= self._tail_size
             self._tail.clear()
             self._tail_size, self.skipped = 0, 0
+        out = self._out or sys.stdout
+        in_place = rewrites_in_place(out) if self.in_place is None else self.in_place
+        if not in_place and self._plain_status_due(final):
+            lines.append(self.prefix + self._status)
+            self._status_shown, self._status_at = self._status, self._clock()
         text = ""
         if lines:
-            text = ("\r" if self.open_update else "") + "\n".join(lines) + "\n"
-            self.open_update = False
+            start = "\r" if self.open_update else ""
+            if self._status_open:  # blanked first: a terminal's "\r" leaves what a shorter line does not cover
+                start = f"\r{' ' * len(self.prefix + (self._status_shown or ''))}\r"
+            text = start + "\n".join(lines) + "\n"
+            self.open_update = self._status_open = False
         if self._bar is not None:
             text += f"\r{self.prefix}{self._bar}"
             self._allowance -= len(self._bar)
-            self._bar, self.open_update = None, True
+            self._bar, self.open_update, self._status_open = None, True, False
+        elif in_place:
+            text += self._status_rewrite(final, pushed_up=bool(lines))
         if final and self.open_update:
             text += "\n"
-            self.open_update = False
+            self._status_kept = self._status_open  # it stays as it was; written again once it changes
+            self.open_update = self._status_open = False
         self._written = self._clock()
         if text:
-            out = self._out or sys.stdout
             out.write(text)  # one write, one flush: one message in a Jupyter kernel
             out.flush()
+
+    def _plain_status_due(self, final: bool) -> bool:
+        """A plain status line is due: its text changed, and it is the first, ``plain_status_s`` old, or the last."""
+        if self._status is None or self._status == self._status_shown:
+            return False
+        return final or self._clock() - self._status_at >= self.plain_status_s
+
+    def _status_rewrite(self, final: bool, pushed_up: bool) -> str:
+        """The status line written over the cell's last line, or ``""`` when it is not due.
+
+        Due when it changed and its last change was written ``status_s`` ago (or the run ends),
+        or, as it was, when the rank's lines were just written over it; never while the rank's
+        own ``\\r`` bar is the current line.
+        """
+        if self._status is None or self._rank_bar:
+            return ""
+        now = self._clock()
+        if self._status != self._status_shown and (final or now - self._status_at >= self.status_s):
+            shown, self._status_at = self._status, now
+        elif pushed_up and self._status_shown is not None and not self._status_kept:
+            shown = self._status_shown
+        else:
+            return ""
+        # Spaces over what a longer earlier state left: a terminal's "\r" does not clear the line.
+        pad = " " * max(0, len(self._status_shown or "") - len(shown)) if self._status_open else ""
+        self._status_shown, self._status_open, self._status_kept, self.open_update = shown, True, False, True
+        return f"\r{self.prefix}{shown}{pad}"
 
     def _notice(self) -> List[str]:
         if not self.skipped:
             return []
         where = f" (the whole output is in {self.log})" if self.log else ""
         return [f"{self.prefix}... {self.skipped:,} lines skipped{where} ..."]
+
+
+def rewrites_in_place(out: TextIO) -> bool:
+    """True where a ``\\r`` rewrites the line: a terminal, or a Jupyter kernel's stream (a notebook).
+
+    A file or a pipe (a CI job, ``python train.py > log``) keeps every rewrite as text.
+    """
+    try:
+        if out.isatty():
+            return True
+    except (AttributeError, ValueError, OSError):  # a closed or odd stream
+        return False
+    return type(out).__module__.startswith("ipykernel.")  # ipykernel.iostream.OutStream says it is no tty
 
 
 def _incomplete_utf8_tail(data: bytes) -> int:
@@ -234,5 +313,5 @@ def _incomplete_utf8_tail(data: bytes) -> int:
     return 0
 
 
-__all__ = ["MAX_LINE", "MAX_READ", "FLUSH_S", "BURST_BYTES", "RATE_BYTES", "TAIL_LINES", "TAIL_BYTES", "LINE",
-           "UPDATE", "OutputTail", "CellEcho"]
+__all__ = ["MAX_LINE", "MAX_READ", "FLUSH_S", "BURST_BYTES", "RATE_BYTES", "TAIL_LINES", "TAIL_BYTES", "STATUS_S",
+           "PLAIN_STATUS_S", "LINE", "UPDATE", "OutputTail", "CellEcho", "rewrites_in_place"]
