@@ -34,6 +34,22 @@ def rendered(text: str) -> list:
     return [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n") if line.rsplit("\r", 1)[-1].strip()]
 
 
+def terminal(text: str) -> list:
+    """The lines a terminal (and Jupyter's older front ends) shows for ``text``: ``\\r`` goes back to
+    the line's start, and what follows covers only as many characters as it has."""
+    lines, line, col = [], [], 0
+    for ch in text:
+        if ch == "\n":
+            lines.append("".join(line).rstrip())
+            line, col = [], 0
+        elif ch == "\r":
+            col = 0
+        else:
+            line[col:col + 1] = [ch]
+            col += 1
+    return [shown for shown in lines + ["".join(line).rstrip()] if shown]
+
+
 def logging_run(echo: CellEcho, clock: Clock, records: int, every_s: float, line_at: int = -1) -> None:
     """``records`` ctx.log records, a poll after each one ``every_s`` apart; the rank prints one line at ``line_at``."""
     values = LoggedValues()
@@ -57,25 +73,30 @@ def test_the_line_is_rewritten_in_place_at_most_four_times_a_second_under_the_ra
     assert len(changes) <= 1 + 2.0 / 0.25  # 2 s of the echo's clock: one change at most every 0.25 s
     assert changes[0] == "ctx.log: step 0 · loss 1" and changes[-1] == "ctx.log: step 999 · loss 0.001"
     # The rank's line stands on its own line above the values, which end the output.
-    assert rendered(text) == ["[rank0] at step 500", "[rank0] ctx.log: step 999 · loss 0.001"]
+    assert rendered(text) == terminal(text) == ["[rank0] at step 500", "[rank0] ctx.log: step 999 · loss 0.001"]
 
 
 def test_the_rank_s_own_bar_is_the_line_shown_while_it_draws_and_the_values_come_back_after():
     out, clock = io.StringIO(), Clock()
     echo = CellEcho("[rank0] ", out=out, clock=clock, in_place=True)
-    echo.status("ctx.log: step 1")
+    echo.status("ctx.log: step 1 · loss 10.25")
     echo.flush()
+    echo.status("ctx.log: step 2 · loss 1")  # shorter: what the longer one left is covered
+    clock.now += 0.5
+    echo.flush()
+    assert terminal(out.getvalue()) == ["[rank0] ctx.log: step 2 · loss 1"]
     for i in range(3):
         clock.now += 0.5
-        echo.show(UPDATE, f"bar {i + 1}/3")
-        echo.status(f"ctx.log: step {i + 2}")
+        echo.show(UPDATE, f"{i + 1}/3")
+        echo.status(f"ctx.log: step {i + 3} · loss 1")
         echo.flush()
-    assert not out.getvalue().endswith("ctx.log: step 4")  # the bar is the current line, not the values
+    assert rendered(out.getvalue()) == terminal(out.getvalue()) == ["[rank0] 3/3"]  # the bar, not the values
     clock.now += 0.5
     echo.show(LINE, "bar done")
     echo.flush()
     echo.close()
-    assert rendered(out.getvalue()) == ["[rank0] bar done", "[rank0] ctx.log: step 4"]
+    assert rendered(out.getvalue()) == terminal(out.getvalue()) == ["[rank0] bar done",
+                                                                    "[rank0] ctx.log: step 5 · loss 1"]
 
 
 def test_in_a_log_file_the_values_are_a_plain_line_now_and_then():

@@ -236,13 +236,10 @@ class CellEcho:
             self._status_shown, self._status_at = self._status, self._clock()
         text = ""
         if lines:
-            start = "\r" if self.open_update else ""
-            if self._status_open:  # blanked first: a terminal's "\r" leaves what a shorter line does not cover
-                start = f"\r{' ' * len(self.prefix + (self._status_shown or ''))}\r"
-            text = start + "\n".join(lines) + "\n"
+            text = self._over_last_line() + "\n".join(lines) + "\n"
             self.open_update = self._status_open = False
         if self._bar is not None:
-            text += f"\r{self.prefix}{self._bar}"
+            text += (self._over_last_line() or "\r") + self.prefix + self._bar  # "\r" starts a bar's every state
             self._allowance -= len(self._bar)
             self._bar, self.open_update, self._status_open = None, True, False
         elif in_place:
@@ -255,6 +252,14 @@ class CellEcho:
         if text:
             out.write(text)  # one write, one flush: one message in a Jupyter kernel
             out.flush()
+
+    def _over_last_line(self) -> str:
+        """What starts a write over the cell's last line: ``\\r`` after a bar; after the status line,
+        blanks over it first (a terminal's ``\\r``, and Jupyter's, leave what a shorter line does not cover)."""
+        if self._status_open:
+            self._status_open = False
+            return f"\r{' ' * len(self.prefix + (self._status_shown or ''))}\r"
+        return "\r" if self.open_update else ""
 
     def _plain_status_due(self, final: bool) -> bool:
         """A plain status line is due: its text changed, and it is the first, ``plain_status_s`` old, or the last."""
