@@ -81,6 +81,7 @@ def test_a_sweep_killed_mid_trial_continues_without_running_a_finished_trial_aga
                     nprocs=1, parallel=2, name="k", runs_dir=runs, retry_failed=True)
     out = capsys.readouterr().out
     assert "trial 1 was running when the kernel that ran it ended" in out and "retry_failed=True" in out
+    assert "No process of" not in out  # the run's own launch state names this study's trial 1
     trials = s.study.trials
     # The cut-off trial counts for nothing; its parameters run again as trial 2, then one new trial.
     assert {t.number: t.state.name for t in trials} == {0: "COMPLETE", 1: "FAIL", 2: "COMPLETE", 3: "COMPLETE"}
@@ -280,3 +281,153 @@ def test_a_new_study_opened_by_kernels_at_once_is_never_seen_half_made_nor_fails
         folder = runs / "sweeps" / name
         assert [s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{folder / 'study.db'}")] == [name]
         assert sorted(p.name for p in folder.iterdir()) == ["study.db"]  # no scratch file left
+
+
+# ---------------------------------------------------------------------------- what a study may make nbddp do
+LIVE = """
+import sys
+import nbddp
+nbddp.spawn_train({worker!r}, nprocs=1, runs_dir={runs!r}, name="live", echo=False,
+                  kwargs={{"slow": True, "sleep": 0.5}})
+"""
+
+
+def start_live_run(tmp_path, runs):
+    """A run of another kernel (a process of the user's), training until ended; ``(process, run folder)``."""
+    script = tmp_path / "live.py"
+    script.write_text(LIVE.format(worker=WORKER, runs=str(runs)))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path)
+    found = wait_for(lambda: [p for p in runs.glob("*-live") if (p / "metrics.jsonl").is_file() and live_workers(p)],
+                     120)
+    assert found, "the live run did not start"
+    return proc, found[0]
+
+
+def test_a_study_naming_a_live_run_of_another_kernel_never_ends_it_nor_runs_what_is_outside_its_space(tmp_path,
+                                                                                                     capsys):
+    """The study says a trial of a dead kernel runs in a folder that is a live run of another kernel
+    (whoever wrote that): the run's own launch state says this study never launched it, so none of
+    its processes is touched. A trial enqueued outside the space (lr=123456.0) is refused and said,
+    not run; and ``best`` never names a folder outside the runs folder."""
+    runs = tmp_path / "runs"
+    proc, live = start_live_run(tmp_path, runs)
+    try:
+        workers = live_workers(live)
+        from nbddp.kernel.study import open_study
+
+        study, _ = open_study(runs, "s", "maximize", None, None)
+        orphan = study.ask()
+        orphan.set_user_attr("run_dir", str(live))
+        orphan.set_user_attr("kernel", [os.getpid(), 0])  # a kernel that is gone (no process started at 0)
+        study.enqueue_trial({"lr": 123456.0})
+        elsewhere = tmp_path / "elsewhere"
+        (elsewhere / "export").mkdir(parents=True)
+        (elsewhere / "export" / "model.pth").write_bytes(b"weights of someone else")
+        study.add_trial(optuna.trial.create_trial(params={"lr": 0.5}, value=1e9, user_attrs={"run_dir": str(elsewhere)},
+                                                  distributions={"lr": optuna.distributions.FloatDistribution(0.1, 1)}))
+
+        s = nbddp.sweep(WORKER, lambda t: {"lr": t.suggest_float("lr", 0.1, 1.0)}, n_trials=2, metric="score",
+                        nprocs=1, parallel=1, name="s", runs_dir=runs)
+        out, err = capsys.readouterr()
+        assert f"No process of {live} was ended: its launch state has no private record of this sweep's trial 0" in out
+        assert live_workers(live) == workers and proc.poll() is None  # the live run trains on
+        trials = {t.number: t for t in s.study.trials}
+        assert trials[0].state.name == "FAIL" and trials[0].user_attrs["ended"] == "kernel died"
+        assert trials[1].state.name == "FAIL" and trials[1].user_attrs["ended"] == "outside the search space"
+        assert "run_dir" not in trials[1].user_attrs and "trial 1 not run" in err and "lr=123456.0" in err
+        assert [t.state.name for t in trials.values()].count("COMPLETE") == 2  # the added one and one that ran
+        assert s.best.value == 1e9 and s.best.run_dir is None and s.best.weights_path is None
+        assert not [p for p in runs.iterdir() if p.name.endswith("-s-1")]  # trial 1 never got a run folder
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        nbddp.cleanup(live)
+
+
+def test_a_study_others_could_write_a_linked_study_and_a_swapped_folder_are_refused_naming_them(tmp_path):
+    runs = tmp_path / "runs"
+    space = lambda t: {"lr": t.suggest_float("lr", 0.1, 1.0)}  # noqa: E731
+    options = dict(n_trials=1, metric="score", nprocs=1, runs_dir=runs, echo=False)
+    from nbddp.contract.private import NotPrivate
+    from nbddp.kernel.study import open_study
+
+    study, _ = open_study(runs, "g", "maximize", None, None)
+    folder = runs / "sweeps" / "g"
+    assert (folder.stat().st_mode & 0o777, (folder / "study.db").stat().st_mode & 0o777) == (0o700, 0o600)
+    folder.chmod(0o2775)  # as an older nbddp made it in a group-writable project folder
+    with pytest.raises(NotPrivate, match=rf"{folder} may be written by other users \(mode 2775\).*chmod 700 {folder}"):
+        nbddp.sweep(WORKER, space, name="g", **options)
+    folder.chmod(0o700)
+    os.link(folder / "study.db", tmp_path / "another-name.db")
+    with pytest.raises(NotPrivate, match=rf"{folder / 'study.db'} has other names \(hard links\)"):
+        nbddp.sweep(WORKER, space, name="g", **options)
+    (tmp_path / "another-name.db").unlink()
+    (folder / "study.db").rename(tmp_path / "elsewhere.db")
+    (folder / "study.db").symlink_to(tmp_path / "elsewhere.db")
+    with pytest.raises(NotPrivate, match=rf"{folder / 'study.db'} is a symbolic link"):
+        nbddp.sweep(WORKER, space, name="g", **options)
+    (folder / "study.db").unlink()
+    (tmp_path / "elsewhere.db").rename(folder / "study.db")
+
+    # In use, the folder renamed away and a copy put in its place: the copy is never read.
+    study, _ = open_study(runs, "g", "maximize", None, None)
+    assert study.get_trials() == []
+    folder.rename(runs / "sweeps" / "g-away")
+    folder.mkdir(mode=0o700)
+    (folder / "study.db").write_bytes((runs / "sweeps" / "g-away" / "study.db").read_bytes())
+    (folder / "study.db").chmod(0o600)
+    with pytest.raises(NotPrivate, match=rf"{folder} was removed or replaced while the sweep used it"):
+        study.get_trials()
+
+
+def test_a_damaged_study_is_named_with_what_to_do(tmp_path):
+    from nbddp.contract.errors import NbddpError
+
+    folder = tmp_path / "sweeps" / "d"
+    folder.mkdir(parents=True, mode=0o700)
+    (folder / "study.db").write_bytes(b"not an SQLite file " * 200)
+    (folder / "study.db").chmod(0o600)
+    with pytest.raises(NbddpError, match=rf"(?s){folder / 'study.db'} is not a readable Optuna study .*damaged.*"
+                                          rf"mv {folder / 'study.db'} {folder / 'study.db'}.damaged"):
+        nbddp.sweep(WORKER, lambda t: {"lr": t.suggest_float("lr", 0.1, 1.0)}, n_trials=1, metric="score", nprocs=1,
+                    name="d", runs_dir=tmp_path, echo=False)
+
+
+LOCKED = """
+import nbddp
+s = nbddp.sweep({worker!r}, lambda t: {{"lr": t.suggest_float("lr", 0.1, 1.0)}}, n_trials=1, metric="score",
+                nprocs=1, name="l", runs_dir={runs!r})
+print("done", len(s.study.trials), flush=True)
+"""
+
+
+def test_a_study_locked_by_another_process_waits_with_a_line_naming_it_and_the_holder(tmp_path):
+    """optuna-dashboard or a notebook in the middle of a read holds a lock on the study: the sweep
+    waits for it, and says so (which file, which process) instead of waiting in silence."""
+    from nbddp.kernel.study import open_study
+
+    runs = tmp_path / "runs"
+    open_study(runs, "l", "maximize", None, None)
+    db = runs / "sweeps" / "l" / "study.db"
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN")
+    holder.execute("SELECT count(*) FROM trials").fetchone()  # a read lock, held until the line is seen
+    script = tmp_path / "locked.py"
+    script.write_text(LOCKED.format(worker=WORKER, runs=str(runs)))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("nbddp: waiting for"):
+                break
+        holder.execute("ROLLBACK")
+        holder.close()
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    said = [line for line in lines if line.startswith("nbddp: waiting for")]
+    assert said, "".join(lines)[-3000:]
+    assert str(db) in said[0] and f"pid {os.getpid()} of " in said[0] and "up to 30 s" in said[0]
+    assert proc.returncode == 0 and "done 1" in rest, rest[-3000:]

@@ -48,7 +48,8 @@ def open_study(runs_dir: Path, name: str, direction: str, sampler, pruner):
         StudyError: the file is damaged, or another process kept it locked.
     """
     optuna = import_optuna()
-    file = StudyFile(runs_dir, name, lambda scratch: optuna.storages.RDBStorage(f"sqlite:///{scratch}").engine.dispose())
+    file = StudyFile(runs_dir, name,
+                     lambda scratch: optuna.storages.RDBStorage(f"sqlite:///{scratch}").engine.dispose())
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial is nbddp's
     try:
         storage = _storage(optuna, file)

@@ -265,7 +265,8 @@ def _holders_text(path: Path) -> str:
 
 def _locked_message(file: StudyFile) -> str:
     return (f"{file.path} stayed locked by another process for {BUSY_TIMEOUT_S:.0f} s "
-            f"({_holders_text(file.path)}). Close or end what holds it, then call nbddp.sweep again: the study is kept.")
+            f"({_holders_text(file.path)}). Close or end what holds it, then call nbddp.sweep again: the study is "
+            "kept.")
 
 
 class _Waits:
