@@ -137,3 +137,36 @@ def test_a_run_that_ends_just_as_the_interrupt_arrives_keeps_its_result(warm_ker
     # else the cell had returned before the Interrupt came (an idle kernel ignores it)
     reply, out = execute(kc, "print(r.value)")
     assert reply["status"] == "ok" and "'answer': 42" in out, out
+
+
+def test_an_interrupt_never_breaks_a_checkpoint_being_written(warm_kernel, tmp_path):
+    """A fn(ctx) loop under FSDP saving every step (a write takes most of the step) and never checking
+    ctx.should_stop(): the Interrupt's KeyboardInterrupt waits until the write is whole. No
+    CheckpointException, no temporary folder, the notice says what happens, the newest checkpoint resumes."""
+    km, kc = warm_kernel
+    marks, runs = tmp_path / "marks", tmp_path / "runs"
+    marks.mkdir()
+    target = f"{WORKERS / 'saving.py'}:save_every_step"
+    msg_id = kc.execute(f"spawn_train({target!r}, {str(marks)!r}, nprocs=2, strategy='fsdp', runs_dir={str(runs)!r}, "
+                        "grace_s=1)")
+    assert wait_for(lambda: all((marks / f"saved{r}").exists() for r in (0, 1)), timeout=120)
+    import time
+
+    time.sleep(2)
+    km.interrupt_kernel()
+    stream, error = _cell_messages(kc, msg_id, timeout=120)
+    assert error is not None and error[0] == "TrainingInterrupted", (stream, error)
+    assert "they finish their step and checkpoint" not in stream, stream  # the worker never checks should_stop
+    assert "once a checkpoint being written is whole" in stream, stream
+    # Each rank ended by its KeyboardInterrupt, after the write: none was cut by SIGTERM (or SIGKILL).
+    assert "KeyboardInterrupt" in error[1] and not re.search("SIGTERM|SIGKILL|CheckpointException", error[1]), error[1]
+    run = next(runs.iterdir())
+    logs = "".join((run / "logs" / f"rank{r}.log").read_text() for r in (0, 1))
+    assert "CheckpointException" not in logs and "CheckpointException" not in stream + error[2], logs[-3000:]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["last.dcp"]  # no temporary folder left
+    saved = int((marks / "saved0").read_text())
+    reply, out = execute(kc, f"r = spawn_train({target!r}, {str(marks)!r}, nprocs=2, strategy='fsdp', "
+                             f"runs_dir={str(runs)!r}, resume={str(run)!r}, echo=False); print(r.value)")
+    assert reply["status"] == "ok", out
+    resumed = int(re.search(r"'resumed_from': (\d+)", out).group(1))
+    assert resumed >= saved, (resumed, saved)  # the newest whole checkpoint, never an older one

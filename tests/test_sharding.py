@@ -106,6 +106,22 @@ def test_prepare_refuses_with_the_fix(runs):
     assert "TransformerBlock" in errors["block"] and "Block" in errors["block"]
     assert "cpu_offload" in errors["offload"] and "gpus=" in errors["offload"]
     assert "mixed_precision" in errors["ddp_options"] and "strategy='fsdp'" in errors["ddp_options"]
+    # A model without parameters: refused with the reason, not torch's "model state_dict is empty" at a save.
+    assert errors["no_params"].startswith("ConfigError") and "has none" in errors["no_params"], errors["no_params"]
+    assert errors["stateless_save"].startswith("ConfigError") and "'act'" in errors["stateless_save"], \
+        errors["stateless_save"]
+
+
+@pytest.mark.parametrize("how", ["truncated", "missing"])
+def test_a_truncated_or_missing_shard_is_nbddps_error_naming_the_checkpoint(runs, how):
+    broken = runs["fsdp2"].value["broken"]
+    message = broken[how]
+    assert message is not None and message.startswith("WeightsError"), message
+    assert f"checkpoint {runs['fsdp2'].run_dir / 'checkpoints' / (how + '.dcp')}" in message, message
+    assert "incomplete or corrupt" in message and "CheckpointException" not in message, message
+    kept = broken[f"{how} kept"]  # nothing removed
+    assert ".metadata" in kept and "extra.pt" in kept and len([n for n in kept if n.endswith(".distcp")]) == \
+        (2 if how == "truncated" else 1), kept
 
 
 def test_a_checkpoint_of_another_architecture_is_refused_by_name(runs):

@@ -99,3 +99,23 @@ def test_a_failure_lets_a_checkpoint_being_written_end_first():
     sd = Shutdown("failure", 0.0, GRACE, PATIENCE, kill=sent2.append, finishing=lambda now, since: False,
                   writing=lambda now: True)
     assert sd.advance(PATIENCE) is Stage.TERM and sent2 == [signal.SIGTERM]
+
+
+def test_a_stop_lets_a_checkpoint_being_written_when_the_sigint_came_end_before_sigterm():
+    """A rank holds its KeyboardInterrupt while it writes a checkpoint (ctx.save_checkpoint): no
+    SIGTERM cuts that write while its heartbeat says it writes, up to stop_timeout_s."""
+    sent, writing = [], {"now": False}
+    sd = Shutdown("interrupt", 0.0, GRACE, PATIENCE, kill=sent.append, finishing=lambda now, since: False,
+                  writing=lambda now: writing["now"])
+    assert sd.advance(0.5) is Stage.INT and sent == [signal.SIGINT]
+    writing["now"] = True
+    assert sd.advance(0.5 + GRACE) is Stage.INT and sent == [signal.SIGINT]
+    assert sd.advance(100.0) is Stage.INT
+    writing["now"] = False  # whole: the rank's KeyboardInterrupt ends it, or SIGTERM now does
+    assert sd.advance(100.5) is Stage.TERM and sent == [signal.SIGINT, signal.SIGTERM]
+    sent2 = []
+    sd = Shutdown("stop", 0.0, GRACE, PATIENCE, kill=sent2.append, finishing=lambda now, since: False,
+                  writing=lambda now: True)
+    sd.advance(0.5)
+    assert sd.advance(PATIENCE - 0.1) is Stage.INT
+    assert sd.advance(PATIENCE) is Stage.TERM, "a write that never ends is cut at stop_timeout_s"

@@ -9,6 +9,12 @@ Two rules hold everywhere in this module:
 * Every file is read with ``torch.load(..., weights_only=True)`` and never retried with
   ``weights_only=False``: unpickling arbitrary objects can run arbitrary code. That is why
   checkpoints hold only plain values (see :func:`to_plain`).
+
+A run's checkpoints are the user's alone: written ``0600`` into a ``0700`` ``checkpoints/``
+whatever the umask, and read on resume only through descriptors checked to be the user's and
+writable by no one else (:func:`load_checkpoint` with ``run_dir``), so a group member of a
+group-writable project folder can neither rewrite one nor swap in her own. A write is never cut by
+an Interrupt (:func:`uninterrupted`): the stop takes effect once the file is whole.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import hashlib
 import pickle
 import secrets
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -33,6 +40,7 @@ import torch
 
 from .errors import ConfigError, WeightsError
 from .paths import PathLike, pseudo_filesystem, special_file_kind
+from .private import PRIVATE_FILE_MODE, open_private_below, private_folder
 from .rundir import (TMP_MARK, CLASS_INDICES, EXPORT, EXPORT_FILES, EXPORT_META, EXPORT_PTH,  # noqa: F401
                      EXPORT_SAFETENSORS, fsync_dir, temp_writer_alive, atomic_write, atomic_write_text,
                      cleanup_temp_files, write_class_indices)
@@ -50,8 +58,48 @@ WEIGHTS_SEARCH_ORDER = (
 #: Prefixes that wrappers add in front of every key: DDP / DataParallel and ``torch.compile``.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
+#: Why a run's checkpoint must be the user's alone, for the refusal's message.
+CHECKPOINT_IS_PRIVATE = ("nbddp resumes only from checkpoints that are yours alone, since loading one can run "
+                         "code as you (a sharded checkpoint's files are pickles) or put another's weights in your run")
+
+
+# ---------------------------------------------------------------------------- no Interrupt inside a write
+@contextlib.contextmanager
+def uninterrupted(stop_requested: Optional[Callable[[], bool]] = None):
+    """A checkpoint write that an Interrupt cannot cut: SIGINT is held until the body ends, then delivered.
+
+    The rank's SIGINT handler (a ``KeyboardInterrupt`` between two statements) is swapped for one
+    that only notes the signal; once the body is done, the handler is put back and called for a
+    signal that came meanwhile, so the ``KeyboardInterrupt`` is raised right after the write, never
+    inside it (torch's ``CheckpointException``, a temporary folder left behind). A body that fails
+    while a stop was asked for (``stop_requested()``: a peer that took its ``KeyboardInterrupt``
+    outside its write left the collective) was cut by the stop: it raises ``KeyboardInterrupt`` too,
+    its own error as the context. Outside the main thread (where no handler can be set, and none
+    runs) it is a plain block.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous, held = signal.getsignal(signal.SIGINT), []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    except Exception as exc:
+        signal.signal(signal.SIGINT, previous)
+        if held or (stop_requested is not None and stop_requested()):
+            raise KeyboardInterrupt(f"the checkpoint being written was dropped at the stop ({type(exc).__name__}: "
+                                    f"{_first_sentence(str(exc)) or 'no details'}); the previous one is kept") from exc
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held and callable(previous):
+        previous(signal.SIGINT, held[0])  # the rank's own handler (or Python's): its KeyboardInterrupt, now
+    elif held and previous == signal.SIG_DFL:
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 # ---------------------------------------------------------------------------- atomic writes
-def atomic_save(obj: Any, path: PathLike) -> Path:
+def atomic_save(obj: Any, path: PathLike, mode: int = 0o666) -> Path:
     """``torch.save(obj, path)`` that never leaves a half-written file at ``path``.
 
     The object is written to ``.<name>.tmp-<pid>-<token>`` in the same folder, flushed and
@@ -62,12 +110,25 @@ def atomic_save(obj: Any, path: PathLike) -> Path:
     Args:
         obj: what to save; keep it weights-only loadable (see :func:`to_plain`).
         path: destination file.
+        mode: the new file's mode, less the umask (:data:`PRIVATE_FILE_MODE` for a run's checkpoints).
 
     Returns:
         ``path`` as a ``Path``.
     """
     # Look torch.save up at call time (not ``from torch import save``) so tests can patch it.
-    return atomic_write(path, lambda f: torch.save(obj, f))
+    return atomic_write(path, lambda f: torch.save(obj, f), mode=mode)
+
+
+def save_run_checkpoint(obj: Any, path: PathLike) -> Path:
+    """:func:`atomic_save` of a run's checkpoint: ``0600`` in its ``checkpoints/`` folder made ``0700``.
+
+    A ``checkpoints`` folder that is not the user's (a link, another user's folder swapped in) is
+    moved aside with a warning and made anew; one of the user's that others may open is narrowed
+    (what others put in it meanwhile is refused file by file when it is read).
+    """
+    path = Path(path)
+    private_folder(path.parent, "the run's checkpoints", replace=True)
+    return atomic_save(obj, path, mode=PRIVATE_FILE_MODE)
 
 
 # ---------------------------------------------------------------------------- off the step's path
@@ -95,13 +156,19 @@ class BackgroundSaver:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._pinned: dict = {}
+        self._in_caller = False  # a write in the caller's thread is under way
 
     def save(self, obj: Any, path: PathLike, write: Optional[Callable[[Any, PathLike], Any]] = None,
              then: Optional[Callable[[float], None]] = None) -> None:
         """Write ``obj`` to ``path`` in the background; ``then(seconds)`` runs once it is on disk."""
         self.wait()
         if not self.background:  # nothing changes obj while it is written: no snapshot
-            self._write(obj, path, write or atomic_save, then)
+            self._in_caller = True
+            try:
+                with uninterrupted():
+                    self._write(obj, path, write or atomic_save, then)
+            finally:
+                self._in_caller = False
             return
         snapshot = self._snapshot(obj, ())
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -121,17 +188,20 @@ class BackgroundSaver:
             self._error = exc
 
     def wait(self) -> None:
-        """Block until the last write is on disk; raise its error, if it failed."""
+        """Block until the last write is on disk; raise its error, if it failed.
+
+        An Interrupt meanwhile waits for the write too (the process would end under it)."""
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join()
+            with uninterrupted():
+                thread.join()
         error, self._error = self._error, None
         if error is not None:
             raise error
 
     @property
     def writing(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._in_caller or (self._thread is not None and self._thread.is_alive())
 
     def _snapshot(self, obj: Any, key: tuple) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -237,16 +307,34 @@ def _nearby_files_hint(path: Path) -> str:
     return f"Check the path (relative paths start from {os.getcwd()})."
 
 
-def _load_weights_only(path: PathLike, what: str = "checkpoint") -> Any:
-    """``torch.load`` with weights_only=True; every failure becomes a ``WeightsError``."""
+def open_in_run(path: PathLike, run_dir: PathLike):
+    """``path``, a file below ``run_dir``, opened to read only if it is the user's alone (binary file object).
+
+    Every folder from the run folder down and the file are checked on the descriptors read
+    (:func:`nbddp.contract.private.open_private_below`).
+
+    Raises:
+        NotPrivate: naming the file or folder that is not the user's alone, and what to do.
+        FileNotFoundError: it is missing.
+    """
+    relative = os.path.relpath(os.path.abspath(path), os.path.abspath(run_dir))
+    return os.fdopen(open_private_below(Path(run_dir), relative, CHECKPOINT_IS_PRIVATE), "rb")
+
+
+def _load_weights_only(path: PathLike, what: str = "checkpoint", run_dir: Optional[PathLike] = None) -> Any:
+    """``torch.load`` with weights_only=True; every failure becomes a ``WeightsError``.
+
+    With ``run_dir``, the file is read only through descriptors checked to be the user's alone."""
     path = Path(path)
     if not path.exists():
         raise WeightsError(f"{what} file not found: {path}. {_nearby_files_hint(path)}")
     if path.is_dir():
         raise WeightsError(f"{path} is a folder, not a {what} file; pass the file inside it.")
+    source = open_in_run(path, run_dir) if run_dir is not None else contextlib.nullcontext(path)
     try:
         # weights_only=True is the whole point: never retry with False, even on failure.
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with source as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" not in str(e):
             raise _corrupt_error(path, what, e) from e
@@ -278,14 +366,21 @@ def _corrupt_error(path: Path, what: str, e: BaseException) -> WeightsError:
     )
 
 
-def load_checkpoint(path: PathLike) -> dict:
+def load_checkpoint(path: PathLike, run_dir: Optional[PathLike] = None) -> dict:
     """Load a checkpoint dict on the CPU, weights-only.
+
+    Args:
+        path: the checkpoint file.
+        run_dir: the run folder ``path`` is in, when resuming that run: the file and every folder
+            from the run folder down must then be the user's and writable by no one else, checked
+            on the descriptors read (:func:`open_in_run`).
 
     Raises:
         WeightsError: the file is missing, truncated or corrupt, not weights-only safe (it
             would need to unpickle arbitrary objects), or does not hold a dict.
+        NotPrivate: with ``run_dir``, the file or a folder on its way is not the user's alone.
     """
-    obj = _load_weights_only(path, "checkpoint")
+    obj = _load_weights_only(path, "checkpoint", run_dir)
     if not isinstance(obj, dict):
         raise WeightsError(
             f"{path} holds a {type(obj).__name__}, not a checkpoint dict; pass a file written by "

@@ -9,6 +9,9 @@ place (:func:`owner`), the seam a test uses to play another user without root.
   (a link, a file, another user's folder) is refused or, where nbddp can make a new one without
   losing anything of the user's, moved aside and made anew, with a warning saying so.
 - :func:`open_private_file` appends to a file of such a folder, checked on its open descriptor.
+- :func:`open_private_below` opens a file to read (a checkpoint) only if it and every folder
+  between it and a given top folder (the run folder) are the user's alone, checked on the
+  descriptors it reads through.
 - :func:`compile_cache_env` is where torch.compile, Triton, C++ extensions and CUDA's JIT keep
   the code they compile, in the user's cache folder (``$XDG_CACHE_HOME``, else ``~/.cache``) under
   ``nbddp/compile``: not torch's default ``/tmp/torchinductor_<user>``, a name any user of a
@@ -121,6 +124,66 @@ def _aside(path: Path, dir_fd: Optional[int] = None) -> Path:
     """Rename ``path`` (a link, a file or a folder) to a unique ``<name>.not-yours-<time>-<token>`` beside it."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = path.with_name(f"{path.name}{ASIDE_MARK}{stamp}-{secrets.token_hex(3)}")
+def open_private_below(top: Path, relative: str, why_private: str) -> int:
+    """A read descriptor of ``top/relative``, only if everything below ``top`` on the way is the user's alone.
+
+    ``top`` (a run folder) must be the user's; others may write it (a run folder of a
+    group-writable project folder: what they rename or put in it is checked below). Then each
+    folder of ``relative`` is opened inside the last one without following a link and checked on
+    its descriptor (:func:`problem`: the user's, writable by no one else), and so is the file (a
+    regular file of the user's with one name, that no one else may write either: a file others
+    can write may hold anything, whoever made it). A swap between a check and the read changes
+    nothing: what is read is what was checked.
+
+    Raises:
+        NotPrivate: names the first folder or file that is not, why, ``why_private`` and what to do.
+        FileNotFoundError: a part of the path is missing.
+    """
+    top, parts = Path(top), Path(relative).parts
+    if not parts or any(part in ("..", ".") for part in parts) or Path(relative).is_absolute():
+        raise ValueError(f"{relative!r} is not a path below {top}")
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _refuse(problem(os.fstat(fd), "folder", shared_ok=True), top, why_private, "folder")
+        where = top
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            where = where / part
+            flags = (os.O_NONBLOCK if last else os.O_DIRECTORY) | os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                inner = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a link, or a file where a folder was
+                    _refuse(problem(os.lstat(part, dir_fd=fd), "file" if last else "folder")
+                            or "is not a folder", where, why_private, "folder")
+                raise
+            os.close(fd)
+            fd = inner
+            st = os.fstat(fd)
+            found = problem(st, "file" if last else "folder")
+            if last and found is None and st.st_mode & 0o022:
+                found = f"may be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+            _refuse(found, where, why_private, "file" if last else "folder")
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _refuse(found: Optional[str], path: Path, why_private: str, kind: str) -> None:
+    """Raise :class:`NotPrivate` for ``path`` (a ``kind``) when :func:`problem` found something, with what to do."""
+    if found is None:
+        return
+    if "other users" in found:  # the user's own: made before nbddp kept it private, or opened since
+        chmod = "chmod -R go-w" if kind == "folder" else "chmod go-w"
+        fix = (f"If you made it and trust what it holds, make it yours alone ({chmod} {path}); "
+               f"else remove {path} and launch again")
+    else:
+        fix = f"Remove {path} (or move it away) and launch again"
+    raise NotPrivate(f"{path} {found}: {why_private}. {fix}.")
+
+
     os.rename(path.name if dir_fd is not None else path, aside.name if dir_fd is not None else aside,
               src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return aside
@@ -213,7 +276,7 @@ def _open_checked(path: Path, dir_fd: int, what: str, flags: int) -> Optional[in
     else:
         st = os.fstat(fd)
         # One others may write may be open in another user's process still, narrowed or not.
-        found = problem(st, "file") or ("may be written by other users" if st.st_mode & 0o022 else None)
+        found = problem(st, "file")
         if found is None:
             os.set_blocking(fd, True)
             if stat.S_IMODE(st.st_mode) != PRIVATE_FILE_MODE:
@@ -303,5 +366,5 @@ def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, str]:
     return {var: os.path.join(fallback, "compile", sub) for var, sub in wanted.items()}
 
 
-__all__ = ["NotPrivate", "private_folder", "open_private_file", "read_private", "compile_cache_env", "PRIVATE_DIR_MODE",
-           "PRIVATE_FILE_MODE"]
+__all__ = ["NotPrivate", "private_folder", "open_private_file", "read_private", "open_private_below", "compile_cache_env",
+           "PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE"]

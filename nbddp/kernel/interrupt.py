@@ -100,13 +100,21 @@ def checkpoints_through_nbddp(spec: Any, run_dir: Path) -> bool:
 
 
 def stopping_line(spec: Any, run_dir: Path, grace_s: float) -> str:
-    """The one line the cell shows when an Interrupt reaches a running launch."""
-    if checkpoints_through_nbddp(spec, run_dir):
+    """The one line the cell shows when an Interrupt reaches a running launch.
+
+    Only the built-in task is known to finish its step and checkpoint (it checks the request every
+    step); a worker of your own may not check ``ctx.should_stop()``, so it is told what then
+    happens: a ``KeyboardInterrupt``, never inside a checkpoint nbddp writes (that ends first)."""
+    from ..contract.plans import is_task_config
+
+    if any(is_task_config(a) for a in (spec.args or ())):
         how = "they finish their step and checkpoint"
     elif isinstance(spec.target, str) and makes_own_group(spec.call, spec.target):
         how = "a KeyboardInterrupt in each rank, as Ctrl-C gives"
     else:
         how = f"asked to stop; a KeyboardInterrupt in {grace_s:g} s for code that does not check ctx.should_stop()"
+        if checkpoints_through_nbddp(spec, run_dir):
+            how += ", once a checkpoint being written is whole"
     return (f"nbddp: Interrupt: stopping the {spec.world_size} workers of {_short(run_dir)} ({how}); "
             "interrupt again to end them at once")
 

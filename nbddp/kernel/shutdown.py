@@ -47,7 +47,9 @@ class Shutdown:
       ``KeyboardInterrupt`` between two statements whatever its code, so its ``finally:`` blocks
       and context managers run, as Ctrl-C would in a terminal.
     * ASK → TERM: for any other reason after ``grace_s``.
-    * INT → TERM: ``grace_s`` after the SIGINT (code that caught it, or waits in a collective). A stop keeps the result: the workers may be finishing the epoch's evaluation,
+    * INT → TERM: ``grace_s`` after the SIGINT (code that caught it, or waits in a collective), or,
+      while a rank writes a checkpoint (its ``KeyboardInterrupt`` waits for the write to be
+      whole), once the write ends, up to ``stop_timeout_s`` after the request. A stop keeps the result: the workers may be finishing the epoch's evaluation,
       the export or NCCL's teardown, which can take far longer than ``grace_s`` on a GPU. An
       interrupt keeps the work: the step in flight and its checkpoint can take longer too.
     * TERM → KILL: ``grace_s`` after the SIGTERM.
@@ -68,7 +70,7 @@ class Shutdown:
                  writing: Callable[[float], bool] = lambda now: False):
         self.reason, self.grace_s, self.stop_timeout_s = reason, grace_s, stop_timeout_s
         self._kill, self._finishing, self._writing = kill, finishing, writing
-        self.stage, self.since = Stage.ASK, now
+        self.stage, self.since, self.asked = Stage.ASK, now, now
         if reason == "failure" and not writing(now):
             self._enter(Stage.TERM, now)
 
@@ -91,6 +93,8 @@ class Shutdown:
             self._enter(Stage.INT if self.waits_for_finish else Stage.TERM, now)
             return self.stage
         elif self.stage is Stage.INT and now - self.since >= self.grace_s:
+            if now - self.asked < self.stop_timeout_s and self._writing(now):
+                return self.stage  # a checkpoint being written: its rank's KeyboardInterrupt follows it
             self._enter(Stage.TERM, now)
         elif self.stage is Stage.TERM and now - self.since >= self.grace_s:
             self._enter(Stage.KILL, now)

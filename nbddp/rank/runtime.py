@@ -105,6 +105,7 @@ class Context:
         # What writes checkpoints in the background (``checkpoint.BackgroundSaver``), if anything:
         # the heartbeat says when it writes, and a failure's shutdown then lets the write end.
         self.background_writer = None
+        self._saving = False  # inside ctx.save_checkpoint
         # spawn_train(profile=..., trackers=...): this rank's profiler, rank 0's tracker thread.
         self._profiler = None
         self._trackers = None
@@ -140,7 +141,7 @@ class Context:
         return Heartbeat(rank=self.rank, pid=os.getpid(), state=state, epoch=self.epoch, step=self.step,
                          phase=self.phase, waiting=self.waiting, progress_time=self._progress_time,
                          beat_time=time.time(), stopping=self._stop_reason is not None,
-                         writing=bool(getattr(self.background_writer, "writing", False))
+                         writing=self._saving or bool(getattr(self.background_writer, "writing", False))
                          or bool(getattr(self._trackers, "finishing", False)))
 
     def log(self, **metrics: Any) -> None:
@@ -274,17 +275,30 @@ class Context:
 
         Either way the checkpoint is atomic (a half-written one is never ``name``) and every rank
         waits until it is whole. If a write fails (a full disk), every rank raises: the one that
-        failed its own error.
+        failed its own error. It is private whatever the umask (files ``0600`` in ``0700``
+        folders), and a Stop's or an Interrupt's ``KeyboardInterrupt`` waits until it is whole:
+        it is raised right after the call (one that cut a peer's save off drops this one, and the
+        previous checkpoint stays).
 
         Returns:
             The path written (on every rank).
         """
-        from ..contract.checkpoint import atomic_save, to_plain
+        from ..contract.checkpoint import uninterrupted
+
+        name = _checkpoint_name(name)
+        self._saving = True  # the heartbeat says so: the staged stop lets the write end before SIGTERM
+        try:
+            with uninterrupted(lambda: read_stop_request(self.run_dir) is not None):
+                return self._save_checkpoint(state, name)
+        finally:
+            self._saving = False
+
+    def _save_checkpoint(self, state: dict, name: str) -> Path:
+        from ..contract.checkpoint import save_run_checkpoint, to_plain
         from .dist import agree_on_error, barrier
         from .sharded_checkpoint import save as save_sharded, split_state
         from .sharding import gather_dtensors, has_dtensors
 
-        name = _checkpoint_name(name)
         if isinstance(state, dict) and any(split_state(state)[:2]):
             path = save_sharded(self.run_dir, name, state, self.is_main)
             self._note_checkpoint(path, state)
@@ -295,7 +309,7 @@ class Context:
         error = None
         if self.is_main:
             try:
-                atomic_save(to_plain(state), path)
+                save_run_checkpoint(to_plain(state), path)
             except Exception as exc:  # noqa: BLE001 - every rank learns of it below
                 error = exc
         agree_on_error(error, f"saving checkpoint {path.name}")
@@ -318,7 +332,9 @@ class Context:
         the saved state comes back (``{"step": ...}``). A checkpoint of modules and optimizers
         (``checkpoints/<name>.dcp``) is resharded to this run's world size and sharding: a run
         saved on 2 ranks continues on 1 or 3. Without ``into``, a ``.pt`` checkpoint comes back
-        whole, on this rank's device. Files are read weights-only (a tampered file cannot run code).
+        whole, on this rank's device. Files are read weights-only, and only if they and every
+        folder from the run folder down are yours and writable by no one else (checked on the
+        descriptors read): anything else raises ``NotPrivate`` naming it, unread.
 
         Example:
             >>> state = ctx.load_checkpoint({"model": model, "optimizer": optimizer})
@@ -338,14 +354,14 @@ class Context:
             if newest == dcp_path(self.run_dir, name):
                 rest = load_sharded(self.run_dir, name, into)
             else:
-                rest = load_plain_into(load_checkpoint(newest), into, newest)
+                rest = load_plain_into(load_checkpoint(newest, run_dir=self.run_dir), into, newest)
             return to_device(rest, self.device)
         if newest == dcp_path(self.run_dir, name):
             from ..contract.errors import ConfigError
 
             raise ConfigError(f"checkpoint {newest} holds modules and optimizers (sharded, one file per rank); load it "
                               "into them: state = ctx.load_checkpoint({'model': model, 'optimizer': optimizer})")
-        return to_device(load_checkpoint(newest), self.device)
+        return to_device(load_checkpoint(newest, run_dir=self.run_dir), self.device)
 
     def progress(self, **fields: Any) -> None:
         """Report live progress (epoch, step, total, loss...), shown by the notebook's panel.
@@ -593,7 +609,7 @@ def entry(local_rank: int, spec: LaunchSpec) -> None:
     redirect_output(rundir.rank_log(run_dir, rank))
     warnings.formatwarning = one_line_warning  # rank 0's log is echoed into the cell line by line
     process.stacks_on_signal(run_dir, rank)
-    reaper.TreeRecorder(rundir.tree_record_path(run_dir, rank)).start()
+    reaper.TreeRecorder(run_dir, rank).start()
 
     # torchrun's environment, for every kind of target: code written for torchrun reads it,
     # and env:// in code that makes its own group meets the kernel's store (its "agent store").

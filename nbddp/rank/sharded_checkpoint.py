@@ -10,6 +10,12 @@ Atomic as a ``.pt`` checkpoint is: every rank writes into a temporary sibling fo
 agree that every write succeeded, then rank 0 swaps the folder in with two renames (the old
 checkpoint, then the new, never a mix), so a half-written checkpoint is never ``last``.
 
+Private whatever the umask, since DCP's files are pickles (``.metadata`` is read by a plain
+``pickle.load``, and a shard's non-tensor entries by ``torch.load(weights_only=False)``): the
+folders are made ``0700`` and the files ``0600`` (:class:`_PrivateFiles`), and a load opens every
+file through descriptors checked to be the user's and writable by no one else, from the run folder
+down; anything else is refused by name before a byte of it is unpickled.
+
 Modules are stored under their state dict keys without wrapper prefixes (DDP's ``module.``,
 compile's ``_orig_mod.``) and optimizers by parameter name (``get_state_dict``), so a DDP run's
 checkpoint loads into a sharded model and back. This module never imports the kernel side.
@@ -17,6 +23,7 @@ checkpoint loads into a sharded model and back. This module never imports the ke
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -29,6 +36,7 @@ from torch import nn
 
 from ..contract import rundir
 from ..contract.errors import ConfigError, WeightsError
+from ..contract.private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, private_folder
 
 #: The suffix of a sharded checkpoint's folder: ``checkpoints/last.dcp/``.
 DCP_SUFFIX = ".dcp"
@@ -39,6 +47,48 @@ EXTRA = "extra.pt"
 def dcp_path(run_dir: Any, name: str) -> Path:
     """``checkpoints/<name>.dcp``: the folder of a checkpoint that holds modules and optimizers."""
     return rundir.checkpoints_dir(run_dir) / f"{name}{DCP_SUFFIX}"
+
+
+def _private_files(run_dir: Path):
+    """DCP's file system for this run: written private, read only through checked descriptors."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from ..contract.checkpoint import open_in_run
+
+    class _PrivateFiles(FileSystem):
+        """Folders ``0700`` and files ``0600`` whatever the umask; a file read is opened through
+        descriptors checked from the run folder down (:func:`nbddp.contract.checkpoint.open_in_run`)."""
+
+        @contextlib.contextmanager
+        def create_stream(self, path, mode: str):
+            if mode == "rb":
+                with open_in_run(path, run_dir) as stream:
+                    yield stream
+                return
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+            with os.fdopen(fd, mode) as stream:
+                yield stream
+
+        def mkdir(self, path) -> None:
+            os.makedirs(path, PRIVATE_DIR_MODE, exist_ok=True)
+
+    return _PrivateFiles()
+
+
+def _writer(run_dir: Path, folder: Path):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(str(folder))
+    writer.fs = _private_files(run_dir)
+    return writer
+
+
+def _reader(run_dir: Path, folder: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(str(folder))
+    reader.fs = _private_files(run_dir)
+    return reader
 
 
 def split_state(state: Dict[str, Any]) -> Tuple[Dict[str, nn.Module], Dict[str, torch.optim.Optimizer], dict]:
@@ -58,6 +108,15 @@ def _owner(optimizer: torch.optim.Optimizer, modules: Dict[str, nn.Module], key:
     raise ConfigError(f"checkpoint entry {key!r}: none of the checkpoint's modules ({', '.join(modules) or 'none'}) "
                       "holds the parameters this optimizer updates; put the model it trains in the same dict, e.g. "
                       "{'model': model, 'optimizer': optimizer}")
+
+
+def _refuse_stateless(modules: Dict[str, nn.Module]) -> None:
+    """A module without parameters or buffers has nothing to save (torch: "model state_dict is empty")."""
+    for key, module in modules.items():
+        if not any(True for _ in module.state_dict()):
+            raise ConfigError(f"checkpoint entry {key!r}: this {type(module).__name__} has no parameters or buffers, "
+                              "so there is nothing of it to save; leave it out of the checkpoint, or save the model "
+                              "that holds the weights")
 
 
 def _state_dicts(modules: Dict[str, nn.Module], optimizers: Dict[str, torch.optim.Optimizer]) -> dict:
@@ -90,63 +149,86 @@ def save(run_dir: Path, name: str, state: Dict[str, Any], is_main: bool) -> Path
         The checkpoint's folder (on every rank).
 
     Raises:
-        The error of the rank whose write failed on that rank; ``PeerError`` on the others.
+        The error of the rank whose write failed on that rank; ``PeerError`` on the others. The
+        temporary folder is gone either way, and the previous checkpoint stays whole.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from ..contract.checkpoint import _remove_stale_export_dirs, _swap_in, atomic_save, to_plain
     from .dist import agree_on_error, barrier
 
     modules, optimizers, rest = split_state(state)
+    _refuse_stateless(modules)  # before any rank writes: every rank refuses the same state
     target = dcp_path(run_dir, name)
-    work = None
-    if is_main:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_export_dirs(target)  # left by a run killed between its writes and its swap
-        work = str(target.with_name(f".{target.name}{rundir.TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"))
-    work = Path(_broadcast_name(work))
-    error = None
-    try:
-        extra = to_plain(rest)  # refused (TypeError) before any shard is written
-        # Every rank writes its own shard: no rank gathers the model.
-        dcp.save(_state_dicts(modules, optimizers), checkpoint_id=str(work))
-        if is_main:
-            atomic_save(extra, work / EXTRA)
-    except Exception as exc:  # noqa: BLE001 - every rank learns of it below
-        error = exc
-    try:
-        agree_on_error(error, f"saving checkpoint {target.name}")
-    except BaseException:
-        if is_main:
-            shutil.rmtree(work, ignore_errors=True)
-        raise
-    error = None
+    work, error = None, None
     if is_main:
         try:
-            _swap_in(work, target)
-        except OSError as exc:
-            shutil.rmtree(work, ignore_errors=True)
+            private_folder(target.parent, "the run's checkpoints", replace=True)
+            _remove_stale_export_dirs(target)  # left by a run killed between its writes and its swap
+            made = target.with_name(f".{target.name}{rundir.TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+            os.mkdir(made, PRIVATE_DIR_MODE)  # 0700 whatever the umask: the ranks write their shards in it
+            work = str(made)
+        except OSError as exc:  # NotPrivate too: every rank learns of it below
             error = exc
-    agree_on_error(error, f"saving checkpoint {target.name}")
+    work = _broadcast_name(work)  # None: rank 0 failed; every rank skips the writes and learns of it below
+    try:
+        if work is not None:
+            extra = to_plain(rest)  # refused (TypeError) before any shard is written
+            # Every rank writes its own shard: no rank gathers the model.
+            dcp.save(_state_dicts(modules, optimizers), storage_writer=_writer(run_dir, Path(work)))
+            if is_main:
+                atomic_save(extra, Path(work) / EXTRA, mode=PRIVATE_FILE_MODE)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank learns of it below
+        error = _rank_error(exc)
+    try:
+        agree_on_error(error, f"saving checkpoint {target.name}")
+        if is_main:
+            try:
+                _swap_in(Path(work), target)
+            except OSError as exc:
+                error = exc
+        agree_on_error(error, f"saving checkpoint {target.name}")
+    except BaseException:
+        if is_main and work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
     barrier()
     return target
 
 
-def _metadata(folder: Path):
-    from torch.distributed.checkpoint import FileSystemReader
+def _rank_error(exc: BaseException) -> BaseException:
+    """This rank's own error inside DCP's ``CheckpointException`` (it gathers every rank's), else ``exc``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, NotPrivate):
+                return inner
+    return exc
 
+
+def _incomplete(folder: Path, exc: BaseException) -> WeightsError:
+    text = str(exc).strip().splitlines()
+    detail = f"{type(exc).__name__}: {text[-1] if text else 'no details'}"
+    return WeightsError(f"cannot read checkpoint {folder} ({detail}); it is incomplete or corrupt (a file missing "
+                        "or cut short): use another checkpoint, or start without it. Its files are kept.")
+
+
+def _metadata(run_dir: Path, folder: Path):
     try:
-        return FileSystemReader(str(folder)).read_metadata()
+        return _reader(run_dir, folder).read_metadata()
+    except NotPrivate:
+        raise
     except Exception as exc:  # noqa: BLE001 - a missing or torn .metadata: one clear error
-        raise WeightsError(f"cannot read checkpoint {folder} ({type(exc).__name__}: {exc}); it is incomplete or "
-                           "corrupt: use another checkpoint, or start without it") from None
+        raise _incomplete(folder, exc) from None
 
 
-def _check_same_architecture(folder: Path, modules: dict, optimizers: dict) -> None:
+def _check_same_architecture(run_dir: Path, folder: Path, modules: dict, optimizers: dict) -> None:
     """Refuse a checkpoint of another architecture before reading any shard, naming the differences."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    stored = _metadata(folder).state_dict_metadata
+    stored = _metadata(run_dir, folder).state_dict_metadata
     held = sorted({k.split(".", 1)[0] for k in stored})
     for key in list(modules) + list(optimizers):
         if not any(k.startswith(f"{key}.") for k in stored):
@@ -180,6 +262,7 @@ def load(run_dir: Path, name: str, into: Dict[str, Any]) -> Optional[dict]:
         The checkpoint's plain values (the rest of the state), or ``None`` when there is no such checkpoint.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from ..contract.checkpoint import load_checkpoint
@@ -193,14 +276,27 @@ def load(run_dir: Path, name: str, into: Dict[str, Any]) -> Optional[dict]:
         raise ConfigError(f"ctx.load_checkpoint({{...}}) loads into modules and optimizers; {', '.join(map(repr, rest))} "
                           "are neither: leave them out, they come back in the returned dict")
     wanted = _state_dicts(modules, optimizers)
-    _check_same_architecture(folder, {k: wanted[k] for k in modules}, optimizers)
-    dcp.load(wanted, checkpoint_id=str(folder))
+    _check_same_architecture(run_dir, folder, {k: wanted[k] for k in modules}, optimizers)
+    try:  # every file through the checked reader: a shard's own pickles as well as .metadata
+        dcp.load(wanted, storage_reader=_reader(run_dir, folder))
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure
+        error = _rank_error(exc)
+        if isinstance(error, NotPrivate):
+            raise error from None
+        raise _incomplete(folder, _innermost(exc)) from None
     for k, m in modules.items():
         set_model_state_dict(unwrap(m), wanted[k])
     for k, opt in optimizers.items():
         set_optimizer_state_dict(unwrap(_owner(opt, modules, k)), opt, wanted[k])
     extra = folder / EXTRA
-    return load_checkpoint(extra) if extra.is_file() else {}
+    return load_checkpoint(extra, run_dir=run_dir) if extra.is_file() else {}
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    """The first rank's error inside DCP's ``CheckpointException`` (a truncated shard's ``EOFError``), else ``exc``."""
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        return failure[0] if isinstance(failure, tuple) else failure
+    return exc
 
 
 def load_plain_into(state: dict, into: Dict[str, Any], path: Path) -> dict:

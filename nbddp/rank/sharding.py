@@ -212,6 +212,10 @@ def prepare(model: nn.Module, device: torch.device, strategy: Optional[str] = No
     if ddp_kwargs:
         raise ConfigError(f"ctx.prepare({', '.join(ddp_kwargs)}=...): DistributedDataParallel options, but this "
                           "launch's strategy is 'fsdp'; drop them")
+    if not _has_params(model):  # torch would shard it, then fail its checkpoint: "model state_dict is empty"
+        raise ConfigError(f"ctx.prepare: strategy 'fsdp' shards a model's parameters, and this {type(model).__name__} "
+                          "has none: there is nothing to shard or to checkpoint. Pass the model that holds the "
+                          "weights, or launch with strategy='ddp'")
     if cpu_offload and device.type != "cuda":
         raise ConfigError("ctx.prepare(cpu_offload=True) keeps the shards and optimizer state in host memory while a "
                           "GPU computes; this rank computes on the CPU, where everything is in host memory already. "

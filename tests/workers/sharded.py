@@ -49,7 +49,9 @@ def _errors(ctx, model) -> dict:
                       ("ddp_of_sharded", lambda: refuse_ddp_of_sharded(model)),
                       ("block", lambda: prepare(Tiny(), ctx.device, "fsdp", blocks=["TransformerBlock"])),
                       ("offload", lambda: prepare(Tiny(), ctx.device, "fsdp", cpu_offload=True)),
-                      ("ddp_options", lambda: prepare(Tiny(), ctx.device, "ddp", mixed_precision="bf16"))):
+                      ("ddp_options", lambda: prepare(Tiny(), ctx.device, "ddp", mixed_precision="bf16")),
+                      ("no_params", lambda: prepare(nn.Sequential(nn.ReLU()), ctx.device, "fsdp")),
+                      ("stateless_save", lambda: ctx.save_checkpoint({"model": model, "act": nn.ReLU()}, "x"))):
         try:
             call()
             out[key] = None
@@ -89,7 +91,7 @@ def _failed_save(ctx, model, optimizer) -> dict:
     """A save whose last write fails on rank 0 (a full disk): every rank raises, ``last`` stays whole."""
     import nbddp.contract.checkpoint as C
 
-    def full_disk(obj, path):
+    def full_disk(obj, path, **kwargs):
         raise OSError(28, "No space left on device")
 
     real, message = C.atomic_save, None
@@ -103,6 +105,32 @@ def _failed_save(ctx, model, optimizer) -> dict:
         C.atomic_save = real
     folder = ctx.run_dir / "checkpoints"
     return {"message": message, "entries": sorted(p.name for p in folder.iterdir())}
+
+
+def _broken_checkpoints(ctx, model, optimizer) -> dict:
+    """A checkpoint with a shard cut short, then one with a shard missing: what loading each says, what is kept."""
+    import os
+
+    import torch.distributed as dist
+
+    out = {}
+    for how in ("truncated", "missing"):
+        ctx.save_checkpoint({"model": model, "optimizer": optimizer, "step": 0}, name=how)
+        folder = ctx.run_dir / "checkpoints" / f"{how}.dcp"
+        shard = sorted(folder.glob("*.distcp"))[-1]
+        if ctx.is_main:
+            if how == "truncated":
+                os.truncate(shard, shard.stat().st_size // 2)
+            else:
+                shard.unlink()
+        dist.barrier()
+        try:
+            ctx.load_checkpoint({"model": model, "optimizer": optimizer}, name=how)
+            out[how] = None
+        except Exception as exc:  # noqa: BLE001 - the test reads the message
+            out[how] = f"{type(exc).__name__}: {exc}"
+        out[f"{how} kept"] = sorted(p.name for p in folder.iterdir())
+    return out
 
 
 def train(ctx, steps: int = 6, save_at: int = -1, resume: bool = False, extras: bool = False,
@@ -146,4 +174,5 @@ def train(ctx, steps: int = 6, save_at: int = -1, resume: bool = False, extras: 
         result["errors"] = _errors(ctx, model)
         result["failed_save"] = _failed_save(ctx, model, optimizer)
         result["frozen_changed"] = _frozen(ctx)
+        result["broken"] = _broken_checkpoints(ctx, model, optimizer)
     return result if ctx.is_main else None

@@ -308,6 +308,6 @@ def find_resume_dir(cfg: TrainConfig, classes: Optional[list] = None) -> Path:
     last = rundir.checkpoint_path(run_dir, rundir.LAST)
     if not last.exists():
         raise ConfigError(f"TrainConfig.resume={cfg.resume!r}: no checkpoint at {last}; nothing to resume")
-    ckpt = load_checkpoint(last)  # weights-only: a tampered or truncated file is refused here
+    ckpt = load_checkpoint(last, run_dir=run_dir)  # weights-only, yours alone: a tampered or swapped file is refused
     _check_same_run(run_dir, ckpt, cfg, classes)
     return run_dir.resolve()

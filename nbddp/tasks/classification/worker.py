@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .pipelines import TaskData, load_data
 from ...contract import rundir
-from ...contract.checkpoint import BackgroundSaver, atomic_save, export_weights, load_checkpoint
+from ...contract.checkpoint import BackgroundSaver, export_weights, load_checkpoint, save_run_checkpoint
 from ...contract.config import TrainConfig
 from ...rank.dist import (agree_on_error, any_rank, barrier, check_same, cpu_group, data_parallel, is_dist,
                           sync_buffers_from_main)
@@ -205,7 +205,7 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
     last = rundir.checkpoint_path(ctx.run_dir, rundir.LAST)
     if not (cfg.resume and last.exists()):
         return _Progress()
-    ck = load_checkpoint(last)
+    ck = load_checkpoint(last, run_dir=ctx.run_dir)  # yours alone, checked on the descriptor read
     optimizer_state = optimizer_state_as(ck["optimizer"], t.model, by_name=cfg.strategy == "fsdp")
     if cfg.strategy == "fsdp":  # whole tensors, keyed by name: each rank keeps its shard (any world size)
         load_full_state_dict(t.model, ck["model"])
@@ -506,7 +506,7 @@ def _save_mid_epoch(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress
                 print(f"checkpoint of epoch {epoch + 1} step {done.steps} written to {path} "
                       f"({path.stat().st_size / 2**20:.1f} MB in {seconds:.2f} s, in the background)", flush=True)
 
-            t.saver.save(ck, path, write=atomic_save, then=written)
+            t.saver.save(ck, path, write=save_run_checkpoint, then=written)
             ctx.heartbeat(epoch=epoch, step=done.steps)  # says at once that a write is under way
             copy_s = time.perf_counter() - t0
             if copy_s > 1.0:
@@ -579,9 +579,9 @@ def _save_epoch(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: _P
             accuracy, classes = progress.best, list(data.classes)
 
             def write(snapshot: dict, path) -> None:  # in the background: last.pt, then best.pt
-                atomic_save(snapshot, path)
+                save_run_checkpoint(snapshot, path)  # 0600 in a 0700 checkpoints/: resumed only if yours alone
                 if improved:
-                    atomic_save({"model": snapshot["model"], "epoch": epoch, "accuracy": accuracy,
+                    save_run_checkpoint({"model": snapshot["model"], "epoch": epoch, "accuracy": accuracy,
                                  "classes": classes, "config": snapshot["config"]}, best)
 
             t.saver.save(ck, last, write=write, then=lambda _s: note_checkpoint(ctx.run_dir, last, epoch, None))
@@ -611,11 +611,11 @@ def _final_pass(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: _P
         return summary
     best_path = rundir.checkpoint_path(ctx.run_dir, rundir.BEST)
     if cfg.strategy == "fsdp":  # rank 0 reads the file; each rank keeps its shard of it
-        load_full_state_dict(t.model, load_checkpoint(best_path)["model"] if ctx.is_main else None)
+        load_full_state_dict(t.model, load_checkpoint(best_path, run_dir=ctx.run_dir)["model"] if ctx.is_main else None)
         # The broadcast frees what it sent: the export reads the file again, one plain copy on rank 0.
-        best_state = load_checkpoint(best_path)["model"] if ctx.is_main else None
+        best_state = load_checkpoint(best_path, run_dir=ctx.run_dir)["model"] if ctx.is_main else None
     else:
-        best_state = load_checkpoint(best_path)["model"]
+        best_state = load_checkpoint(best_path, run_dir=ctx.run_dir)["model"]
         t.model.load_state_dict(best_state)
     final = evaluate(t.model, data.loaders.val, ctx.device, t.amp_dtype, t.channels_last, gather_predictions=True,
                      batch_transform=data.loaders.val_transform, ctx=ctx)
