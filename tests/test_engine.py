@@ -35,6 +35,17 @@ def test_unreadable_batch_on_one_rank_stops_both_before_that_step(runs_dir, bad_
     assert r0["same_weights"]
 
 
+def test_non_finite_loss_on_one_rank_stops_both_naming_the_rank_and_its_step(runs_dir):
+    # The loss reaches the host a step late: both ranks learn of it in step 4's agreement, and
+    # leave before step 4's update, naming step 3.
+    r0, r1 = run(runs_dir, nan_rank=1, nan_step=3)
+    for r in (r0, r1):
+        assert r["error"] == "NonFiniteLossError" and "on rank(s) [1] at epoch 0, step 3:" in r["message"], r
+    assert "loss is nan on rank(s) [1]" in r1["message"] and "loss is non-finite on rank(s) [1]" in r0["message"]
+    assert r0["steps"] == r1["steps"] == 3, "on_step saw steps 0-2 only"
+    assert r0["same_weights"]
+
+
 def test_stop_request_seen_by_one_rank_ends_both_at_the_same_step(runs_dir):
     # And a checkpoint asked for by rank 1 alone at step 1: both ranks save after it, and again
     # after the step they stop at.

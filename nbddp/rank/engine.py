@@ -1,7 +1,8 @@
 """One epoch of training (with gradient accumulation), exact evaluation, the learning-rate schedule, GPU memory peaks.
 
 Worker side. Everything here works on CPU (gloo) and GPU (nccl) alike: collectives run on the
-device the backend needs, never a hard-coded ``"cuda"``.
+device the backend needs, never a hard-coded ``"cuda"``. A training step never waits for the
+device: the values it computes there reach the host a step later (:mod:`.readback`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import readback
 from .dist import cpu_group, get_rank, get_world_size, is_dist
 from ..contract.errors import NonFiniteLossError, PeerError
-
-
-def _flag_device(device: torch.device) -> torch.device:
-    # The agreement tensor lives where the backend can reduce it: CUDA for nccl, CPU for gloo.
-    return device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def cosine_lambda(epochs: int, lrf: float) -> Callable[[int], float]:
@@ -195,48 +192,74 @@ class _Epoch:
     checkpoint_due: Optional[Callable[[], bool]] = None  # asked every step: save in the middle of the epoch?
     world: int = field(default_factory=get_world_size)
     rank: int = field(default_factory=get_rank)
-    flag_device: torch.device = field(init=False)  # where the step's agreement is reduced
-
-    def __post_init__(self):
-        self.flag_device = _flag_device(self.device)
+    copies: readback.Copies = field(default_factory=readback.Copies)  # each step's loss, on its way to the host
 
 
 @dataclass
 class _Agreed:
-    """What the ranks agreed on in one step."""
+    """What the ranks agreed on in one step: its own host facts, and the loss of an earlier step."""
 
-    loss_sum: float         # the step's loss summed over ranks
-    stop: bool              # some rank was asked to stop
-    save: bool              # some rank (rank 0, by the clock) asked for a checkpoint after this step
-    nonfinite: List[int]    # ranks whose loss is NaN or infinite
-    unreadable: List[int]   # ranks that could not read their next batch
+    of_step: Optional[int]     # the step whose loss came with it; None: no loss came
+    loss_sum: float            # that loss summed over ranks
+    own_loss: Optional[float]  # this rank's own
+    nonfinite: List[int]       # ranks whose loss of that step is NaN or infinite
+    stop: bool                 # some rank was asked to stop
+    save: bool                 # some rank (rank 0, by the clock) asked for a checkpoint after this step
+    unreadable: List[int]      # ranks that could not read their next batch
 
 
 class _StepAgreement:
-    """A step's one all-reduce, ``[loss, stop, save, nonfinite[world], unreadable_next[world]]``.
+    """A step's one all-reduce, on the host: ``[loss, stop, save, nonfinite[world], unreadable_next[world]]``.
 
-    Started right after the forward and waited for after the backward, so it overlaps DDP's
-    gradient all-reduce instead of adding a synchronisation point.
+    The stop request, the checkpoint due and the next batch's read error are this step's: host
+    facts, known at once. The loss and its non-finite flags are those of ``values``, an earlier
+    step's, read through :func:`readback.read`: the host never waits here for the step still
+    running on the device. A gloo all-reduce (nbddp's CPU group beside nccl), started after the
+    forward and waited for after the backward, so the backward is queued (and on CPU ranks, DDP's
+    gradient all-reduce runs) meanwhile.
     """
 
-    def __init__(self, run: _Epoch, loss: torch.Tensor, stop: bool, save: bool, read_error: Optional[BaseException]):
+    def __init__(self, run: _Epoch, step: int, values: Optional[readback.Late], why: str, stop: bool = False,
+                 save: bool = False, read_error: Optional[BaseException] = None):
         self.world = run.world
-        flags = torch.zeros(3 + 2 * run.world)  # CPU facts first, then one copy to the flag device
+        flags = torch.zeros(3 + 2 * run.world)
+        self.of_step, self.own_loss = None, None
+        if values is not None:
+            (loss,) = readback.read(values, step, why)
+            self.of_step, self.own_loss = values.step, loss
+            flags[0] = loss
+            flags[3 + run.rank] = 0.0 if math.isfinite(loss) else 1.0
         flags[1] = 1.0 if stop else 0.0
         flags[2] = 1.0 if save else 0.0
         flags[3 + run.world + run.rank] = 1.0 if read_error is not None else 0.0
-        self.tensor = flags.to(run.flag_device, non_blocking=True)
-        self.tensor[0] = loss.detach().float()
-        self.tensor[3 + run.rank] = (~torch.isfinite(loss.detach())).float()
-        self.work = dist.all_reduce(self.tensor, async_op=True) if is_dist() else None
+        self.tensor = flags
+        self.work = dist.all_reduce(flags, group=cpu_group(), async_op=True) if is_dist() else None
 
     def wait(self) -> _Agreed:
         if self.work is not None:
-            self.work.wait()
-        values = self.tensor.tolist()  # the step's one host synchronisation
+            self.work.wait()  # the other ranks' hosts, never a device
+        values = self.tensor.tolist()
         world = self.world
-        return _Agreed(values[0], values[1] > 0, values[2] > 0, [r for r in range(world) if values[3 + r] > 0],
-                       [r for r in range(world) if values[3 + world + r] > 0])
+        return _Agreed(self.of_step, values[0], self.own_loss, [r for r in range(world) if values[3 + r] > 0],
+                       values[1] > 0, values[2] > 0, [r for r in range(world) if values[3 + world + r] > 0])
+
+
+def _non_finite(run: _Epoch, agreed: _Agreed) -> NonFiniteLossError:
+    """The error every rank raises for a non-finite loss, naming the ranks and the step that produced it."""
+    bad = agreed.nonfinite
+    run.ctx.heartbeat(epoch=run.epoch, step=agreed.of_step)  # the error's record names that step
+    return NonFiniteLossError(
+        f"loss is {agreed.own_loss if run.rank in bad else 'non-finite'} on rank(s) {bad} at epoch {run.epoch}, "
+        f"step {agreed.of_step}: lower the learning rate, check the data, or turn amp off", rank=bad[0])
+
+
+def _settle(run: _Epoch, late: readback.Late, why: str) -> _Agreed:
+    """Collective: the ranks agree on the loss of the step just done (``why``: the epoch's end, a checkpoint,
+    a stop, a read error), which waits for the device; raises if it is not finite on any rank."""
+    agreed = _StepAgreement(run, late.step, late, why).wait()
+    if agreed.nonfinite:
+        raise _non_finite(run, agreed)
+    return agreed
 
 
 def _first_batch(run: _Epoch, batches, step: int, total_steps: int) -> tuple:
@@ -277,9 +300,9 @@ def _read_ahead(run: _Epoch, batches, step: int) -> tuple:
     run.ctx.heartbeat(epoch=run.epoch, step=step)  # reading data: local work again
     batch, error = _next_batch(batches)
     if error is None and getattr(run.batch_transform, "prepare_ahead", run.batch_transform is None):
-        # Prepared now, while the device still runs this step's forward and backward: the step's
-        # agreement then waits for the device, and a transform after it (decoding, augmenting on
-        # the rank) would leave the device idle for as long as it takes. Only a transform that
+        # Prepared now, while the device still runs this step's forward and backward: queued
+        # behind them, the next step's input is ready when the device gets there, instead of
+        # being made while the device waits for it. Only a transform that
         # says so (``prepare_ahead``: it draws nothing from the rank's random state, which a
         # checkpoint after this step must hold as the step left it). A transform that fails (a
         # file that does not decode) is a read error: it travels in this step's agreement.
@@ -352,29 +375,32 @@ def _optimizer_step(run: _Epoch) -> None:
         run.optimizer.step()
 
 
-def _train_step(run: _Epoch, step: int, batch, batches, group: _Group) -> tuple:
+def _train_step(run: _Epoch, step: int, batch, batches, group: _Group, before: Optional[readback.Late],
+                count: Callable[[_Agreed], None]) -> tuple:
     """One step: forward, read ahead (``batches=None`` on the last step), agree, backward, update.
 
     The update (and DDP's gradient all-reduce) happens on the last batch of ``group`` only.
-    Returns ``(agreed, images, next batch, its read error)``. Raises ``NonFiniteLossError`` on
-    every rank, before the update, when the loss is not finite on any of them: the gradients
-    a group gathered so far are never applied.
+    ``before`` is the loss of the step before, not yet agreed on (``None`` after a step that
+    settled its own): it travels in this step's agreement, and ``count`` gets it before this
+    step's update, so that it sees the state that step left. Returns ``(agreed, images, next
+    batch, its read error, this step's loss on its way to the host)``. Raises
+    ``NonFiniteLossError`` on every rank, before this step's update, when the loss of the step
+    before was not finite on any of them.
     """
     with _grad_sync(run.model, group.syncs):
         loss, images = _forward(run, batch, step)
+        late = run.copies.start(step, loss.float())  # queued behind the forward, read at the next step
         batch, error = _read_ahead(run, batches, step) if batches is not None else (None, None)
         save = run.checkpoint_due is not None and run.checkpoint_due()
-        agreement = _StepAgreement(run, loss, run.ctx.should_stop(), save, error)
+        agreement = _StepAgreement(run, step, before, "next step", run.ctx.should_stop(), save, error)
         _backward(run, loss, group)
     agreed = agreement.wait()
     if agreed.nonfinite:
-        bad = agreed.nonfinite
-        raise NonFiniteLossError(
-            f"loss is {loss.item() if run.rank in bad else 'non-finite'} on rank(s) {bad} at epoch {run.epoch}, "
-            f"step {step}: lower the learning rate, check the data, or turn amp off", rank=bad[0])
+        raise _non_finite(run, agreed)
+    count(agreed)
     if group.syncs:
         _optimizer_step(run)
-    return agreed, images, batch, error
+    return agreed, images, batch, error, late
 
 
 def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scaler=None,
@@ -390,11 +416,19 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     Conditions only one rank sees end every rank at the same step instead of leaving the
     others waiting in DDP's next all-reduce: a non-finite loss, a stop request from the
     notebook, a batch that cannot be read (a corrupt image). All of them travel in ONE small
-    all-reduce per step, started right after the forward and waited for after the backward,
-    so it overlaps DDP's gradient all-reduce instead of adding a synchronisation point. To
-    let a read error travel in it, each step reads the *next* batch before the agreement:
-    ranks then stop before the forward that batch would feed, as they must, since DDP's
-    forward (SyncBatchNorm, buffer broadcast) may talk to the other ranks.
+    all-reduce per step, on the host, started right after the forward and waited for after the
+    backward. To let a read error travel in it, each step reads the *next* batch before the
+    agreement: ranks then stop before the forward that batch would feed, as they must, since
+    DDP's forward (SyncBatchNorm, buffer broadcast) may talk to the other ranks.
+
+    The step never waits for the device. Its loss is copied to the host as the forward queues it
+    and travels in the *next* step's agreement (:mod:`nbddp.rank.readback`), so a non-finite loss
+    stops every rank one step later: before the next step's update, named with the rank and the
+    step that produced it (the update of that step itself may have been applied; no checkpoint
+    holds it). The epoch's end, a checkpoint, a stop and a read error agree on the loss of the
+    step just done first, one more all-reduce that waits for the device. ``on_step`` and the
+    progress see each step's loss one step late (``on_step`` before the next update: with the
+    weights that step left); the epoch's totals hold every step's.
 
     The tensor is ``[loss, stop, save, nonfinite[world], unreadable_next[world]]``; the loss is
     reported as the mean over ranks. ``ctx`` (heartbeats, progress, stop requests) may be
@@ -408,7 +442,8 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     never needed. The agreement still runs every batch: a non-finite loss stops every rank
     before any update of its group, an unreadable batch at the batch it feeds, and a stop
     request at the end of the group it falls in, so a stopped epoch has completed all its
-    optimizer steps. ``label_smoothing`` goes to ``F.cross_entropy``.
+    optimizer steps. A non-finite loss stops every rank before the update of the group it falls
+    in, unless it is the group's last batch (then before the next group's first update). ``label_smoothing`` goes to ``F.cross_entropy``.
 
     Checkpoints in the middle of the epoch: after a step at which the ranks agreed to stop, or
     at which ``checkpoint_due()`` said yes on some rank (the worker asks its clock on rank 0
@@ -437,26 +472,38 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     first_batch_s = time.perf_counter() - t_first
     loss_sum, steps, images = start.loss * start.steps, start.steps, start.images
     updates, stop_asked, save_asked = start.optimizer_steps, False, False
+    shown: dict = {}  # the latest step's loss known on the host, for the progress
 
     def totals(stopped: bool) -> EpochStats:
         return EpochStats(loss_sum / max(steps, 1), steps, images, time.perf_counter() - t0, stopped, updates,
                           first_batch_s)
 
+    def count(agreed: _Agreed) -> None:
+        """The loss of the step the ranks just agreed on, into the totals and ``on_step``."""
+        nonlocal loss_sum
+        if agreed.of_step is None:
+            return
+        mean_loss = agreed.loss_sum / run.world
+        loss_sum += mean_loss
+        shown["loss"] = mean_loss
+        if on_step is not None:
+            on_step(agreed.of_step, mean_loss)
+
     if stop or first_step == total_steps:
         return totals(stop)
+    pending = None  # the loss of the last step done, on its way to the host, not agreed on yet
     for step in range(first_step, total_steps):
         last = step + 1 == total_steps
         group = _group(step, total_steps, accum_steps)
-        agreed, batch_images, batch, error = _train_step(run, step, batch, None if last else batches, group)
+        agreed, batch_images, batch, error, pending = _train_step(run, step, batch, None if last else batches, group,
+                                                                  pending, count)
         updates += group.syncs
-        mean_loss = agreed.loss_sum / run.world
-        loss_sum, steps, images = loss_sum + mean_loss, steps + 1, images + batch_images * run.world
+        steps, images = steps + 1, images + batch_images * run.world
         elapsed = time.perf_counter() - t0
-        run.ctx.progress(epoch=epoch, step=step + 1, steps=total_steps, loss=mean_loss,
+        run.ctx.progress(epoch=epoch, step=step + 1, steps=total_steps, **shown,
                          images_per_s=images / elapsed if elapsed > 0 else 0.0)
-        if on_step is not None:
-            on_step(step, mean_loss)
         if agreed.unreadable:
+            count(_settle(run, pending, "read error"))  # the steps done are reported before leaving
             run.ctx.heartbeat(epoch=epoch, step=step + 1)  # the step whose batch failed
             _raise_read_error(error, agreed.unreadable, epoch, step + 1)
         # Every rank saw the same agreements, so every rank takes the same decisions. A stop or a
@@ -466,11 +513,17 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
         save_asked = save_asked or agreed.save
         if last or not group.syncs:
             continue
-        if checkpoint is not None and (stop_asked or save_asked):
+        save_now = checkpoint is not None and (stop_asked or save_asked)
+        if stop_asked or save_now:
+            count(_settle(run, pending, "stop" if stop_asked else "checkpoint"))  # totals whole, loss finite
+            pending = None
+        if save_now:
             checkpoint(totals(stop_asked))
             save_asked = False
         if stop_asked:
             return totals(True)
+    if pending is not None:
+        count(_settle(run, pending, "epoch end"))
     return totals(False)
 
 
