@@ -167,6 +167,7 @@ class CellEcho:
         self._status_open = False  # the cell's last line is the status line
         self._status_kept = False  # the run's end (or a notice) ended the status line: it stays above
         self._status_at = float("-inf")  # when the status was last written
+        self._probed, self._probed_in_place = None, False  # the stream last asked whether it rewrites in place
         self.skipped = 0  # lines of the current flood that will not be shown
         self._lines: List[str] = []  # lines to write at the next flush
         self._bar: Optional[str] = None  # the bar's latest state, to write at the next flush
@@ -207,8 +208,9 @@ class CellEcho:
         """Write what arrived since the last write, if the last write is ``flush_s`` old."""
         if self._clock() - self._written >= self.flush_s:
             self._write(final=False)
-        elif self._status != self._status_shown and self._clock() - self._status_at >= self.status_s:
-            self._write(final=False)  # the status changed and may be rewritten: one message
+        elif self._status != self._status_shown and self._clock() - self._status_at >= (
+                self.status_s if self._rewrites(self._out or sys.stdout) else self.plain_status_s):
+            self._write(final=False)  # the status changed and may be written again: one message
 
     def close(self) -> None:
         """Write everything now; end a bar left mid-line, so what follows starts a new line."""
@@ -230,7 +232,7 @@ class CellEcho:
             self._tail.clear()
             self._tail_size, self.skipped = 0, 0
         out = self._out or sys.stdout
-        in_place = rewrites_in_place(out) if self.in_place is None else self.in_place
+        in_place = self._rewrites(out)
         if not in_place and self._plain_status_due(final):
             lines.append(self.prefix + self._status)
             self._status_shown, self._status_at = self._status, self._clock()
@@ -252,6 +254,14 @@ class CellEcho:
         if text:
             out.write(text)  # one write, one flush: one message in a Jupyter kernel
             out.flush()
+
+    def _rewrites(self, out: TextIO) -> bool:
+        """Whether ``\\r`` rewrites a line of ``out`` (``in_place``, else asked once per stream: polls are many)."""
+        if self.in_place is not None:
+            return self.in_place
+        if out is not self._probed:
+            self._probed, self._probed_in_place = out, rewrites_in_place(out)
+        return self._probed_in_place
 
     def _over_last_line(self) -> str:
         """What starts a write over the cell's last line: ``\\r`` after a bar; after the status line,
