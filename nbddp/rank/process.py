@@ -170,18 +170,20 @@ def fresh_random_state() -> None:
     A warm rank is a fork of a server that imported torch and numpy long before, so it inherits
     their generators: without this every rank, and with the server reused every launch, would
     draw the same numbers (unseeded dropout, augmentation, random data, DataLoader workers' base
-    seeds), where under torchrun or spawn each rank draws its own. ``torch.seed()`` gives the CPU
-    generator a seed from ``/dev/urandom`` and queues the same for CUDA's generators until CUDA's
-    first use (it never starts CUDA here), where a later ``torch.manual_seed`` replaces it: code
-    that seeds draws the same numbers on every launch. Python's ``random`` is reseeded by fork
-    already, but not by every start; numpy only if loaded (an import seeds it). Runs first in a
-    rank, before the start-up hook and the user's code, which may seed as they like.
+    seeds), where under torchrun or spawn each rank draws its own. CUDA's generators need nothing:
+    torch makes them at CUDA's first use, in the rank, each seeded from the OS (the server only
+    imports, never starts CUDA). Not ``torch.seed()``: it queues CUDA's seed with a formatted
+    stack, whose source lines cost 15-25 ms in a fresh rank. Python's ``random`` is reseeded by
+    fork already, but not by every start; ``numpy.random`` only if loaded (its import seeds it,
+    and importing it here would cost a spawned rank 50-100 ms). Runs first in a rank, before the
+    start-up hook and the user's code, which may seed as they like: code that seeds draws the
+    same numbers on every launch.
     """
-    torch.seed()
+    torch.default_generator.seed()
     random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
 
 
 def become_rank_process(spec: LaunchSpec) -> None:
