@@ -50,6 +50,7 @@ kernel    ``kernel.stacks``                     where each rank is: every rank's
 kernel    ``kernel.output``                     rank 0's output in the cell as a terminal shows it (``\\r`` bars, long lines)
 kernel    ``kernel.logline``                    rank 0's ``ctx.log`` values as the one line the cell shows under its output
 kernel    ``kernel.report``                     a failed run's root-cause rank and its one error
+kernel    ``kernel.rank_text``                  what a failed rank left, as its error says it: once, only what is known
 kernel    ``kernel.debugger``                   a rank's pdb prompt in the cell (``input()``), or skipped headless
 kernel    ``kernel.procs``                      ``cleanup`` of an earlier launch's workers, proven by marker
 kernel    ``kernel.export``,                    weights out of a run folder; prediction in the kernel
@@ -101,7 +102,7 @@ SIDES = {
     "contract.leases": "contract", "contract.private": "contract", "contract.plans": "contract", "contract.checkpoint": "contract",
     "contract.conventions": "contract", "contract.debugging": "contract", "contract.observe": "contract",
     "kernel": "kernel", "kernel.launch": "kernel", "kernel.rendezvous": "kernel", "kernel.forkserver": "kernel",
-    "kernel.handle": "kernel", "kernel.ranks": "kernel", "kernel.report": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
+    "kernel.handle": "kernel", "kernel.ranks": "kernel", "kernel.report": "kernel", "kernel.rank_text": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
     "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",
     "kernel.logline": "kernel",
     "kernel.export": "kernel", "kernel.inference": "kernel", "kernel.debugger": "kernel",

@@ -5,7 +5,10 @@ Every error is user interface: the message says what happened, where, and what t
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+import re
+import sys
+from typing import List, Optional
 
 
 class NbddpError(Exception):
@@ -88,6 +91,99 @@ class WorkerError(NbddpError):
         self.log_path, self.run_dir = log_path, run_dir
         self.kind, self.retryable = kind, retryable
         self.restarts: list = []
+
+    def _render_traceback_(self) -> List[str]:
+        """What IPython shows for it: the frames of the code that launched, then the message.
+
+        nbddp's own frames between the launching line and the ``raise`` (spawn_train, the run's
+        handle) say nothing about a worker's failure and would be most of the cell's output: the
+        rank's traceback is in the message. The exception keeps its whole traceback (``%debug``)."""
+        shell = _ipython()
+        tb = self.__traceback__
+        if shell is None or tb is None:
+            return [f"{type(self).__name__}: {self}"]
+        return shell.InteractiveTB.structured_traceback(type(self), self, _outside_nbddp(tb))
+
+
+def _ipython():
+    """The running IPython shell, or None (nothing is imported: a rank never loads IPython)."""
+    ipython = sys.modules.get("IPython")
+    getter = getattr(ipython, "get_ipython", None) if ipython is not None else None
+    return getter() if getter is not None else None
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _outside_nbddp(tb):
+    """``tb``'s frames up to the first of nbddp's package, as a new traceback (the frames stay the same)."""
+    import types
+
+    kept = []
+    while tb is not None and not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        kept.append(tb)
+        tb = tb.tb_next
+    if not kept:
+        return tb
+    chain = None
+    for entry in reversed(kept):
+        chain = types.TracebackType(chain, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return chain
+
+
+# ---------------------------------------------------------------------------- a rank's traceback
+# The frames a rank's traceback starts with, before the code it ran: nbddp's way into a rank (its
+# entry, the calling conventions, a cell's function loaded), Python's way into a script (runpy)
+# and into a spawned process (multiprocessing, torch.multiprocessing). Under torchrun a script's
+# traceback starts at the script; so does the one a rank prints.
+_WAY_IN = ("/nbddp/contract/protocol.py", "/nbddp/rank/runtime.py", "/nbddp/rank/calls.py", "/nbddp/rank/process.py",
+           "/nbddp/contract/cells.py", "/nbddp/rank/spawned.py", "/runpy.py", "/multiprocessing/",
+           "<frozen runpy>")
+_FRAME_LINE = re.compile(r'^  File "(?P<file>.+)", line \d+, in .+$')
+
+
+def shown_traceback(text: str) -> str:
+    """A rank's formatted traceback without the frames that only led into its code (see ``_WAY_IN``).
+
+    Each traceback of a chain loses its leading frames of nbddp's way into the rank and of
+    ``runpy``/``multiprocessing``; frames after the first one of the code it ran are kept, nbddp's
+    too (a ``ctx`` call that failed). A traceback of nothing but those frames is kept whole."""
+    out: List[str] = []
+    block: List[List[str]] = []  # the current traceback's frames, each its lines
+    in_frames = False  # between a traceback's first line and its exception
+
+    def flush():
+        frames = block[:]
+        way_in = 0
+        while way_in < len(frames) and _is_way_in(frames[way_in][0]):
+            way_in += 1
+        for frame in frames[way_in if way_in < len(frames) else 0:]:
+            out.extend(frame)
+        block.clear()
+
+    for line in text.splitlines():
+        if line.startswith("Traceback (most recent call last):"):
+            flush()
+            out.append(line)
+            in_frames = True
+            continue
+        if in_frames and _FRAME_LINE.match(line):
+            block.append([line])
+            continue
+        if in_frames and block and line.startswith("    "):  # the frame's source line, carets, "[Previous line...]"
+            block[-1].append(line)
+            continue
+        flush()
+        in_frames = False
+        out.append(line)
+    flush()
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def _is_way_in(frame_line: str) -> bool:
+    m = _FRAME_LINE.match(frame_line)
+    path = m["file"].replace(os.sep, "/") if m else ""
+    return any(part in path for part in _WAY_IN)
 
 
 def workers_were(world_size: int) -> str:

@@ -119,15 +119,21 @@ def stopping_line(spec: Any, run_dir: Path, grace_s: float) -> str:
             "interrupt again to end them at once")
 
 
-def where_line(stacks: Optional[Stacks]) -> str:
-    """``"ranks 0-1: w.py:5, train"``: each rank's innermost frame of its own code, ranks alike together."""
+def where_line(stacks: Optional[Stacks], world_size: int = 0) -> str:
+    """``"ranks 0-1: w.py:5, train"``: each rank's innermost frame of its own code, ranks alike together;
+    a function from a notebook cell as IPython names its line, ``"Cell In[4], line 5, train"``.
+
+    Every one of the ``world_size`` ranks is named: one that was not asked (no heartbeat of this
+    start yet, or already ended) says so."""
     if not stacks:
         return ""
     places: Dict[str, list] = {}
-    for r in sorted(stacks):
-        frame = stacks[r].code_frame or (stacks[r].main[0] if stacks[r].main else None)
-        places.setdefault(f"{Path(frame.file).name}:{frame.line}, {frame.function}" if frame else "did not answer",
-                          []).append(r)
+    for r in range(max(world_size, max(stacks) + 1)):
+        stack = stacks.get(r)
+        frame = (stack.code_frame or (stack.main[0] if stack.main else None)) if stack is not None else None
+        place = (f"{frame.place()}, {frame.function}" if frame else "did not answer" if stack is not None
+                 else "gave no stack (starting, or already ended)")
+        places.setdefault(place, []).append(r)
     return ranks_alike(places, " · ")
 
 
@@ -152,7 +158,7 @@ def interrupted(world_size: int, run_dir: Path, how: str, stacks: Optional[Stack
     lines = [head]
     if how and not ended_first:
         lines.append(f"  how: {how}")
-    where = where_line(stacks)
+    where = where_line(stacks, world_size)
     if where and not ended_first:
         lines.append(f"  where they were: {where}")
     kept = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint was written"

@@ -356,9 +356,13 @@ class RankGroup:
 
     # -- what the ranks say ------------------------------------------------------------------
     def beats(self) -> Dict[int, Heartbeat]:
-        """This start's heartbeats: a resumed or restarted run's folder still holds the earlier ones."""
+        """This start's heartbeats: a resumed or restarted run's folder still holds the earlier ones.
+
+        One written by this start's own process is this start's, whatever its time: from a warm
+        server a rank beats within milliseconds, before ``started_at`` (noted once every process
+        is started), and would otherwise count as silent until its next beat a second later."""
         return {r: b for r, b in read_heartbeats(self.run_dir, self.world_size).items()
-                if (b.beat_time or 0.0) >= self.started_at}
+                if (b.beat_time or 0.0) >= self.started_at or (b.pid is not None and b.pid == self.pids[r])}
 
     def answering(self) -> Dict[int, int]:
         """``{rank: pid}`` of the running ranks that can answer for their stack: those that have

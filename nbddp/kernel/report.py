@@ -25,7 +25,9 @@ from typing import Dict, List, Optional
 
 from ..contract.errors import WorkerError
 from ..contract import rundir
-from ..contract.protocol import ErrorRecord, Heartbeat, read_error_records, read_heartbeats, where_words
+from ..contract.protocol import ErrorRecord, Heartbeat, read_error_records, read_heartbeats
+from .rank_text import (foreign_key_note, output_before_failure, reported_progress, shown_frames, tail,
+                        where_known)
 from .stacks import Stacks, from_traceback, last_collectives
 
 
@@ -47,19 +49,6 @@ def signal_name(exitcode: Optional[int]) -> Optional[str]:
         return signal.Signals(-exitcode).name
     except ValueError:
         return f"signal {-exitcode}"
-
-
-def tail(path: Path, lines: int = 20, start: int = 0) -> str:
-    """The last ``lines`` lines of ``path`` written after byte ``start`` (this launch's: a resumed
-    or restarted run appends to its rank logs)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(start, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 # NCCL's watchdog ends a rank that waited in a collective past the timeout with SIGABRT, after
@@ -191,7 +180,7 @@ def ranks_table(run_dir: Path, ends: Dict[int, RankEnd], records: Dict[int, Erro
     now = time.time()
     rows = [("rank", "ended", "last heartbeat", "where")]
     for r in range(world_size):
-        where = stacks[r].where().partition(" is in ")[2] or stacks[r].where() if stacks and r in stacks else ""
+        where = stacks[r].where_words().removeprefix("is in ") if stacks and r in stacks else ""
         rows.append((str(r), _ended(r, ends.get(r), records.get(r), beats.get(r)), _heartbeat_words(beats.get(r), now), where))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     table = ["  " + "  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + ("  " + row[3] if row[3] else "")
@@ -206,44 +195,9 @@ def ranks_table(run_dir: Path, ends: Dict[int, RankEnd], records: Dict[int, Erro
     return "\n".join(parts)
 
 
-# A rank's rendezvous read a value it cannot parse: what a key forged by someone else gives (a
-# length field read as gigabytes: std::bad_alloc, std::length_error), not a lack of memory.
-_FOREIGN_KEY_TYPES = ("MemoryError", "ValueError", "OverflowError", "UnicodeDecodeError")
-_FOREIGN_KEY_WORDS = ("bad_alloc", "length_error", "basic_string", "unexpected key", "invalid key", "deserializ")
-
-
-def foreign_key_note(rec: Optional[ErrorRecord], store_port: Optional[int]) -> str:
-    """A note for an error that a key another local user wrote into the kernel's ``env://`` store
-    explains (``store_port``: that store's port, None when the ranks met privately), else ``""``.
-
-    The store (:mod:`nbddp.kernel.rendezvous`) answers every local user; what a forged key does to
-    ``init_process_group`` reads like out of memory (``MemoryError: std::bad_alloc``).
-    """
-    if rec is None or store_port is None:
-        return ""
-    text = f"{rec.message}\n{rec.traceback}".lower()
-    meeting = any(w in text for w in ("init_process_group", "rendezvous", "tcpstore", "_store_based_barrier"))
-    odd = rec.type in _FOREIGN_KEY_TYPES or any(w in text for w in _FOREIGN_KEY_WORDS)
-    if not (meeting and odd):
-        return ""
-    return (f"This rank failed while the ranks met (env://), reading what the launch's rendezvous store holds: "
-            f"a TCPStore on 127.0.0.1:{store_port} that every local user can read and write while the run lasts "
-            "(TCPStore has no authentication; /proc/net/tcp shows the port). A key another user wrote there fails "
-            f"init_process_group this way: {rec.type}: {rec.message[:80]} is then not a lack of memory. On a shared "
-            "server let nbddp make the process group: a function fn(ctx) (call='ctx'), whose ranks meet in a "
-            "FileStore only you can open, instead of a script or a function calling init_process_group itself.")
-
-
-def _where(rec, beat):
-    """Where the root-cause rank was: the words, its epoch and its step (from its record, else its heartbeat)."""
-    where_from = rec or beat
-    epoch = where_from.epoch if where_from else None
-    step = where_from.step if where_from else None
-    if epoch is not None or step is not None:
-        return f"at {where_words(epoch, step)}", epoch, step
-    if rec is None and beat is not None and beat.state == "running":
-        return "no epoch or step reported yet (ctx.heartbeat says where a worker is)", epoch, step
-    return "before its first step", epoch, step
+def _same_error(a: Optional[ErrorRecord], b: Optional[ErrorRecord]) -> bool:
+    """Two ranks raised the same error (the same code ran on each)."""
+    return a is not None and b is not None and (a.type, a.message) == (b.type, b.message)
 
 
 def _headline(root: int, rec, end: Optional[RankEnd], beat, records, watchdog: frozenset,
@@ -300,9 +254,12 @@ def _headline(root: int, rec, end: Optional[RankEnd], beat, records, watchdog: f
 
 def _other_ranks(root: int, ends: Dict[int, RankEnd], records, beats, watchdog: frozenset,
                  world_size: int) -> List[str]:
-    """One phrase per other rank: what it raised, or how it ended."""
-    others = []
-    for r in sorted(set(range(world_size)) - {root}):
+    """One phrase per other rank: what it raised, or how it ended; the ranks that raised the root's
+    error as one phrase (it is said once, in the headline)."""
+    others, alike = [], [r for r in sorted(records) if r != root and _same_error(records[r], records.get(root))]
+    if alike:
+        others.append(ranks_alike({f"the same {records[root].type}": alike}, ""))
+    for r in sorted(set(range(world_size)) - {root} - set(alike)):
         o_rec, o_end = records.get(r), ends.get(r)
         if o_rec:
             others.append(f"rank {r}: {o_rec.type}: {o_rec.first_line[:160]}")
@@ -313,6 +270,18 @@ def _other_ranks(root: int, ends: Dict[int, RankEnd], records, beats, watchdog: 
         elif o_end:
             others.append(f"rank {r}: {_ended(r, o_end, None, beats.get(r))}")
     return others
+
+
+def _with_tracebacks(stacks, records: Dict[int, ErrorRecord]):
+    """Where each rank was: a rank that failed on its own is placed by its traceback (it raised
+    there, and by the time it was asked it may have been gone or mid-exit); a rank nbddp stopped
+    (KeyboardInterrupt) by its live stack when it gave one."""
+    placed = dict(stacks)
+    for r, rec in records.items():
+        if not rec.traceback or (rec.type == "KeyboardInterrupt" and r in placed and placed[r].threads):
+            continue
+        placed[r] = from_traceback(r, rec.traceback, raised=not rec.secondary)
+    return Stacks(placed)
 
 
 def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
@@ -333,13 +302,15 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     logs = {r: rundir.rank_log(run_dir, r) for r in range(world_size)}
     starts = log_starts or {}
     watchdog = frozenset(r for r in range(world_size) if aborted_by_watchdog(ends.get(r), logs[r], starts.get(r, 0)))
-    if stacks:  # a rank that raised is gone: its traceback says where it was
-        stacks = Stacks({**{r: from_traceback(r, rec.traceback) for r, rec in records.items()
-                            if rec.traceback and r not in stacks}, **stacks})
+    if stacks:
+        stacks = _with_tracebacks(stacks, records)
     root = find_root_cause(ends, records, beats, watchdog, stacks)
     rec, end, beat = records.get(root), ends.get(root), beats.get(root)
     log_path = rundir.rank_log(run_dir, root)
-    where, epoch, step = _where(rec, beat)
+    printed = output_before_failure(log_path, rec, starts.get(root, 0), lines=1)
+    # A resumed or restarted launch's folder holds the progress of the launches before it: not used.
+    reported = reported_progress(Path(run_dir), root) if not starts.get(root) else ""
+    where, epoch, step = where_known(rec, beat, reported, bool(printed))
     sig = signal_name(end.exitcode) if end else None
     pid = end.pid if end else (beat.pid if beat else None)
 
@@ -359,12 +330,16 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     others = _other_ranks(root, ends, records, beats, watchdog, world_size)
     if others:
         parts.append("Other ranks: " + "; ".join(others))
-    if rec and rec.traceback:
-        parts.append(f"--- traceback of rank {root} ---\n{rec.traceback.rstrip()}")
-    log_tail = tail(log_path, start=starts.get(root, 0))
-    if log_tail and not (rec and rec.traceback and rec.traceback.strip() in log_tail):
-        parts.append(f"--- last lines of {log_path.name} ---\n{log_tail}")
-    parts.append(ranks_table(run_dir, ends, records, beats, world_size, stacks, skip_tail=frozenset({root}),
+    if rec and rec.traceback:  # the rank's own output is in its log, and echoed for rank 0
+        parts.append(f"--- traceback of rank {root} (the error above; its whole output: {log_path.name}) ---\n"
+                     f"{shown_frames(rec)}")
+    else:
+        log_tail = tail(log_path, start=starts.get(root, 0))
+        if log_tail:
+            parts.append(f"--- last lines of {log_path.name} ---\n{log_tail}")
+    # A rank that raised the root's error would show that traceback again: its log is a path away.
+    alike = frozenset(r for r in records if _same_error(records[r], rec))
+    parts.append(ranks_table(run_dir, ends, records, beats, world_size, stacks, skip_tail=frozenset({root}) | alike,
                              log_starts=starts))
     return WorkerError(
         "\n".join(parts), rank=root, exc_type=rec.type if rec else None, signal=sig,

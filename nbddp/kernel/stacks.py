@@ -71,9 +71,12 @@ class Frame:
     def short(self) -> str:
         """```load_batch` (my_worker.py:42)``; a function from a notebook cell as IPython names it,
         ```train` (Cell In[5], line 12)``."""
+        return f"`{self.function}` ({self.place()})"
+
+    def place(self) -> str:
+        """``my_worker.py:42``; a line of a notebook cell as IPython names it, ``Cell In[5], line 12``."""
         cell = _cell_name(self.file)
-        return f"`{self.function}` ({cell}, line {self.line})" if cell else \
-            f"`{self.function}` ({Path(self.file).name}:{self.line})"
+        return f"{cell}, line {self.line}" if cell else f"{Path(self.file).name}:{self.line}"
 
     @property
     def in_library(self) -> bool:
@@ -95,11 +98,14 @@ class RankStack:
         rank: the rank.
         threads: every thread's frames, innermost first (the rank's main thread is ``main``).
         text: what the rank wrote.
+        raised: the frames are those of an exception the rank raised itself (its error record's),
+            not of a rank waiting: it waits in no collective.
     """
 
     rank: int
     threads: List[List[Frame]] = field(default_factory=list)
     text: str = ""
+    raised: bool = False
 
     @property
     def main(self) -> List[Frame]:
@@ -117,6 +123,8 @@ class RankStack:
     @property
     def waiting_in(self) -> Optional[str]:
         """The ``torch.distributed`` operation the rank waits in (``"all_reduce"``), if any."""
+        if self.raised:  # torch raised in its own code (a bad argument): no wait
+            return None
         for f in self.main:
             if "torch/distributed" in f.file.replace(os.sep, "/") and f.function not in ("wrapper", "<lambda>"):
                 return f.function
@@ -125,13 +133,20 @@ class RankStack:
         return None
 
     def where(self) -> str:
-        """``"rank 1 is in `load_batch` (my_worker.py:42), waiting in `all_reduce`"``."""
+        """``"rank 1 is in `load_batch` (my_worker.py:42), waiting in `all_reduce`"``; ``"rank 0 raised
+        in `main` (train.py:30)"`` for a rank that raised."""
+        return f"rank {self.rank} {self.where_words()}"
+
+    def where_words(self) -> str:
+        """:meth:`where` without the rank: ``"is in `load_batch` (my_worker.py:42)"``."""
         if not self.threads:
-            return f"rank {self.rank} did not answer"
+            return "did not answer"
         frame = self.code_frame or (self.main[0] if self.main else None)
-        at = f"is in {frame.short()}" if frame else "has no Python frame"
+        if frame is None:
+            return "has no Python frame"
         waiting = self.waiting_in
-        return f"rank {self.rank} {at}" + (f", waiting in `{waiting}`" if waiting else "")
+        return f"{'raised in' if self.raised else 'is in'} {frame.short()}" + (
+            f", waiting in `{waiting}`" if waiting else "")
 
 
 class Stacks(Dict[int, RankStack]):
@@ -158,12 +173,15 @@ class Stacks(Dict[int, RankStack]):
 _TRACEBACK_FRAME = re.compile(r'^\s+File "(?P<file>.+)", line (?P<line>\d+), in (?P<function>.+)$')
 
 
-def from_traceback(rank: int, text: str) -> RankStack:
+def from_traceback(rank: int, text: str, raised: bool = False) -> RankStack:
     """Rank ``rank``'s stack as a Python traceback left it (a rank that raised has no stack to
-    ask for any more: its error record's traceback says where it was), innermost first."""
+    ask for any more: its error record's traceback says where it was), innermost first.
+
+    ``raised``: the rank raised an error of its own there (not one of a collective that failed or
+    timed out while it waited): it is not said to wait in the ``torch.distributed`` call that raised."""
     frames = [Frame(m["file"], int(m["line"]), m["function"].strip())
               for m in map(_TRACEBACK_FRAME.match, text.splitlines()) if m]
-    return RankStack(rank, [frames[::-1]] if frames else [], text)
+    return RankStack(rank, [frames[::-1]] if frames else [], text, raised=raised)
 
 
 def parse(text: str) -> List[List[Frame]]:

@@ -38,7 +38,7 @@ from .logs import redirect_output
 from ..contract import cells, rundir, targets
 from .heartbeat import HeartbeatThread
 from . import process
-from ..contract.errors import ConfigError
+from ..contract.errors import ConfigError, shown_traceback
 from ..contract.protocol import (ErrorRecord, Heartbeat, HeartbeatWriter, LaunchSpec, Progress, ProgressWriter,
                        MAX_RESTARTS_ENV, RESTART_ENV, note_checkpoint, read_stop_request,
                        write_result)
@@ -687,10 +687,10 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
                   file=sys.stderr)
         elif isinstance(exc, ConfigError):  # nbddp's refusal: the notebook's error says it, once
             # Rank 0's log is echoed into the cell: one line there; the others keep the traceback.
-            print(record.traceback if ctx.rank else "nbddp refused what the code does (ConfigError): the "
+            print(shown_traceback(record.traceback) if ctx.rank else "nbddp refused what the code does (ConfigError): the "
                   "notebook's error says why", file=sys.stderr)
         elif not isinstance(exc, SystemExit):  # sys.exit(2) (argparse): its own words are the last lines
-            print(record.traceback, file=sys.stderr)
+            print(shown_traceback(record.traceback), file=sys.stderr)  # from the code it ran on, as torchrun
     finally:
         ctx.close()
         beat.beat()
