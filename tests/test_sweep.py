@@ -431,3 +431,36 @@ def test_a_study_locked_by_another_process_waits_with_a_line_naming_it_and_the_h
     assert said, "".join(lines)[-3000:]
     assert str(db) in said[0] and f"pid {os.getpid()} of " in said[0] and "up to 30 s" in said[0]
     assert proc.returncode == 0 and "done 1" in rest, rest[-3000:]
+
+
+def test_a_trial_whose_run_was_launched_by_a_live_kernel_is_never_ended_whatever_the_study_says(tmp_path, capsys):
+    """Two kernels share a study; the study's record of the kernel running trial 1 says it is gone
+    (whoever wrote that): the run's own launch state names the kernel that launched it, alive, so
+    nothing of the run is touched."""
+    runs = tmp_path / "runs"
+    script = tmp_path / "sweep_k.py"
+    script.write_text(KILLED.format(worker=WORKER, runs=str(runs)))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path)
+    try:
+        def trial_one_runs():
+            try:
+                trials = trials_of(runs, "k")
+            except Exception:  # noqa: BLE001 - the study is not made yet
+                return None
+            one = [t for t in trials if t.number == 1 and t.user_attrs.get("run_dir")]
+            return one and live_workers(one[0].user_attrs["run_dir"]) and one[0]
+
+        one = wait_for(trial_one_runs, 120)
+        assert one, "trial 1 did not start"
+        run, workers = Path(one.user_attrs["run_dir"]), live_workers(one.user_attrs["run_dir"])
+        storage = optuna.storages.RDBStorage(f"sqlite:///{runs / 'sweeps' / 'k' / 'study.db'}")
+        storage.set_trial_user_attr(one._trial_id, "kernel", [os.getpid(), 0])  # "its kernel is gone"
+        storage.engine.dispose()
+        nbddp.sweep(WORKER, lambda t: {"lr": t.suggest_float("lr", 0.1, 1.0)}, n_trials=1, metric="score", nprocs=1,
+                    name="k", runs_dir=runs)
+        out = capsys.readouterr().out
+        assert f"No process of {run} was ended: the kernel that launched it (pid {proc.pid}) is alive" in out
+        assert live_workers(run) == workers
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
