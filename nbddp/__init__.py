@@ -110,6 +110,7 @@ SIDES = {
     "kernel.sweep": "kernel", "kernel.slots": "kernel", "kernel.study": "kernel", "kernel.trials": "kernel",
     "kernel.interrupt": "kernel",
     "kernel.refusals": "kernel",
+    "kernel.slurm": "kernel", "kernel.slurm_group": "kernel",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel",
@@ -119,6 +120,7 @@ SIDES = {
     "rank.profiling": "rank", "rank.trackers": "rank",
     "rank.sharding": "rank", "rank.sharded_checkpoint": "rank",
     "rank.interrupt": "rank",
+    "rank.slurm_task": "rank",
     "tasks": "task", "tasks.classification": "task", "tasks.classification.planning": "task",
     "tasks.classification.worker": "task", "tasks.classification.data": "task",
     "tasks.classification.images": "task", "tasks.classification.loading": "task",
@@ -145,6 +147,7 @@ __version__ = "0.1.0"
 #: ``import nbddp`` costs nothing in a rank and a script imports only what it uses.
 _EXPORTS = {
     "spawn_train": "kernel.launch",
+    "Slurm": "kernel.slurm",
     "sweep": "kernel.sweep",
     "TrainConfig": "contract.config",
     "TrainResult": "kernel.handle",

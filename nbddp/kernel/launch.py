@@ -84,6 +84,7 @@ def spawn_train(
     profile: Union[bool, dict, None] = None,
     trackers: Optional[Sequence[str]] = None,
     strategy: Optional[str] = None,
+    cluster: Any = None,
 ) -> Union[TrainResult, RunHandle]:
     """Run a DDP worker function in one process per GPU (nccl) or ``nprocs`` CPU processes (gloo).
 
@@ -183,6 +184,10 @@ def spawn_train(
             every rank holds the whole model, its gradients and optimizer state) or ``"fsdp"``
             (FSDP2: each rank holds a shard of them; see :meth:`nbddp.Context.prepare`). Ranks read
             it as ``ctx.strategy``. (A ``TrainConfig`` says it in the config: ``cfg.replace(strategy="fsdp")``.)
+        cluster: ``nbddp.Slurm(partition=..., nodes=..., gpus_per_node=...)``: the ranks run as one SLURM
+            job (``nodes`` x ``gpus_per_node`` GPU ranks, or ``nodes`` x ``nprocs`` CPU ranks), followed
+            here through the run folder as a local run is (:mod:`nbddp.kernel.slurm`). ``runs_dir`` must
+            be on a file system the nodes share.
 
     Returns:
         A ``TrainResult`` (``block=True``) or a ``RunHandle`` (``block=False``).
@@ -214,6 +219,10 @@ def spawn_train(
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
     start_method = _forkserver_start_method(start_method)  # spawn where the forkserver is unsafe
+    if cluster is not None:  # refused here, before anything is queued (nbddp.kernel.slurm)
+        from .slurm import cluster_ranks
+
+        (target, nprocs), start_method = cluster_ranks(cluster, target, nprocs, gpus, runs_dir), "spawn"
     # "idle" (here or in a config): the GPUs idle now that no other kernel leases; busy ones warn.
     # The GPUs are leased from here to the run's end, so that no other kernel's "idle" takes them.
     target, gpus, leases = _resolve_gpus(target, gpus)
@@ -224,7 +233,7 @@ def spawn_train(
                        on_event=on_event, start_method=start_method, env=env, resume=resume,
                        all_values=all_values, call=call, argv=argv, debug=debug,
                        restarts=dict(max_restarts=max_restarts, oom=oom, backoff_s=restart_backoff_s),
-                       observe=dict(profile=profile, trackers=trackers))
+                       observe=dict(profile=profile, trackers=trackers), cluster=cluster)
     except BaseException:
         leases.release()  # the handle releases them at the run's end; twice is harmless
         raise
@@ -258,7 +267,8 @@ def _with_strategy(target: Any, strategy: Optional[str], env: Optional[Dict[str,
 
 def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, kwargs, args, block, name,
             runs_dir, timeout_s, threads_per_proc, grace_s, stall_timeout_s, stop_timeout_s, echo, on_event,
-            start_method, env, resume, all_values, call, argv, restarts, debug, observe) -> Union[TrainResult, RunHandle]:
+            start_method, env, resume, all_values, call, argv, restarts, debug, observe,
+            cluster=None) -> Union[TrainResult, RunHandle]:
     """:func:`spawn_train` once its GPUs are resolved and leased."""
     plan = plans.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
@@ -284,6 +294,10 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
                      restarts=RestartPolicy(launcher=launcher, **restarts), debug=debug_mode(debug),
                      show_logs=plan.config is None,  # the built-in worker prints its epoch records itself
                      records_before=lines_in(rundir.metrics_path(run_dir)))
+        if cluster is not None:  # a SLURM job starts the ranks (nbddp.kernel.slurm_group)
+            from .slurm_group import start_job
+
+            return start_job(cluster, spec, meet, leases, launcher, tmp_dir, watch, on_event, block)
         return _start(spec, meet, leases, child_env, launcher, tmp_dir, watch, on_event, block)
     except BaseException:
         meet.close()  # the handle closes it at the run's end; twice is harmless

@@ -600,10 +600,13 @@ def _group_starter(spec: LaunchSpec, rank: int, device: torch.device) -> Callabl
     return init_process_group
 
 
-def entry(local_rank: int, spec: LaunchSpec) -> None:
-    """Run one rank: set up, call the target, report, tear down. Never returns normally."""
+def entry(local_rank: int, spec: LaunchSpec, rank: Optional[int] = None) -> None:
+    """Run one rank: set up, call the target, report, tear down. Never returns normally.
+
+    ``rank``: the global rank where it differs from ``local_rank`` (a SLURM job over several nodes).
+    """
     process.become_rank_process(spec)
-    rank = local_rank  # single-machine launch: global rank == local rank
+    rank = local_rank if rank is None else rank  # single-machine launch: global rank == local rank
     process.run_rank_hook(rank)
     run_dir = Path(spec.run_dir)
     redirect_output(rundir.rank_log(run_dir, rank))

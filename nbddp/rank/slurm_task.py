@@ -1,0 +1,147 @@
+"""One SLURM task of a submitted run: ``python -m nbddp.rank.slurm_task FOLDER``, one per rank.
+
+The kernel (:mod:`nbddp.kernel.slurm`) pickles the launch's :class:`~nbddp.contract.protocol.LaunchSpec`
+into ``FOLDER``, a private folder in the run's state folder on the shared runs file system, and
+submits a batch script whose ``srun`` starts this module once per rank. The spec is read only from
+there (:func:`nbddp.contract.private.read_private`: the folder and file provably the user's), never
+from a place the user's group may write.
+
+This process stays as the task's guardian while the rank runs in a child: the kernel cannot wait
+for a process on another node, so the guardian records how its rank ended (``exit.<rank>``,
+written beside the spec) and forwards what SLURM delivers (``scancel --signal``, the time limit's
+warning) to the rank as the local starter would: SIGINT to the rank's process alone, the other
+signals to its process group (its DataLoader workers too). The rank itself is the same as a
+locally started one (:func:`nbddp.rank.runtime.entry`): heartbeats, logs, values and records go
+to the run folder, which the kernel reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+#: The spec's file name in the job's private folder.
+SPEC_FILE = "spec.pkl"
+#: Why the spec must be the user's own: it is unpickled, so whoever writes it runs code as the user.
+WHY_PRIVATE = "the launch of a SLURM run is read from it and unpickled, so only you may write it"
+
+
+def exit_record_name(rank: int) -> str:
+    """The name of the record of how rank ``rank`` ended, in the job's private folder."""
+    return f"exit.{rank}"
+
+
+def _head_node() -> str:
+    """The job's first node: where a TCP store (``env://``) is hosted, by rank 0's guardian."""
+    return os.environ.get("NBDDP_SLURM_HEAD") or os.environ.get("SLURMD_NODENAME") or "127.0.0.1"
+
+
+def _job_port() -> int:
+    """The same port on every task, derived from the job id (as ``sbatch_script`` does)."""
+    return 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000
+
+
+def _rank_spec(folder: Path, rank: int, local_rank: int, tmp_dir: str):
+    """The kernel's spec, with what only this task knows: its node's temp folder, GPUs and the job's head."""
+    import dataclasses
+    import pickle
+
+    from ..contract.private import read_private
+
+    spec = pickle.loads(read_private(folder / SPEC_FILE, WHY_PRIVATE))
+    if spec.world_size != int(os.environ.get("SLURM_NTASKS", spec.world_size)):
+        raise SystemExit(f"nbddp: the job has {os.environ.get('SLURM_NTASKS')} tasks but the run "
+                         f"{spec.world_size} ranks")
+    env = dict(spec.env or {})
+    env.update({k: v for k, v in os.environ.items() if k.startswith("SLURM")})
+    env["TMPDIR"] = tmp_dir
+    if "CUDA_VISIBLE_DEVICES" in os.environ:  # the GPUs SLURM gave this node's tasks
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    head, port = _head_node(), _job_port()
+    env.update(MASTER_ADDR=head, MASTER_PORT=str(port))
+    store = dict(store_host=head, store_port=port, master_port=port) if not spec.store_path else {}
+    return dataclasses.replace(spec, env=env, **store)
+
+
+def _forward(child: int):
+    def handler(sig, _frame):
+        try:
+            if sig == signal.SIGINT:
+                os.kill(child, sig)  # a KeyboardInterrupt in the rank, as an Interrupt locally
+            else:
+                try:
+                    os.killpg(child, sig)  # the rank leads its own group once it started
+                except ProcessLookupError:
+                    os.kill(child, sig)
+        except ProcessLookupError:
+            pass
+    return handler
+
+
+def _host_store(folder: Path, world_size: int):
+    """Rank 0's guardian hosts the TCP store an ``env://`` target dials (torchrun's agent does so)."""
+    import datetime
+    import pickle
+
+    from ..contract.private import read_private
+
+    spec = pickle.loads(read_private(folder / SPEC_FILE, WHY_PRIVATE))
+    if spec.store_path:
+        return None
+    import torch.distributed as dist
+
+    return dist.TCPStore("0.0.0.0", _job_port(), world_size, True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=spec.timeout_s))
+
+
+def _write_exit(folder: Path, rank: int, pid: int, code: int) -> None:
+    name = exit_record_name(rank)
+    tmp = folder / f".{name}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"rank": rank, "pid": pid, "exitcode": code, "time": time.time(),
+                   "node": os.environ.get("SLURMD_NODENAME")}, f)
+    os.replace(tmp, folder / name)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    folder = Path(argv[0])
+    rank, local_rank = int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_LOCALID", "0"))
+    tmp_dir = tempfile.mkdtemp(prefix="nbddp-slurm-")  # the node's own, 0700: the rank's TMPDIR
+    store = _host_store(folder, int(os.environ.get("SLURM_NTASKS", "1"))) if rank == 0 else None
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            spec = _rank_spec(folder, rank, local_rank, tmp_dir)
+            from .runtime import entry
+
+            entry(local_rank, spec, rank=rank)  # never returns
+        except BaseException as exc:  # noqa: BLE001 - the rank never started: say why in the task's output
+            print(f"nbddp: rank {rank} could not start: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        os._exit(code)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCONT):
+        signal.signal(sig, _forward(child))
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except ChildProcessError:
+            status = 1 << 8
+            break
+    code = os.waitstatus_to_exitcode(status)  # -N for a signal, as multiprocessing says it
+    _write_exit(folder, rank, child, code)
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    del store
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
