@@ -115,3 +115,61 @@ def test_seeding_an_item_touches_only_the_cpu_generator(monkeypatch):
     torch.manual_seed(0)
     same = [SeededDataset(_Random())[(i, 100 + i)] for i in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(items, same)), "each item's draws depend on its seed alone"
+
+
+class _Noted(Dataset):
+    """Items noted in a shared file by whichever process reads them: the loader processes' progress."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        with open(self.path, "a") as f:
+            f.write(f"{i}\n")
+        return torch.tensor([float(i)])
+
+
+def test_an_epoch_started_ahead_is_read_by_the_loader_processes_before_anyone_asks(tmp_path):
+    from nbddp.tasks.classification.data import EpochLoader, SkipSampler
+    from conftest import wait_for
+
+    noted = tmp_path / "noted"
+    order = SkipSampler(DistributedSampler(_Random(), num_replicas=1, rank=0, shuffle=True, seed=5))
+    loader = DataLoader(_Noted(noted), batch_size=4, sampler=order, drop_last=True, num_workers=2,
+                        persistent_workers=True, multiprocessing_context="fork")
+    ahead = EpochLoader(loader, order)
+    order.set_epoch(0)
+    assert [b.flatten().tolist() for b in ahead] == [b.flatten().tolist() for b in loader], "a pass as the loader's"
+    noted.write_text("")
+    order.set_epoch(1)
+    expected = [b.flatten().tolist() for b in loader]
+    noted.write_text("")
+    ahead.start(1)
+    # Nobody iterates: the loader processes read the epoch's first batches all the same.
+    assert wait_for(lambda: len(noted.read_text().split()) >= 4, timeout=30), "the first batch read ahead"
+    assert [b.flatten().tolist() for b in ahead] == expected, "the pass started ahead is epoch 1's"
+    # A skip armed after the start: the started pass no longer fits, a new one honours the skip.
+    ahead.start(1)
+    order.skip(8)
+    assert [b.flatten().tolist() for b in ahead] == expected[2:]
+
+
+def test_the_next_epoch_loads_while_the_built_in_worker_evaluates_and_evaluation_restarts_no_loader(tmp_path,
+                                                                                                  runs_dir):
+    from conftest import small_cfg
+
+    tree = make_tree(tmp_path / "data", per_class=10)
+    probe = tmp_path / "probe"
+    env = {"NBDDP_RANK_HOOK": f"{WORKERS / 'prefetch_probe.py'}:install", "NBDDP_PROBE": str(probe),
+           "NBDDP_PROBE_SEED": "0", "NBDDP_PROBE_WAIT_S": "20"}
+    spawn_train(small_cfg(tree, runs_dir, nprocs=1, num_workers=2, seed=0, name="prefetch"), echo=False, env=env)
+    lines = [line.split() for line in probe.read_text().splitlines()]
+    assert ["prefetched", "yes"] in lines, "epoch 2's first batches were read while epoch 1 was evaluated"
+    val_ids = {line[2] for line in lines if line[0] == "eval"}
+    assert len(val_ids) == 1 and sum(line[0] == "eval" for line in lines) == 3, "2 epochs and the final pass"
+    val_pids = {line[1] for line in lines if line[0] == "item" and line[2] in val_ids}
+    train_pids = {line[1] for line in lines if line[0] == "train"}
+    assert len(val_pids) == 2 and len(train_pids) == 2, "the same 2 loader processes every time, for each split"

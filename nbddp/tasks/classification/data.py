@@ -34,8 +34,8 @@ from ...contract.errors import DataError
 from ...contract.paths import PathLike, pseudo_filesystem, special_file_kind
 # Reading images and loading them in a rank live in their own modules; their names stay here too.
 from .images import ImageListDataset, check_images, load_rgb
-from .loading import (DieWithParent, SeededDataset, SeededSampler, ShardSampler, SkipSampler, item_seed,
-                      loader_context, loader_processes, loader_workers)
+from .loading import (DieWithParent, EpochLoader, SeededDataset, SeededSampler, ShardSampler, SkipSampler,
+                      item_seed, loader_context, loader_processes, loader_workers)
 
 Sample = tuple[str, int]
 
@@ -485,6 +485,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "DieWithParent",
+    "EpochLoader",
     "ImageListDataset",
     "SeededDataset",
     "SeededSampler",

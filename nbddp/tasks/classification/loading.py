@@ -170,6 +170,49 @@ class SeededDataset(Dataset):
                 random.setstate(saved[1])
 
 
+class EpochLoader:
+    """A training loader whose next epoch can be on its way while the rank evaluates this one.
+
+    ``start(epoch)`` sets the order's epoch and begins that epoch's pass: a ``DataLoader``'s loader
+    processes start reading its first batches (``prefetch_factor`` each) at once, so the epoch's
+    first step finds them ready instead of waiting for them after the evaluation and the
+    checkpoint. The next ``iter()`` returns that pass; an ``iter()`` without a ``start``, or after
+    the order changed since (another epoch, a ``skip``), begins one as the wrapped loader does.
+    ``len()`` and every other attribute are the wrapped loader's.
+
+    Nothing random depends on when a pass starts: each image's augmentation comes from its own
+    seed (:class:`SeededSampler`), and a ``DataLoader`` given its own ``generator`` draws its
+    workers' seeds from it, once a pass, whenever that is.
+
+    Args:
+        loader: a ``DataLoader`` (or anything iterable with a length) over ``order``.
+        order: its sampler, a :class:`SkipSampler`.
+    """
+
+    def __init__(self, loader, order: "SkipSampler"):
+        self.loader, self.order = loader, order
+        self._ahead: Optional[tuple] = None  # (epoch, items skipped, the pass) begun by start()
+
+    def start(self, epoch: int) -> None:
+        """Begin the pass of ``epoch`` now (its loader processes start reading); ``iter()`` returns it."""
+        self.order.set_epoch(epoch)
+        self._ahead = (epoch, self.order.skipping, iter(self.loader))
+
+    def __iter__(self):
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[:2] == (self.order.epoch, self.order.skipping):
+            return ahead[2]
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        if name in ("loader", "order", "_ahead"):  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
 # ---------------------------------------------------------------------------- distribution
 class ShardSampler(Sampler[int]):
     """Exact, disjoint shards of a dataset for distributed evaluation.

@@ -21,13 +21,17 @@ from ...contract.config import TrainConfig
 
 @dataclass
 class Loaders:
-    """This rank's loaders; the transforms are batch transforms run on the device (tensor pipeline), else None."""
+    """This rank's loaders; the transforms are batch transforms run on the device (tensor and decode pipelines), else None."""
 
     sampler: D.SkipSampler  # the training order: set_epoch every epoch, skip(n) to resume in the middle of one
-    train: Any
-    val: Any
+    train: D.EpochLoader    # start_epoch(e) begins epoch e's pass ahead of its first step
+    val: Any                # its loader processes persist: an evaluation starts none
     train_transform: Optional[Callable] = None
     val_transform: Optional[Callable] = None
+
+    def start_epoch(self, epoch: int) -> None:
+        """Begin epoch ``epoch``'s training pass now: its first batches load while the rank evaluates and saves."""
+        self.train.start(epoch)
 
 
 @dataclass
@@ -71,13 +75,15 @@ def make_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> Loaders:
                               generator=torch.Generator().manual_seed(cfg.seed), **common)
     val_loader = DataLoader(val_ds, batch_size=cfg.batch_size,
                             sampler=D.ShardSampler(len(val_ds), ctx.rank, ctx.world_size), **common)
-    return Loaders(order, train_loader, val_loader)
+    return Loaders(order, D.EpochLoader(train_loader, order), val_loader)
 
 
 def _decode_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> Loaders:
-    """Loader processes read the files' bytes; each batch is decoded and augmented on the device
-    (:mod:`nbddp.tasks.classification.decode_data`), every image seeded by (seed, epoch, image) as in the PIL pipeline."""
+    """Loader processes read the files' bytes and draw each image's box; each batch is decoded and
+    augmented on the device (:mod:`nbddp.tasks.classification.decode_data`), every image seeded by
+    (seed, epoch, image) as in the PIL pipeline."""
     from . import decode_data as DD
+    from .crops import Crops
 
     cuda = ctx.device.type == "cuda"
     workers = cfg.num_workers
@@ -88,10 +94,11 @@ def _decode_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> Loaders:
     order = D.SkipSampler(D.SeededSampler(sampler, cfg.seed))
     common = dict(pin_memory=cuda, persistent_workers=cfg.persistent_workers and workers > 0,
                   **D.loader_processes(workers))
-    train_loader, val_loader = DD.decode_loaders(train_s, val_s, order, cfg.batch_size,
-                                                 D.ShardSampler(len(val_s), ctx.rank, ctx.world_size), common,
-                                                 generator=torch.Generator().manual_seed(cfg.seed))
-    return Loaders(order, train_loader, val_loader,
+    train_loader, val_loader = DD.decode_loaders(
+        train_s, val_s, order, cfg.batch_size, D.ShardSampler(len(val_s), ctx.rank, ctx.world_size), common,
+        train_crops=Crops(cfg.image_size, True, cfg.crop_scale, cfg.hflip), val_crops=Crops(cfg.image_size, False),
+        generator=torch.Generator().manual_seed(cfg.seed))
+    return Loaders(order, D.EpochLoader(train_loader, order), val_loader,
                     DD.DeviceDecoder(ctx.device, cfg.image_size, True, cfg.crop_scale, cfg.hflip),
                     DD.DeviceDecoder(ctx.device, cfg.image_size, False))
 
@@ -107,7 +114,7 @@ def _tensor_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> Loaders:
     train_loader = TD.TensorBatches(train_cache, order, cfg.batch_size, drop_last=True)
     val_loader = TD.TensorBatches(val_cache, D.ShardSampler(len(val_cache), ctx.rank, ctx.world_size),
                                   cfg.batch_size)
-    return Loaders(order, train_loader, val_loader,
+    return Loaders(order, D.EpochLoader(train_loader, order), val_loader,
                     TD.BatchAugment(cfg.image_size, cfg.crop_scale, cfg.hflip), TD.CenterCropNormalize(cfg.image_size))
 
 

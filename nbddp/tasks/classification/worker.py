@@ -388,6 +388,8 @@ def _train_epochs(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: 
             if ctx.is_main:
                 _say_stopped(epoch, stats.steps)
             return
+        if epoch + 1 < cfg.epochs:  # the next epoch's first batches load while this one is evaluated and saved
+            data.loaders.start_epoch(epoch + 1)
         t_eval = time.perf_counter()
         sync_buffers_from_main(t.model)
         ev = evaluate(t.model, data.loaders.val, ctx.device, t.amp_dtype, t.channels_last,
