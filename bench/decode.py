@@ -12,6 +12,19 @@ makes them). One process, no loader workers, so the figure is the work per image
   nvJPEG on a GPU): decode, seeded crop, flip, resize, normalise.
 
 Images per second, median of ``--repeats`` passes, and the ratio decode / pil.
+
+    python bench/decode.py --host [--images 2048] [--batch 256]
+
+**Host side** (``--host``): the decode pipeline as the built-in worker builds it
+(``pipelines._decode_loaders``, no loader processes, one CPU thread), with the decoder replaced by
+a lookup, over tiny photos (16x12 JPEGs padded with a comment segment to the 20 KB of a
+flowers-sized one: the bytes read are real, the pixel work is next to nothing). What is left is
+the pipeline's own host work per image: reading the files, drawing the crops, packing them, and
+launching the device's work (the batched path a GPU rank runs). Reported per part: the loader's
+(what loader processes do, in parallel on a GPU server), the rank's (one thread, serial: what a
+GPU cannot hide) and both together on one core, in images per second of the thread's CPU time
+(a shared machine's other work does not count; the wall-clock rate is printed beside). The goal: >= 20,000 images/s together, so that
+the GPU, not the host, sets the decode pipeline's pace.
 """
 
 import argparse
@@ -29,6 +42,11 @@ sys.path.insert(0, str(HERE))
 
 def main(argv=None) -> dict:
     import torch
+
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--host" in argv:
+        return host([a for a in argv if a != "--host"])
 
     from gpu import _flowers_like
     from nbddp.tasks.classification import data as D
@@ -71,6 +89,96 @@ def main(argv=None) -> dict:
     out["decode_vs_pil"] = round(out["decode"] / out["pil"], 2)
     out.update(images=len(samples), image_size=a.image_size, device=a.device, torch=torch.__version__)
     print(json.dumps(out, indent=2))
+    return out
+
+
+def _tiny_photos(root: Path, n: int, pad_to: int = 20_000) -> Path:
+    """``n`` JPEGs of 16x12 in 5 class folders, each padded to ``pad_to`` bytes with a comment segment."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        folder = root / f"class{i % 5}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = torch.randint(0, 256, (12, 16, 3), dtype=torch.uint8, generator=g).numpy()
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, "JPEG", quality=90)
+        jpeg = buf.getvalue()
+        filler = max(0, min(65533, pad_to - len(jpeg) - 4))
+        com = b"\xff\xfe" + (filler + 2).to_bytes(2, "big") + b"c" * filler  # COM: skipped by decoders
+        (folder / f"{i:05d}.jpg").write_bytes(jpeg[:2] + com + jpeg[2:])
+    return root
+
+
+def host(argv) -> dict:
+    """The decode pipeline's host-side rate on one core, the decoder looked up (see the module's doc)."""
+    import types
+
+    import torch
+    import torchvision.io
+
+    from nbddp import TrainConfig
+    from nbddp.tasks.classification import data as D
+    from nbddp.tasks.classification import pipelines
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--images", type=int, default=2048)
+    ap.add_argument("--image-size", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    ctx = types.SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1, is_main=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = _tiny_photos(Path(tmp) / "tiny", a.images)
+        _, samples = D.scan_class_folders(root)
+        cfg = TrainConfig(data_path=str(root), image_size=a.image_size, batch_size=a.batch, num_workers=0,
+                          data_pipeline="decode")
+        loaders = pipelines._decode_loaders(cfg, ctx, samples, samples[:a.batch])
+        if hasattr(loaders.train_transform, "batched"):
+            loaders.train_transform.batched = True  # what a GPU rank runs (a CPU rank resizes image by image)
+        # The lookup: every photo is 16x12, so one decoded image per slot of a batch serves all.
+        g = torch.Generator().manual_seed(1)
+        decoded = [torch.randint(0, 256, (3, 12, 16), dtype=torch.uint8, generator=g) for _ in range(a.batch)]
+        real = torchvision.io.decode_jpeg
+        torchvision.io.decode_jpeg = lambda data, **kw: decoded[:len(data)] if isinstance(data, list) else decoded[0]
+        try:
+            rates = {"loader": [], "rank": [], "together": [], "together_wall": []}
+            clock = time.thread_time  # CPU time: what the work costs, however busy the machine is
+            for epoch in range(a.repeats + 1):
+                loaders.sampler.set_epoch(epoch)
+                n, t_load, t_rank = 0, 0.0, 0.0
+                batches = iter(loaders.train)
+                wall = time.perf_counter()
+                while True:
+                    t0 = clock()
+                    try:
+                        batch, labels = next(batches)
+                    except StopIteration:
+                        break
+                    t1 = clock()
+                    x = loaders.train_transform(batch)
+                    t_rank += clock() - t1
+                    t_load += t1 - t0
+                    n += len(labels)
+                wall = time.perf_counter() - wall
+                assert x.shape == (a.batch, 3, a.image_size, a.image_size), x.shape
+                if epoch:  # the first pass warms the page cache and the allocator
+                    rates["loader"].append(n / t_load)
+                    rates["rank"].append(n / t_rank)
+                    rates["together"].append(n / (t_load + t_rank))
+                    rates["together_wall"].append(n / wall)
+        finally:
+            torchvision.io.decode_jpeg = real
+    out = {k: round(statistics.median(v)) for k, v in rates.items()}
+    out.update(images_per_epoch=n, batch=a.batch, image_size=a.image_size, torch=torch.__version__)
+    print(json.dumps(out, indent=2))
+    print(f"host side of the decode pipeline, one core, images per CPU second: loader {out['loader']:,}, "
+          f"rank {out['rank']:,}, together {out['together']:,} ({'meets' if out['together'] >= 20000 else 'below'} "
+          f"the 20,000 goal); per wall second {out['together_wall']:,}")
     return out
 
 

@@ -80,3 +80,122 @@ def test_the_built_in_worker_trains_on_the_decode_pipeline(tmp_path, runs_dir):
     result = spawn_train(small_cfg(tree, runs_dir, data_pipeline="decode", image_size=16, name="decode"), echo=False)
     assert len(result.metrics) == 2 and result.weights_path is not None
     assert all(m["images_per_s"] > 0 for m in result.metrics)
+
+
+def test_the_draws_read_ahead_are_torchs_and_the_pil_pipelines():
+    """A box drawn from one read of the generator's stream is the box torch's generator draws call by
+    call, and the one the PIL pipeline's RandomResizedCrop draws for the same key."""
+    import torchvision.transforms as T
+
+    from nbddp.tasks.classification.crops import Crops, SeedDraws
+    from nbddp.tasks.classification.data import SeededDataset
+
+    class Params(torch.utils.data.Dataset):  # what the PIL pipeline's transforms draw for an item
+        def __getitem__(self, i):
+            box = T.RandomResizedCrop.get_params(torch.empty(3, 240, 320), (0.08, 1.0), (3 / 4, 4 / 3))
+            return box, bool(torch.rand(1) < 0.5)
+
+    crops = Crops(224, train=True, crop_scale=0.08, hflip=True)
+    for i in range(300):
+        seed = item_seed(7, 3, i)
+        g = torch.Generator().manual_seed(seed)
+        by_calls = crop_box(240, 320, (0.08, 1.0), (3 / 4, 4 / 3), g), bool(torch.rand(1, generator=g) < 0.5)
+        draws = SeedDraws(seed)
+        assert (crop_box(240, 320, (0.08, 1.0), (3 / 4, 4 / 3), draws), draws.rand() < 0.5) == by_calls, seed
+        assert crops.box(seed, 240, 320) == by_calls == SeededDataset(Params())[(i, seed)], seed
+    for scale in [(0.01, 0.02), (0.9, 1.0)]:  # every try fails, or the first one succeeds
+        for seed in range(50):
+            g = torch.Generator().manual_seed(seed)
+            assert crop_box(500, 40, scale, (3 / 4, 4 / 3), SeedDraws(seed)) == crop_box(500, 40, scale, (3 / 4, 4 / 3), g)
+
+
+def test_a_jpegs_size_comes_from_its_header(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from nbddp.tasks.classification.decode_data import jpeg_size
+
+    image = Image.new("RGB", (37, 21), (10, 200, 30))
+    for options in ({}, {"progressive": True}, {"exif": Image.Exif(), "comment": b"x" * 3000}):
+        buf = io.BytesIO()
+        image.save(buf, "JPEG", **options)
+        assert jpeg_size(buf.getvalue()) == (21, 37), options
+    png = io.BytesIO()
+    image.save(png, "PNG")
+    assert jpeg_size(png.getvalue()) is None and jpeg_size(buf.getvalue()[:40]) is None
+
+
+def _packed_and_collated(samples, keys, image_size, train):
+    from nbddp.tasks.classification.crops import Crops
+    from nbddp.tasks.classification.decode_data import EncodedImages
+
+    packed, labels = EncodedImages(samples, Crops(image_size, train, crop_scale=0.3)).__getitems__(keys)
+    collated, same_labels = collate([FileBytes(samples)[k] for k in keys])
+    assert labels.tolist() == same_labels.tolist()
+    return packed, collated
+
+
+def test_the_loader_draws_every_box_and_the_rank_decodes_once_and_resizes_the_batch_in_a_few_calls(tmp_path,
+                                                                                                   monkeypatch):
+    import torch.nn.functional as F
+    import torchvision.io
+
+    from nbddp.tasks.classification import crops as C
+    from nbddp.tasks.classification import resize as R
+    from nbddp.tasks.classification.data import scan_class_folders
+
+    _, samples = scan_class_folders(jpeg_and_png_tree(tmp_path / "data"))
+    keys = [(i, item_seed(0, 1, i)) for i in range(12)]
+    for train in (True, False):
+        packed, collated = _packed_and_collated(samples, keys if train else list(range(12)), 16, train)
+        assert packed.pixels is not None and packed.info[:, 7].tolist().count(1) == 6, "the PNGs came decoded"
+        # The same augmentation as before: the rank drawing from each seed and resizing image by image.
+        before = DeviceDecoder("cpu", 16, train=train, crop_scale=0.3, batched=False)(collated)
+        calls = {"decode_jpeg": 0, "interpolate": 0, "box": 0}
+        decode_jpeg, interpolate, box = torchvision.io.decode_jpeg, F.interpolate, C.Crops.box
+
+        def counting(name, fn):
+            def call(*args, **kwargs):
+                calls[name] += 1
+                return fn(*args, **kwargs)
+            return call
+
+        monkeypatch.setattr(torchvision.io, "decode_jpeg", counting("decode_jpeg", decode_jpeg))
+        monkeypatch.setattr(R.F, "interpolate", counting("interpolate", interpolate))
+        monkeypatch.setattr(C.Crops, "box", counting("box", box))
+        after = DeviceDecoder("cpu", 16, train=train, crop_scale=0.3, batched=True)(packed)
+        monkeypatch.undo()
+        assert calls == {"decode_jpeg": 1, "interpolate": 0, "box": 0}, calls
+        assert after.shape == before.shape and torch.allclose(after, before, atol=1e-4), (after - before).abs().max()
+
+
+def test_the_batched_resize_is_the_antialiased_bilinear_one_in_chunks_too(monkeypatch):
+    from nbddp.tasks.classification import resize as R
+    from nbddp.tasks.classification.crops import Crops
+
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g)
+              for h, w in [(20, 30), (24, 24), (240, 320), (7, 5), (100, 40), (3, 300)]]
+    for size, train in [(16, True), (64, True), (64, False)]:
+        drawn = [Crops(size, train, 0.08, True).box(i + 1, *img.shape[-2:]) for i, img in enumerate(images)]
+        boxes, flips = [b for b, _ in drawn], [f for _, f in drawn]
+        each = R.resize_each(images, boxes, flips, size, torch.device("cpu"))
+        for chunk in (R.CHUNK_ELEMENTS, 3 * 30 * 30):  # one call, or one per image or two
+            monkeypatch.setattr(R, "CHUNK_ELEMENTS", chunk)
+            batch = R.resize_batch(images, boxes, flips, size, torch.device("cpu"))
+            assert torch.allclose(batch, each, atol=1e-3), (size, train, chunk, (batch - each).abs().max())
+
+
+def test_an_image_the_loader_cannot_decode_is_named(tmp_path):
+    from nbddp.tasks.classification.crops import Crops
+    from nbddp.tasks.classification.data import scan_class_folders
+    from nbddp.tasks.classification.decode_data import EncodedImages
+
+    root = jpeg_and_png_tree(tmp_path / "data")
+    bad = next(root.rglob("*.png"))
+    bad.write_bytes(bad.read_bytes()[:30])  # a PNG cut short
+    _, samples = scan_class_folders(root)
+    index = next(i for i, (p, _) in enumerate(samples) if Path(p) == bad)
+    with pytest.raises(DataError, match=rf"cannot decode .*{bad.name}"):
+        EncodedImages(samples, Crops(16, True)).__getitems__([(index, 1)])

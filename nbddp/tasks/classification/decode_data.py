@@ -3,14 +3,24 @@
 On a GPU the JPEGs of a batch are decoded together by nvJPEG (``torchvision.io.decode_jpeg(...,
 device="cuda")``), then cropped, flipped, resized and normalised there: only the files' bytes
 cross the loader (no decoded image, no float tensor), and the CPU cores that fed PIL are free.
-PNG and other formats are decoded per image on the CPU (``decode_image``) and moved over. On a
-CPU rank the same code decodes with torchvision's decoder, which is faster than PIL.
+Other formats (PNG...) are decoded on the CPU by the loader processes, with torchvision's
+decoder, and cross as pixels. On a CPU rank the same code decodes with torchvision's decoder,
+which is faster than PIL.
 
 Augmentation is the reference's (random resized crop of scale ``(crop_scale, 1)`` and ratio
 3/4–4/3, horizontal flip; evaluation resizes the shorter side to ``resize_size`` and takes the
-centre), drawn for each image from a generator seeded by (seed, epoch, image) alone
-(:class:`nbddp.tasks.classification.data.SeededSampler`): the same crops with any number of loader processes, and a
-run resumed in the middle of an epoch sees what an uninterrupted one sees.
+centre), drawn for each image from its seed (seed, epoch, image) alone
+(:class:`nbddp.tasks.classification.data.SeededSampler`, :mod:`.crops`): the same crops with any
+number of loader processes, and a run resumed in the middle of an epoch sees what an
+uninterrupted one sees.
+
+What runs where, so that the rank's one thread does a few calls per batch and nothing per
+image (:class:`EncodedImages`, :class:`DeviceDecoder`): a loader process reads each file, reads a
+JPEG's size from its header, draws its box and flip, and packs the batch into three tensors
+(bytes, pixels of the other formats, one row of numbers per image); the rank decodes the JPEGs in
+one call and resizes the whole batch in a few (:func:`.resize.resize_batch`; a CPU rank resizes
+image by image, :func:`.resize.resize_each`, which costs less arithmetic there). An image whose
+decoded size is not the one its header gave has its box drawn again by the rank, from its seed.
 
 Worker side.
 """
@@ -18,15 +28,16 @@ Worker side.
 from __future__ import annotations
 
 import contextlib
-import math
+import os
 import warnings
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from .data import IMAGENET_MEAN, IMAGENET_STD, Sample, resize_size
+from .crops import Crops, centre_box, crop_box
+from .data import IMAGENET_MEAN, IMAGENET_STD, Sample
+from .resize import resize_batch, resize_each
 from ...contract.errors import DataError
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -45,7 +56,8 @@ class FileBytes(Dataset):
     """A file's bytes (a 1-D ``uint8`` tensor), its label and its augmentation seed, per key.
 
     Keys are ``(index, seed)`` from :class:`nbddp.tasks.classification.data.SeededSampler` (training) or plain
-    indices (evaluation, seed 0). Reading bytes is all a loader process does.
+    indices (evaluation, seed 0). Items for :func:`collate`; the built-in worker's loaders use
+    :class:`EncodedImages`, which also draws each image's box.
     """
 
     def __init__(self, samples: Sequence[Sample]):
@@ -55,27 +67,60 @@ class FileBytes(Dataset):
         return len(self.samples)
 
     def __getitem__(self, key):
-        from torchvision.io import read_file
-
         index, seed = key if isinstance(key, tuple) else (key, 0)
         path, label = self.samples[index]
-        with _quiet():
-            data = read_file(str(path))
-        return data, label, seed, str(path)
+        return torch.frombuffer(bytearray(_read(path)), dtype=torch.uint8), label, seed, str(path)
+
+
+def _read(path) -> bytes:
+    """A file's bytes, read with three system calls (a ``open()`` file object costs as much again).
+
+    Raises:
+        DataError: naming the file that cannot be read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            size = os.fstat(fd).st_size
+            data = os.read(fd, size)
+            if len(data) < size:  # a short read: the rest, until the end
+                parts = [data]
+                while True:
+                    part = os.read(fd, 1 << 20)
+                    if not part:
+                        break
+                    parts.append(part)
+                data = b"".join(parts)
+            return data
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise DataError(f"cannot read image {path}: {exc}") from None
+
+
+#: Columns of :attr:`EncodedBatch.info`, one row an image.
+HEIGHT, WIDTH, TOP, LEFT, BOX_H, BOX_W, FLIP, PIXELS = range(8)
 
 
 class EncodedBatch:
-    """A batch of encoded images: their bytes end to end in one ``uint8`` tensor, with offsets,
-    seeds and paths.
+    """A batch of images as a loader process packs it: encoded bytes end to end in one ``uint8``
+    tensor, with offsets, seeds and paths; what the loader knows of each image in ``info``.
 
     One tensor, not one per image: a loader process hands each tensor over through shared
     memory, one file descriptor each, and a batch of small ones is what that handles worst.
     ``.to(device)`` keeps the bytes where they are: the decoder reads them from (pinned) CPU
     memory, as nvJPEG does, and what it decodes is already on the device.
+
+    ``info`` (``int64 [N, 8]``, or None when the loader drew nothing: :func:`collate`): each image's
+    height and width as its header gives them (0: unknown), its box (top, left, height, width),
+    its flip, and 1 where the loader decoded it itself (a PNG...: its ``3 x H x W`` pixels are in
+    ``pixels``, end to end in image order, and it has no bytes in ``blob``).
     """
 
-    def __init__(self, blob: torch.Tensor, offsets: list, seeds: list, paths: list):
+    def __init__(self, blob: torch.Tensor, offsets: list, seeds: list, paths: list,
+                 info: Optional[torch.Tensor] = None, pixels: Optional[torch.Tensor] = None):
         self.blob, self.offsets, self.seeds, self.paths = blob, offsets, seeds, paths
+        self.info, self.pixels = info, pixels
 
     @classmethod
     def of(cls, data: Sequence[torch.Tensor], seeds: list, paths: list) -> "EncodedBatch":
@@ -87,7 +132,7 @@ class EncodedBatch:
 
     @property
     def data(self) -> list:
-        """Each image's bytes (views into the one tensor)."""
+        """Each image's bytes (views into the one tensor; empty for an image the loader decoded)."""
         return [self.blob[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
 
     def __len__(self) -> int:
@@ -97,22 +142,121 @@ class EncodedBatch:
         return self
 
     def pin_memory(self) -> "EncodedBatch":
-        return EncodedBatch(self.blob.pin_memory(), self.offsets, self.seeds, self.paths)
+        pixels = self.pixels.pin_memory() if self.pixels is not None else None
+        return EncodedBatch(self.blob.pin_memory(), self.offsets, self.seeds, self.paths, self.info, pixels)
 
 
 def collate(items) -> tuple:
-    """``(EncodedBatch, labels)`` from :class:`FileBytes` items."""
+    """``(EncodedBatch, labels)`` from :class:`FileBytes` items (the decoder draws their boxes)."""
     data, labels, seeds, paths = zip(*items)
     return EncodedBatch.of(data, list(seeds), list(paths)), torch.tensor(labels, dtype=torch.long)
 
 
-def is_jpeg(data: torch.Tensor) -> bool:
-    return data.numel() >= 3 and bytes(data[:3].tolist()) == _JPEG_MAGIC
+def is_jpeg(data) -> bool:
+    """Whether ``data`` (bytes or a ``uint8`` tensor) starts as a JPEG does."""
+    if isinstance(data, torch.Tensor):
+        return data.numel() >= 3 and bytes(data[:3].tolist()) == _JPEG_MAGIC
+    return data[:3] == _JPEG_MAGIC
+
+
+# Start-of-frame markers (baseline, extended, progressive, lossless...; not DHT, JPG, DAC).
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def jpeg_size(data) -> Optional[Tuple[int, int]]:
+    """``(height, width)`` from a JPEG's frame header, reading its markers only; None if not found."""
+    if data[:3] != _JPEG_MAGIC:
+        return None
+    i, n = 2, len(data)
+    while i + 9 <= n:
+        if data[i] != 0xFF:
+            return None  # not a marker where one must be: let the decoder say what is wrong
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif marker in _SOF:
+            h, w = (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8]
+            return (h, w) if h and w else None  # a height of 0 comes later (DNL): the decoder knows
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+        elif marker in (0xD9, 0xDA):  # end of image, or a scan before any frame header
+            return None
+        else:
+            i += 2 + ((data[i + 2] << 8) | data[i + 3])
+    return None
+
+
+class EncodedImages(Dataset):
+    """The decode pipeline's dataset in a loader process: a batch of keys in, an :class:`EncodedBatch` out.
+
+    For each image: its bytes read, its size read from a JPEG's header, its box and flip drawn
+    (:class:`nbddp.tasks.classification.crops.Crops`); an image of another format is decoded here
+    (torchvision's decoder, on the CPU), its pixels sent instead of its bytes. Keys are
+    ``(index, seed)`` (training) or indices (evaluation). ``__getitems__`` (a ``DataLoader`` calls
+    it with a batch's keys) packs the batch; pass :func:`packed` as the loader's ``collate_fn``.
+
+    Raises:
+        DataError: a file that cannot be read, or (not a JPEG) decoded, named.
+    """
+
+    def __init__(self, samples: Sequence[Sample], crops: Crops):
+        self.samples, self.crops = list(samples), crops
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, key):
+        return self.__getitems__([key])
+
+    def __getitems__(self, keys) -> tuple:
+        parts: List[bytes] = []
+        pixels: List[torch.Tensor] = []
+        offsets, seeds, paths, labels, rows = [0], [], [], [], []
+        box_of = self.crops.box
+        for key in keys:
+            index, seed = key if isinstance(key, tuple) else (key, 0)
+            path, label = self.samples[index]
+            data = _read(path)
+            size = jpeg_size(data)
+            decoded = 0
+            if size is None and data[:3] != _JPEG_MAGIC:
+                image = _decode_here(data, path)
+                pixels.append(image.reshape(-1))
+                size, decoded, data = tuple(image.shape[-2:]), 1, b""
+            (top, left, h, w), flip = box_of(seed, *size) if size else ((0, 0, 0, 0), False)
+            rows.append((*(size or (0, 0)), top, left, h, w, flip, decoded))
+            parts.append(data)
+            offsets.append(offsets[-1] + len(data))
+            seeds.append(seed)
+            paths.append(str(path))
+            labels.append(label)
+        blob = torch.frombuffer(bytearray().join(parts), dtype=torch.uint8) if offsets[-1] else \
+            torch.empty(0, dtype=torch.uint8)
+        batch = EncodedBatch(blob, offsets, seeds, paths, torch.tensor(rows, dtype=torch.int64),
+                             torch.cat(pixels) if pixels else None)
+        return batch, torch.tensor(labels, dtype=torch.long)
+
+
+def packed(batch):
+    """A ``DataLoader``'s ``collate_fn`` for :class:`EncodedImages`: the batch is packed already."""
+    return batch
+
+
+def _decode_here(data: bytes, path) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_image
+
+    try:
+        with _quiet():
+            image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except RuntimeError as exc:
+        raise DataError(f"cannot decode {path}: {exc}. Remove or replace the file "
+                        "(check_images=True finds such files before the launch)") from None
+    return image[0] if image.dim() == 4 else image  # an animated GIF: its first frame, as PIL opens it
 
 
 def decode(batch: EncodedBatch, device: torch.device) -> list:
     """Every image of ``batch`` as a ``3 x H x W`` ``uint8`` tensor on ``device``: JPEGs together
-    (nvJPEG on a GPU), the others one by one on the CPU.
+    (nvJPEG on a GPU), the pixels the loader decoded moved in one copy, any other one by one on the CPU.
 
     Raises:
         DataError: naming the file that cannot be decoded.
@@ -126,7 +270,13 @@ def decode(batch: EncodedBatch, device: torch.device) -> list:
 def _decode(batch: EncodedBatch, device: torch.device, decode_jpeg, decode_image, rgb) -> list:
     out: list = [None] * len(batch)
     data = batch.data
-    jpegs = [i for i, d in enumerate(data) if is_jpeg(d)]
+    if batch.info is None:
+        jpegs = [i for i, d in enumerate(data) if is_jpeg(d)]
+    else:
+        done = batch.info[:, PIXELS].tolist()
+        jpegs = [i for i, d in enumerate(done) if not d]
+        if batch.pixels is not None:
+            _place_pixels(batch, done, out, device)
     if jpegs:
         try:
             decoded = decode_jpeg([data[i] for i in jpegs], mode=rgb, device=device)
@@ -140,6 +290,17 @@ def _decode(batch: EncodedBatch, device: torch.device, decode_jpeg, decode_image
     return out
 
 
+def _place_pixels(batch: EncodedBatch, done: list, out: list, device: torch.device) -> None:
+    """The images the loader decoded: views of one copy of their pixels on ``device``."""
+    pixels = batch.pixels.to(device, non_blocking=True)
+    sizes = batch.info[:, HEIGHT:WIDTH + 1].tolist()
+    at = 0
+    for i, (d, (h, w)) in enumerate(zip(done, sizes)):
+        if d:
+            out[i] = pixels[at:at + 3 * h * w].view(3, h, w)
+            at += 3 * h * w
+
+
 def _one(batch: EncodedBatch, i: int, device: torch.device, fn, mode) -> torch.Tensor:
     try:
         img = fn(batch.data[i], mode=mode, **({"device": device} if fn.__name__ == "decode_jpeg" else {}))
@@ -147,37 +308,6 @@ def _one(batch: EncodedBatch, i: int, device: torch.device, fn, mode) -> torch.T
         raise DataError(f"cannot decode {batch.paths[i]}: {exc}. Remove or replace the file "
                         "(check_images=True finds such files before the launch)") from None
     return img.to(device, non_blocking=True)
-
-
-def crop_box(height: int, width: int, scale: tuple, ratio: tuple, g: torch.Generator) -> tuple:
-    """``(top, left, h, w)`` of a random resized crop, drawn from ``g`` (torchvision's algorithm)."""
-    area = height * width
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target = area * float(torch.empty(1).uniform_(scale[0], scale[1], generator=g))
-        aspect = math.exp(float(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=g)))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(torch.randint(0, height - h + 1, (1,), generator=g))
-            left = int(torch.randint(0, width - w + 1, (1,), generator=g))
-            return top, left, h, w
-    in_ratio = width / height  # fallback: the centre, clamped to the ratio range
-    if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        h, w = height, int(round(height * ratio[1]))
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
-
-
-def centre_box(height: int, width: int, image_size: int) -> tuple:
-    """The evaluation crop in the original image's pixels: the shorter side resized to
-    ``resize_size(image_size)``, then the centre ``image_size`` square."""
-    side = min(height, width) * image_size / resize_size(image_size)
-    h = w = max(1, int(round(side)))
-    return (height - h) // 2, (width - w) // 2, h, w
 
 
 class DeviceDecoder:
@@ -189,48 +319,61 @@ class DeviceDecoder:
         image_size: ``S``.
         train: random resized crop and flip per image (seeded by its key); else the centre crop.
         crop_scale, hflip: as in :class:`nbddp.TrainConfig`.
+        batched: resize the batch in a few calls (:func:`.resize.resize_batch`) rather than image
+            by image; default: on any device but the CPU.
+
+    The boxes are the loader's (``batch.info``); an image without one (a batch from
+    :func:`collate`, a size the header did not give) has its box drawn here, from its seed.
     """
 
     #: The engine may decode the next batch while the device runs this step: each image's crop
     #: comes from its own seed, never from the rank's random state.
     prepare_ahead = True
 
-    def __init__(self, device, image_size: int, train: bool, crop_scale: float = 0.08, hflip: bool = True):
+    def __init__(self, device, image_size: int, train: bool, crop_scale: float = 0.08, hflip: bool = True,
+                 batched: Optional[bool] = None):
         self.device, self.image_size, self.train = torch.device(device), image_size, train
-        self.scale, self.ratio, self.hflip = (crop_scale, 1.0), (3 / 4, 4 / 3), hflip
+        self.crops = Crops(image_size, train, crop_scale, hflip)
+        self.batched = self.device.type != "cpu" if batched is None else batched
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1) * 255
 
+    def boxes(self, batch: EncodedBatch, images: list) -> tuple:
+        """``(boxes, flips)`` of the decoded ``images``: the loader's, or drawn here where it had none for that size."""
+        rows = batch.info.tolist() if batch.info is not None else [None] * len(images)
+        boxes, flips = [], []
+        for img, row, seed in zip(images, rows, batch.seeds):
+            height, width = img.shape[-2], img.shape[-1]
+            if row is not None and row[HEIGHT] == height and row[WIDTH] == width:
+                boxes.append(tuple(row[TOP:BOX_W + 1]))
+                flips.append(bool(row[FLIP]))
+            else:
+                box, flip = self.crops.box(int(seed), height, width)
+                boxes.append(box)
+                flips.append(flip)
+        return boxes, flips
+
     def __call__(self, batch: EncodedBatch) -> torch.Tensor:
         images = decode(batch, self.device)
-        s = self.image_size
-        out = torch.empty(len(images), 3, s, s, device=self.device)
-        for i, (img, seed) in enumerate(zip(images, batch.seeds)):
-            flip = False
-            if self.train:
-                g = torch.Generator().manual_seed(int(seed))
-                top, left, h, w = crop_box(img.shape[-2], img.shape[-1], self.scale, self.ratio, g)
-                flip = self.hflip and bool(torch.rand(1, generator=g) < 0.5)
-            else:
-                top, left, h, w = centre_box(img.shape[-2], img.shape[-1], s)
-            crop = img[None, :, top:top + h, left:left + w].float()
-            out[i] = F.interpolate(crop, size=(s, s), mode="bilinear", align_corners=False, antialias=True)[0]
-            if flip:
-                out[i] = out[i].flip(-1)
+        boxes, flips = self.boxes(batch, images)
+        resize = resize_batch if self.batched else resize_each
+        out = resize(images, boxes, flips, self.image_size, self.device)
         return (out - self.mean) / self.std
 
 
 def decode_loaders(samples_train: Sequence[Sample], samples_val: Sequence[Sample], order, batch_size: int,
-                   val_sampler, loader_kw: dict, generator: Optional[torch.Generator] = None):
-    """``(train_loader, val_loader)`` over file bytes (the training one in ``order``'s seeded keys)."""
+                   val_sampler, loader_kw: dict, *, train_crops: Crops, val_crops: Crops,
+                   generator: Optional[torch.Generator] = None):
+    """``(train_loader, val_loader)`` of packed batches (:class:`EncodedImages`; the training one in
+    ``order``'s seeded keys), each image's box drawn by ``train_crops`` / ``val_crops``."""
     from torch.utils.data import DataLoader
 
-    train = DataLoader(FileBytes(samples_train), batch_size=batch_size, sampler=order, drop_last=True,
-                       collate_fn=collate, generator=generator, **loader_kw)
-    val = DataLoader(FileBytes(samples_val), batch_size=batch_size, sampler=val_sampler, collate_fn=collate,
-                     **loader_kw)
+    train = DataLoader(EncodedImages(samples_train, train_crops), batch_size=batch_size, sampler=order,
+                       drop_last=True, collate_fn=packed, generator=generator, **loader_kw)
+    val = DataLoader(EncodedImages(samples_val, val_crops), batch_size=batch_size, sampler=val_sampler,
+                     collate_fn=packed, **loader_kw)
     return train, val
 
 
-__all__ = ["FileBytes", "EncodedBatch", "collate", "decode", "crop_box", "centre_box", "DeviceDecoder",
-           "decode_loaders", "is_jpeg"]
+__all__ = ["FileBytes", "EncodedBatch", "EncodedImages", "collate", "decode", "crop_box", "centre_box",
+           "DeviceDecoder", "decode_loaders", "is_jpeg", "jpeg_size", "packed"]
