@@ -26,6 +26,7 @@ contract  ``contract.fieldspec``                what each ``TrainConfig`` field 
 contract  ``contract.cluster``                  torchrun and sbatch commands, as text (``cfg.torchrun_command``)
 contract  ``contract.errors``                   the exceptions users see
 contract  ``contract.rundir``                   the run folder: every file name, the atomic writer, records
+contract  ``contract.statedir``                 the run's private state folder, held by descriptor for the run's life
 contract  ``contract.protocol``                 ``LaunchSpec``, the ranks' entry by name, every record between kernel and ranks
 contract  ``contract.paths``                    what a path is (FIFO, /proc) before anything reads it
 contract  ``contract.private``                  folders and files of the user's alone: checked, made 0700, moved aside; the compile caches
@@ -101,6 +102,7 @@ SIDES = {
     "contract.fieldspec": "contract", "contract.cluster": "contract", "contract.gpus": "contract",
     "contract.leases": "contract", "contract.private": "contract", "contract.plans": "contract", "contract.checkpoint": "contract",
     "contract.conventions": "contract", "contract.debugging": "contract", "contract.observe": "contract",
+    "contract.statedir": "contract",
     "kernel": "kernel", "kernel.launch": "kernel", "kernel.rendezvous": "kernel", "kernel.forkserver": "kernel",
     "kernel.handle": "kernel", "kernel.ranks": "kernel", "kernel.report": "kernel", "kernel.rank_text": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
     "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",

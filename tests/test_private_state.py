@@ -65,10 +65,19 @@ def test_a_result_that_is_not_provably_yours_is_never_unpickled(tmp_path, monkey
     path.unlink()
 
     write_result(run, {"ok": 2})
+    path.chmod(0o664)  # a file of the user's the group may write (metrics.jsonl under umask 002, moved here)
+    with pytest.raises(rundir.NotPrivate, match=r"result\.pkl may be written by other users"):
+        read_result(run)
+    path.chmod(0o600)
     rundir.state_dir(run).chmod(0o770)  # a folder the group may write into
     with pytest.raises(rundir.NotPrivate, match=r"\.nbddp may be written by other users"):
         read_result(run)
-    rundir.make_state_dir(run)  # a launch makes it private again
+    # Never narrowed (what others put in it would stay): moved aside, unread, and made anew.
+    with pytest.warns(UserWarning, match=r"\.nbddp may be written by other users, so it was not used .*nothing in it was read"):
+        rundir.make_state_dir(run)
+    with pytest.raises(FileNotFoundError):
+        read_result(run)
+    write_result(run, {"ok": 2})
     assert read_result(run) == {"ok": 2}
 
     real = os.getuid()  # the file belongs to someone else (seen from another uid: no root needed)

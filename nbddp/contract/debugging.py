@@ -1,7 +1,10 @@
 """A debugger relayed between a rank and the notebook: the files that carry it, written and read here.
 
 A rank at a breakpoint (:mod:`nbddp.rank.debugger`) runs ``pdb`` with its input and output bound
-to files in the run's private state folder (``.nbddp/``, the user's alone):
+to files in the run's private state folder (``.nbddp/``, the user's alone, held open by the kernel
+and the ranks for the run's life: every file below is read and written through that descriptor,
+so renaming ``.nbddp`` and putting a folder of one's own in its place answers no prompt;
+:mod:`nbddp.contract.statedir`):
 
 - ``debug.rank<r>.out``: everything pdb prints, appended;
 - ``debug.rank<r>.json``: the rank's :class:`DebugState`, rewritten atomically: at the prompt
@@ -21,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from . import rundir
+from . import rundir, statedir
 
 #: Set by ``spawn_train`` in the ranks: a kernel relays their breakpoints (else a breakpoint is skipped).
 RELAY_ENV = "NBDDP_DEBUG_RELAY"
@@ -50,11 +53,11 @@ class DebugState:
     out: int = 0
 
     def write(self, run_dir: rundir.PathLike) -> None:
-        rundir.write_json_atomic(state_path(run_dir, self.rank), asdict(self), mode=rundir.PRIVATE_FILE_MODE)
+        statedir.write_json(run_dir, state_path(run_dir, self.rank).name, asdict(self))
 
     @classmethod
     def read(cls, run_dir: rundir.PathLike, rank: int) -> Optional["DebugState"]:
-        obj = rundir.read_json(state_path(run_dir, rank))
+        obj = statedir.read_json(run_dir, state_path(run_dir, rank).name)
         if not isinstance(obj, dict):
             return None
         try:
@@ -71,12 +74,12 @@ class DebugAnswer:
     line: str
 
     def write(self, run_dir: rundir.PathLike, rank: int) -> None:
-        rundir.write_json_atomic(answer_path(run_dir, rank), asdict(self), mode=rundir.PRIVATE_FILE_MODE)
+        statedir.write_json(run_dir, answer_path(run_dir, rank).name, asdict(self))
 
     @classmethod
     def read(cls, run_dir: rundir.PathLike, rank: int, seq: int) -> Optional["DebugAnswer"]:
         """The answer to prompt ``seq``, or None while there is none (an older answer is not this one's)."""
-        obj = rundir.read_json(answer_path(run_dir, rank))
+        obj = statedir.read_json(run_dir, answer_path(run_dir, rank).name)
         if not isinstance(obj, dict) or obj.get("seq") != seq or not isinstance(obj.get("line"), str):
             return None
         return cls(seq, obj["line"])
@@ -84,6 +87,12 @@ class DebugAnswer:
 
 def output_path(run_dir: rundir.PathLike, rank: int) -> Path:
     return rundir.state_path(run_dir, f"debug.rank{rank}.out")
+
+
+def open_output(run_dir: rundir.PathLike, rank: int, append: bool = False):
+    """The rank's pdb output file (binary), appended to (created 0600) by the rank or read by the kernel."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND if append else os.O_RDONLY
+    return statedir.open_file(run_dir, output_path(run_dir, rank).name, flags)
 
 
 def state_path(run_dir: rundir.PathLike, rank: int) -> Path:
@@ -101,11 +110,11 @@ def sources_path(run_dir: rundir.PathLike) -> Path:
 
 def keep_sources(run_dir: rundir.PathLike, sources: dict) -> None:
     """Write ``{file name: text}`` of cells (kernel side, at the launch of a cell's function)."""
-    rundir.write_json_atomic(sources_path(run_dir), sources, mode=rundir.PRIVATE_FILE_MODE)
+    statedir.write_json(run_dir, sources_path(run_dir).name, sources)
 
 
 def read_sources(run_dir: rundir.PathLike) -> dict:
-    obj = rundir.read_json(sources_path(run_dir))
+    obj = statedir.read_json(run_dir, sources_path(run_dir).name)
     return {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(obj, dict) else {}
 
 
@@ -115,11 +124,11 @@ def release_path(run_dir: rundir.PathLike, number: int) -> Path:
 
 def mark_released(run_dir: rundir.PathLike, number: int) -> None:
     """Rank ``r`` left its ``number``-th ``ctx.breakpoint``: the ranks waiting there go on."""
-    rundir.write_json_atomic(release_path(run_dir, number), {"pid": os.getpid()}, mode=rundir.PRIVATE_FILE_MODE)
+    statedir.write_json(run_dir, release_path(run_dir, number).name, {"pid": os.getpid()})
 
 
 def is_released(run_dir: rundir.PathLike, number: int) -> bool:
-    return release_path(run_dir, number).exists()
+    return statedir.exists(run_dir, release_path(run_dir, number).name)
 
 
 def ranks_at_prompt(run_dir: rundir.PathLike, world_size: int) -> dict:
@@ -134,11 +143,9 @@ def ranks_at_prompt(run_dir: rundir.PathLike, world_size: int) -> dict:
 
 def clear(run_dir: rundir.PathLike) -> None:
     """Remove a launch's debugger files (a restart or resume starts with none)."""
-    folder = rundir.state_dir(run_dir)
-    if not folder.is_dir():
-        return
-    for path in folder.glob("debug.*"):
-        try:
-            path.unlink()
-        except OSError:
-            pass
+    for name in statedir.names(run_dir):
+        if name.startswith("debug."):
+            try:
+                statedir.unlink(run_dir, name)
+            except OSError:
+                pass

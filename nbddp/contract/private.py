@@ -60,8 +60,10 @@ def owner(st: os.stat_result) -> int:
 def problem(st: os.stat_result, kind: str, shared_ok: bool = False) -> Optional[str]:
     """Why a file or folder (``kind``: ``"file"``/``"folder"``) is not the user's alone, or None.
 
-    A folder must not be writable by others (``shared_ok``: a folder of the user's about to be
-    narrowed); a file must be a regular file with one name (a hard link writes somewhere else).
+    Both must be the user's and writable by no one else (``shared_ok``: a folder of the user's
+    about to be narrowed); a file must also be a regular file with one name (a hard link writes
+    somewhere else). A file of the user's that others may write (``0664`` under umask 002, such as
+    ``metrics.jsonl``) may hold anything a group member wrote, wherever it is moved to.
     """
     is_kind = stat.S_ISDIR(st.st_mode) if kind == "folder" else stat.S_ISREG(st.st_mode)
     uid = owner(st)
@@ -75,6 +77,8 @@ def problem(st: os.stat_result, kind: str, shared_ok: bool = False) -> Optional[
         return "may be written by other users"
     if kind == "file" and st.st_nlink > 1:
         return "has other names (hard links)"
+    if kind == "file" and st.st_mode & 0o022:
+        return "may be written by other users"
     return None
 
 

@@ -12,9 +12,11 @@ owns where the files are, this module what they hold::
                                          (or the kernel, from torch's error file: adopt_torch_error_file)
     result          result[.rank<r>].pkl rank r: write_result              kernel: take_result (read, removed)
 
-``.nbddp/`` is the user's alone (0700, files 0600, see :func:`nbddp.contract.rundir.make_state_dir`), and
-the one record that is unpickled, the result, is read only from there and only when it is
-provably the user's own file.
+``.nbddp/`` is the user's alone (0700, files 0600), opened by each launch and held open by the
+kernel and the ranks for the run's life: every record here is read and written through that
+descriptor (:mod:`nbddp.contract.statedir`), and read only when, checked on its own descriptor,
+it is the user's and no one else may write it. A rename of ``.nbddp`` in a shared run folder
+changes nothing.
 
 The JSON records' readers never raise on a record that is missing, being rewritten or from an
 older nbddp: a missing record is ``None`` (or absent from the mapping) and a missing field takes
@@ -37,9 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-from . import rundir
+from . import rundir, statedir
 from .paths import PathLike
-from .rundir import RecordFile
 
 
 # ---------------------------------------------------------------------------- the launch
@@ -62,6 +63,7 @@ class LaunchSpec:
     env: dict = field(default_factory=dict)  # set in the child: a forkserver's children do not
                                              # inherit the kernel's environment of the moment
     kernel: Optional[tuple] = None  # (pid, start time) of the launching process, watched
+    state_id: Optional[tuple] = None  # (device, inode) of the run's state folder the kernel made (statedir.pin)
     all_values: bool = False  # every rank stores its return value, not rank 0 alone
     call: str = "ctx"  # how the rank calls the target (nbddp.rank.calls): ctx, mp.spawn, torchrun
     argv: tuple = ()  # a script's command-line arguments (sys.argv[1:])
@@ -157,7 +159,7 @@ class HeartbeatWriter:
     """Rank ``rank``'s heartbeat file (the one writer of :class:`Heartbeat`)."""
 
     def __init__(self, run_dir: PathLike, rank: int):
-        self._file = RecordFile(rundir.heartbeat_path(run_dir, rank))
+        self._file = statedir.Record(run_dir, rundir.heartbeat_path(run_dir, rank).name)
 
     def write(self, beat: Heartbeat) -> None:
         self._file.write(dataclasses.asdict(beat))
@@ -175,7 +177,7 @@ def _per_rank(cls, path_of: Callable[[PathLike, int], Path], run_dir: PathLike, 
     """Each rank's record of type ``cls`` from ``path_of(run_dir, rank)``; unreadable ones left out."""
     found = {}
     for r in range(world_size):
-        record = _from_json(cls, rundir.read_json(path_of(run_dir, r)), rank=r)
+        record = _from_json(cls, statedir.read_json(run_dir, path_of(run_dir, r).name), rank=r)
         if record is not None:
             found[r] = record
     return found
@@ -212,7 +214,7 @@ class CheckpointNote:
     def write(self, run_dir: PathLike) -> None:
         """Rank 0 notes it; best effort (the checkpoint itself is what counts)."""
         with contextlib.suppress(OSError):
-            rundir.write_json_atomic(rundir.checkpoint_note_path(run_dir), dataclasses.asdict(self))
+            statedir.write_json(run_dir, rundir.checkpoint_note_path(run_dir).name, dataclasses.asdict(self))
 
     def where(self) -> str:
         """``"checkpoints/last.pt (epoch 1, step 2)"``."""
@@ -227,7 +229,7 @@ def note_checkpoint(run_dir: PathLike, path: PathLike, epoch: Optional[int], ste
 
 
 def read_checkpoint_note(run_dir: PathLike) -> Optional[CheckpointNote]:
-    return _from_json(CheckpointNote, rundir.read_json(rundir.checkpoint_note_path(run_dir)))
+    return _from_json(CheckpointNote, statedir.read_json(run_dir, rundir.checkpoint_note_path(run_dir).name))
 
 
 # ---------------------------------------------------------------------------- progress
@@ -252,7 +254,7 @@ class ProgressWriter:
     """The run's progress file (the one writer of :class:`Progress`; rank 0 only)."""
 
     def __init__(self, run_dir: PathLike):
-        self._file = RecordFile(rundir.progress_path(run_dir))
+        self._file = statedir.Record(run_dir, rundir.PROGRESS)
 
     def write(self, progress: Progress) -> None:
         self._file.write(progress.as_dict())
@@ -263,7 +265,7 @@ class ProgressWriter:
 
 def read_progress(run_dir: PathLike) -> Optional[Progress]:
     """The last progress rank 0 reported, or None (none yet, or caught mid-rewrite)."""
-    obj = rundir.read_json(rundir.progress_path(run_dir))
+    obj = statedir.read_json(run_dir, rundir.PROGRESS)
     if not isinstance(obj, dict) or not obj:
         return None
     fields = dict(obj)
@@ -285,7 +287,7 @@ def write_stop_request(run_dir: PathLike, reason: str) -> None:
     if reason not in STOP_REASONS:
         raise ValueError(f"stop reason {reason!r}: use one of {', '.join(STOP_REASONS)}")
     with contextlib.suppress(OSError):
-        rundir.atomic_write(rundir.stop_path(run_dir), reason.encode(), durable=False)
+        statedir.write(run_dir, rundir.STOP, reason.encode())
 
 
 def read_stop_request(run_dir: PathLike) -> Optional[str]:
@@ -294,9 +296,11 @@ def read_stop_request(run_dir: PathLike) -> Optional[str]:
     A request whose reason is unreadable (written by hand, say) reads as ``"stop"``.
     """
     try:
-        text = rundir.stop_path(run_dir).read_text(encoding="utf-8").strip()
+        text = statedir.read(run_dir, rundir.STOP).decode("utf-8").strip()
     except FileNotFoundError:
         return None
+    except statedir.NotPrivate:
+        return None  # not the kernel's: a request only it can write is one
     except (OSError, ValueError):
         return "stop"
     return text if text in STOP_REASONS else "stop"
@@ -305,7 +309,7 @@ def read_stop_request(run_dir: PathLike) -> Optional[str]:
 def clear_stop_request(run_dir: PathLike) -> None:
     """Remove the request once the run has ended (the folder may be launched again: resume)."""
     with contextlib.suppress(OSError):
-        rundir.stop_path(run_dir).unlink()
+        statedir.unlink(run_dir, rundir.STOP)
 
 
 # ---------------------------------------------------------------------------- error record
@@ -353,7 +357,7 @@ class ErrorRecord:
     def write(self, run_dir: PathLike) -> None:
         """Store it as rank ``rank``'s error record; best effort (a full disk must not hide the error)."""
         with contextlib.suppress(OSError):
-            rundir.write_json_atomic(rundir.error_record_path(run_dir, self.rank), dataclasses.asdict(self))
+            statedir.write_json(run_dir, rundir.error_record_path(run_dir, self.rank).name, dataclasses.asdict(self))
 
 
 def read_error_records(run_dir: PathLike, world_size: int) -> Dict[int, ErrorRecord]:
@@ -402,7 +406,7 @@ def adopt_torch_error_file(run_dir: PathLike, rank: int, pid: int, path: Optiona
     only its own ``join()`` reads. It becomes the rank's error record unless the rank wrote one
     itself, so the notebook quotes the original exception.
     """
-    if not path or rundir.error_record_path(run_dir, rank).exists():
+    if not path or statedir.exists(run_dir, rundir.error_record_path(run_dir, rank).name):
         return
     text = read_torch_traceback(path)
     if text is None:
@@ -421,25 +425,26 @@ def write_result(run_dir: PathLike, value: Any, rank: int = 0) -> None:
             f"rank {rank}'s return value ({type(value).__name__}) cannot be pickled: {exc}. "
             "Return plain values, tensors or dicts of them."
         ) from exc
-    rundir.atomic_write(rundir.result_path(run_dir, rank), data, durable=False)
+    statedir.write(run_dir, rundir.result_path(run_dir, rank).name, data)
 
 
 def has_result(run_dir: PathLike, rank: int = 0) -> bool:
     """The rank returned (and stored its value)."""
-    return rundir.result_path(run_dir, rank).exists()
+    return statedir.exists(run_dir, rundir.result_path(run_dir, rank).name)
 
 
 def read_result(run_dir: PathLike, rank: int = 0) -> Any:
     """A rank's return value, as the launching kernel's own workers wrote it.
 
     Unpickling runs code, so the file is read only if it is provably the user's: a regular file
-    (no link followed) owned by the user in the run's private ``.nbddp`` folder (0700, the
-    user's); see :func:`nbddp.contract.rundir.read_private`.
+    (no link followed) of the user's with one name that no one else may write, in the run's
+    private state folder (the one this process holds open for the run, else ``.nbddp`` checked:
+    the user's, writable by no one else); see :mod:`nbddp.contract.statedir`.
 
     Raises:
         nbddp.contract.rundir.NotPrivate: the file or its folder is not provably the user's.
     """
-    return pickle.loads(rundir.read_private(rundir.result_path(run_dir, rank)))
+    return pickle.loads(statedir.read(run_dir, rundir.result_path(run_dir, rank).name))
 
 
 def take_result(run_dir: PathLike, rank: int = 0) -> Any:
@@ -447,6 +452,5 @@ def take_result(run_dir: PathLike, rank: int = 0) -> Any:
     one (a model's weights, a dataset's predictions) would otherwise fill the run folder for good.
     A file that could not be read stays, for the user to look at."""
     value = read_result(run_dir, rank)
-    with contextlib.suppress(FileNotFoundError):
-        rundir.result_path(run_dir, rank).unlink()
+    statedir.unlink(run_dir, rundir.result_path(run_dir, rank).name)
     return value

@@ -16,14 +16,20 @@ module spells a file name of it. What is in a run folder, and who writes it::
     export/                  model.pth, model.safetensors,       export_weights (built-in worker, export_run)
                              class_indices.json, meta.json
     tensorboard/             TensorBoard event files             rank 0
-    .nbddp/                  the launch's working state (0700, its files 0600):
+    .nbddp/                  the launch's working state (0700, its files 0600; nbddp.contract.statedir):
         launch.json          pids, start times, store, temp folder ...  the kernel (launch, handle)
         rank<r>.json         heartbeat: state, epoch, step, progress    rank r, every second and per step
+        tree-rank<r>.json    rank r's descendants: pid, start time      rank r (reaper.TreeRecorder)
         error.rank<r>.json   rank r's error: type, message, traceback   rank r (or the kernel, from torch's error file)
         progress.json        live progress for the notebook             rank 0, at most 5 times a second
         result.pkl           rank 0's return value (removed once read)  rank 0
         result.rank<r>.pkl   rank r's, with spawn_train(all_values=True) rank r
         stop                 the stop request                           the kernel (Stop, handle.stop())
+        debug.*              a rank's debugger relay (contract.debugging) the rank and the kernel
+
+Each launch opens ``.nbddp/`` once and both sides keep it open for the run's life: every state
+file is read and written through that descriptor, never found by name again (a group member
+may rename things in a shared run folder; :mod:`nbddp.contract.statedir` says how).
 
 Every file is replaced atomically (a temp file in the same folder, then ``os.replace``), so a
 reader sees the old file or the new one, never half of one. Files that must survive a power
@@ -50,9 +56,11 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Union
 
+from . import statedir
 from .paths import PathLike
 from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, open_private_file, private_folder
 from .private import read_private as _read_private
+from .statedir import STATE_DIR, TMP_MARK
 
 # ---------------------------------------------------------------------------- names
 CONFIG = "config.json"
@@ -73,7 +81,6 @@ LAST, BEST = "last", "best"
 RUNS_DIR = "runs"
 EXPORT = "export"
 TENSORBOARD = "tensorboard"
-STATE_DIR = ".nbddp"
 LAUNCH_RECORD = "launch.json"
 PROGRESS = "progress.json"
 RESULT = "result.pkl"
@@ -277,7 +284,7 @@ def checkpoint_note_path(run_dir: PathLike) -> Path:
 
 # ---------------------------------------------------------------------------- the private state folder
 #: ``.nbddp/`` and its files are the user's alone, whatever the umask: results are unpickled
-#: from there, and a run folder may sit in a group-writable project folder (see :mod:`nbddp.contract.private`).
+#: from there, and a run folder may sit in a group-writable project folder (see :mod:`nbddp.contract.statedir`).
 _STATE_IS_PRIVATE = "nbddp reads its launch state only from a private .nbddp folder of your own"
 
 
@@ -286,23 +293,26 @@ def is_state_dir(folder: PathLike) -> bool:
 
 
 def make_state_dir(run_dir: PathLike) -> Path:
-    """Create ``.nbddp/`` mode 0700 (or make an existing one so), refusing one that is not the user's.
+    """Make ``.nbddp/`` a folder of the user's alone (0700), keeping what is in one that is; for tools
+    and tests (a launch opens it and holds it, :func:`nbddp.contract.statedir.fresh`).
 
-    Raises:
-        NotPrivate: ``.nbddp`` is a symbolic link, not a folder, or owned by another user.
+    One that is a link, not a folder, another user's or that others may write is never narrowed
+    (what was planted stays planted): it is moved aside, unread, with a warning, and made anew.
     """
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    return private_folder(state_dir(run_dir), "the launch's state (results are unpickled from there)")
+    return statedir.ensure(run_dir)
 
 
 def read_private(path: PathLike) -> bytes:
     """The bytes of a file in ``.nbddp/`` (or a launch's temp folder), read only if the file and its
-    folder are provably the user's (:func:`nbddp.contract.private.read_private`).
+    folder are provably the user's (:mod:`nbddp.contract.statedir`, :func:`nbddp.contract.private.read_private`).
 
     Raises:
-        NotPrivate: the folder or file is a link, another user's, or the folder is writable by others.
+        NotPrivate: the folder or file is a link, another user's, or writable by others.
         FileNotFoundError: there is no such file.
     """
+    path = Path(path)
+    if is_state_dir(path.parent):  # through the run's pinned state folder, when this process holds one
+        return statedir.read(path.parent.parent, path.name)
     return _read_private(path, _STATE_IS_PRIVATE)
 
 
@@ -338,7 +348,6 @@ def is_tmp_of(folder: PathLike, run_dir: PathLike) -> bool:
 
 
 # ---------------------------------------------------------------------------- atomic writes
-TMP_MARK = ".tmp-"
 
 
 def _open_temp(path: Path, mode: int = 0o666) -> tuple[int, Path]:
@@ -380,10 +389,10 @@ def atomic_write(path: PathLike, data: Union[bytes, Callable[[BinaryIO], None]],
     ``mode`` is the new file's, less the umask (``0o600``: the user's alone whatever the umask).
     """
     path = Path(path)
-    if is_state_dir(path.parent):
-        make_state_dir(path.parent.parent)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    if is_state_dir(path.parent) and not callable(data):  # through the run's pinned state folder
+        statedir.write(path.parent.parent, path.name, data, durable)
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _open_temp(path, mode)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -533,15 +542,23 @@ class RecordFile:
 
 
 # ---------------------------------------------------------------------------- records
+#: What an earlier launch of the run left in ``.nbddp/`` that is its own (heartbeats, process
+#: records, errors, results, the stop request, the debugger's files, NCCL's flight-recorder dumps):
+#: removed unread when the run is launched again. The launch record, the last checkpoint's note
+#: and records that must last (tracker ids, the data record's digest) stay.
+_PER_LAUNCH = re.compile(r"(rank|tree-rank|error\.rank)\d+\.json|progress\.json|result(\.rank\d+)?\.pkl|stop"
+                         r"|debug\..*|cell-sources\.json|nccl_trace_rank_\d+")
+
 def read_launch_record(run_dir: PathLike, strict: bool = False) -> Dict[str, Any]:
     """The launch record (pids, start times, port, temp folder, started/ended), or ``{}`` if there is none.
 
-    Read only through :func:`read_private`: pids to signal and folders to remove are taken from
-    no one else's record. One that is not provably the user's counts as none, or, with
-    ``strict``, raises :class:`NotPrivate`.
+    Read through the run's state folder (:mod:`nbddp.contract.statedir`): pids to signal and
+    folders to remove are taken from no one else's record, and from no state folder that belongs
+    to another run folder (moved here). One that is not provably this run's own counts as none,
+    or, with ``strict``, raises :class:`NotPrivate`.
     """
     try:
-        record = json.loads(read_private(launch_record_path(run_dir)))
+        record = json.loads(statedir.read(run_dir, LAUNCH_RECORD))
     except NotPrivate:
         if strict:
             raise
@@ -557,30 +574,34 @@ def update_launch_record(run_dir: PathLike, **fields: Any) -> None:
     record.update(fields)
     with contextlib.suppress(OSError):
         # 0600: it names the processes and the TCP store of a run (env:// launches), the user's alone.
-        write_json_atomic(launch_record_path(run_dir), record, mode=0o600)
+        statedir.write_json(run_dir, LAUNCH_RECORD, record)
 
 
-def prepare_launch(run_dir: PathLike, world_size: int) -> None:
-    """Create the folders a launch writes into and remove the last launch's end state.
+def prepare_launch(run_dir: PathLike, world_size: int, restart: bool = False) -> None:
+    """Make the state folder and the logs folder a launch writes into.
 
+    The first launch of a run opens its state folder (made, or found the run folder's own and
+    private, less an earlier launch's records; else moved aside) and holds it open until the run
+    ends (:func:`nbddp.contract.statedir.fresh`); a restart keeps it, less the last launch's end state.
     The logs folder is the user's alone (``0700``, whatever the umask): ranks print paths,
     hosts and whatever their libraries log there. A logs folder or a rank's log that is not the
     user's (another user replaced it in a group-writable run folder) is moved aside with a
     warning and made anew, so the warning shows in the cell before any rank writes.
 
     Raises:
-        NotPrivate: the run's ``.nbddp`` folder is not the user's (see :func:`make_state_dir`).
+        NotPrivate: another user keeps replacing the run's ``.nbddp`` folder.
     """
-    make_state_dir(run_dir)
+    if not restart or statedir.pinned(run_dir) is None:
+        statedir.fresh(run_dir, lambda name: bool(_PER_LAUNCH.fullmatch(name)))
+    else:
+        for name in [STOP, PROGRESS, *[n for r in range(world_size) for n in (
+                error_record_path(run_dir, r).name, result_path(run_dir, r).name)]]:
+            with contextlib.suppress(OSError):
+                statedir.unlink(run_dir, name)
     private_folder(logs_dir(run_dir), RUN_LOGS, replace=True)
     for log in (p for r in range(world_size) for p in (rank_log(run_dir, r), stacks_log(run_dir, r))):
         if os.path.lexists(log):  # a resumed run's: checked (and narrowed) before any rank appends
             os.close(open_private_file(log, RUN_LOGS))
-    stale = [stop_path(run_dir), progress_path(run_dir),
-             *[p for r in range(world_size) for p in (error_record_path(run_dir, r), result_path(run_dir, r))]]
-    for path in stale:
-        with contextlib.suppress(OSError):
-            path.unlink()
 
 
 def class_indices(classes: Sequence[str]) -> Dict[str, str]:

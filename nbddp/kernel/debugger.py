@@ -136,7 +136,7 @@ class PromptRelay:
         """The rank's pdb output not shown yet (up to byte ``upto``)."""
         start = self._shown.get(rank, 0)
         try:
-            with open(debugging.output_path(self.run_dir, rank), "rb") as f:
+            with debugging.open_output(self.run_dir, rank) as f:  # checked, through the run's state folder
                 f.seek(start)
                 data = f.read() if upto is None else f.read(max(0, upto - start))
         except OSError:

@@ -23,7 +23,7 @@ from ..contract.conventions import MP_SPAWN, SPAWNS
 from .report import RankEnd, build_worker_error, how_ranks_stopped
 from .output import CellEcho, OutputTail
 from .logline import LoggedValues
-from ..contract import rundir
+from ..contract import rundir, statedir
 from ..contract.protocol import (LaunchSpec, clear_stop_request, has_result, read_checkpoint_note,
                                  read_error_records, read_progress, take_result, write_stop_request)
 from .restarts import Restart, RestartPolicy
@@ -468,6 +468,7 @@ class RunHandle:
                 "still exists and is writable, then launch again.", run_dir=self.run_dir)
             self._outcome.__cause__ = exc
             self._release()
+            statedir.release(self.run_dir)
             self._done.set()
         self._emit("end", self._outcome)
 
@@ -674,5 +675,6 @@ class RunHandle:
         self._release()  # the GPUs' leases given back
         clear_stop_request(self.run_dir)
         rundir.update_launch_record(self.run_dir, ended=time.time())
+        statedir.release(self.run_dir, warn=True)  # the state folder held open since the launch
         self._done.set()
         self._emit("end", outcome)

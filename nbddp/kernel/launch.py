@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..contract import debugging, plans, rundir
+from ..contract import debugging, plans, rundir, statedir
 from ..contract.config import MIN_TIMEOUT_S, STRATEGY_ENV, TrainConfig, check_strategy
 from ..contract.rundir import NAME_RULE, name_problem
 from ..contract.errors import ConfigError, NbddpError, TrainingInterrupted
@@ -301,6 +301,7 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
         return _start(spec, meet, leases, child_env, launcher, tmp_dir, watch, on_event, block)
     except BaseException:
         meet.close()  # the handle closes it at the run's end; twice is harmless
+        statedir.release(run_dir)  # the state folder prepare_launch holds open (the handle's, once it has one)
         raise
 
 

@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Union
 
-from ..contract import rundir
+from ..contract import rundir, statedir
 from ..contract.system import is_same_process, start_time
 
 
@@ -130,26 +130,40 @@ def end_leftovers(run_dir: Union[str, Path], groups: Iterable[int] = (), spare: 
     return list(marked)
 
 
-def end_recorded_tree(run_dir: Union[str, Path], ranks: Iterable[int], grace_s: float = 1.0) -> List[int]:
+def boot_ticks() -> int:
+    """Now, in the unit of /proc's process start times (clock ticks since boot), rounded down:
+    no process started from now on has an earlier start time."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def end_recorded_tree(run_dir: Union[str, Path], ranks: Iterable[int], grace_s: float = 1.0,
+                      not_before: Optional[int] = None) -> List[int]:
     """End what the ranks recorded as their descendants (:class:`nbddp.rank.reaper.TreeRecorder`) and
     is still running, once the ranks are gone: a rank killed by a signal could not end them itself.
 
-    A pid is signalled only while its start time matches the recorded one and it is this user's;
-    the records are read through the private reader and removed. Returns the pids ended.
+    The records are read through the run's state folder the kernel holds open (no one else can
+    write there, and a folder renamed into ``.nbddp``'s place is never read), checked, and removed.
+    Even so a recorded process is signalled only while it is provably one a rank started: this
+    user's, with the recorded start time (a reused pid has another), and started no earlier than
+    the launch (``not_before``, :func:`boot_ticks` before the ranks started): the user's Jupyter
+    server, another run, anything older than the ranks is never a rank's descendant. Returns the
+    pids ended.
     """
     recorded: Dict[int, int] = {}
     for rank in ranks:
-        path = rundir.tree_record_path(run_dir, rank)
+        name = rundir.tree_record_path(run_dir, rank).name
         try:
-            tree = json.loads(rundir.read_private(path))
+            tree = json.loads(statedir.read(run_dir, name))
         except (OSError, ValueError):
             continue  # none written (no child ever), or not ours to trust
         finally:
             with contextlib.suppress(OSError):
-                path.unlink()
+                statedir.unlink(run_dir, name)
         if isinstance(tree, dict):
-            recorded.update({int(p): st for p, st in tree.items() if p.isdigit() and isinstance(st, int)})
-    alive = {p: st for p, st in recorded.items() if is_same_process(p, st) and _own(p)}
+            recorded.update({int(p): st for p, st in tree.items()
+                             if p.isdigit() and isinstance(st, int) and not isinstance(st, bool)})
+    alive = {p: st for p, st in recorded.items()
+             if (not_before is None or st >= not_before) and p != os.getpid() and is_same_process(p, st) and _own(p)}
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid, started in alive.items():
             if is_same_process(pid, started):

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.multiprocessing as mp
 
-from ..contract import debugging, rundir
+from ..contract import debugging, rundir, statedir
 from ..contract.plans import LaunchPlan
 from ..contract.private import compile_cache_env
 from ..contract.protocol import (MAX_RESTARTS_ENV, RESTART_ENV, Heartbeat, LaunchSpec, adopt_torch_error_file,
@@ -32,7 +32,7 @@ from ..contract.protocol import (MAX_RESTARTS_ENV, RESTART_ENV, Heartbeat, Launc
 from ..contract.system import cpu_cores, kill_group_or_process, start_time
 from .forkserver import server_pid, start_server
 from . import interrupt
-from .procs import MARKER_ENV, end_leftovers, end_recorded_tree, orphaned_group
+from .procs import MARKER_ENV, boot_ticks, end_leftovers, end_recorded_tree, orphaned_group
 from .rendezvous import Rendezvous, rendezvous_for
 from .report import RankEnd
 from .stacks import flight_recorder_env
@@ -216,13 +216,15 @@ class Launches:
             # miss what the user set since (NCCL_DEBUG=INFO in a cell, say).
             snapshot = {**os.environ, **{k: v for k, v in child_env.items() if v is not None}}
             args = (self.config,) if self.config is not None and restart else tuple(plan.args)
+            state = statedir.pinned(self.run_dir)  # made by prepare_launch; the ranks open this very folder
             spec = LaunchSpec(target=plan.target, args=args, kwargs=plan.kwargs, world_size=self.world,
                               backend=self.backend, gpus=tuple(plan.gpus), store_host="127.0.0.1",
                               store_port=meet.store_port, store_path=meet.store_path, run_dir=str(self.run_dir),
                               parent_pid=None if warm else os.getpid(), threads=self.threads, timeout_s=self.timeout,
                               env=snapshot, kernel=(os.getpid(), start_time(os.getpid())),
                               all_values=self.all_values, call=plan.call, argv=plan.argv, payload=plan.payload,
-                              cwd=os.getcwd(), master_port=meet.master_port, observe=self.observe)
+                              cwd=os.getcwd(), master_port=meet.master_port, observe=self.observe,
+                              state_id=state.identity if state is not None else None)
         except BaseException:
             meet.close()
             remove_private_tmp(tmp_dir)
@@ -238,7 +240,7 @@ class Launches:
         if self.config is not None:
             self.config = self.config.replace(resume=str(self.run_dir), **{k: v[1] for k, v in changes.items()})
             self.config.save(rundir.config_path(self.run_dir))
-        rundir.prepare_launch(self.run_dir, self.world)
+        rundir.prepare_launch(self.run_dir, self.world, restart=True)
         spec, meet, child_env, tmp_dir = self.prepare(restart)
         return RankGroup.start(self, spec, meet, child_env, tmp_dir)
 
@@ -268,11 +270,14 @@ class RankGroup:
         pids: each rank's process id, in rank order.
         ends: how each rank that has ended ended (:class:`nbddp.kernel.report.RankEnd`).
         started_at: when this start began (heartbeats before it are an earlier start's).
+        not_before: the same in /proc's start-time ticks: no process older is a descendant of its ranks.
         server: the warm server the ranks forked from (none under spawn): they die with it.
     """
 
-    def __init__(self, launches: Optional["Launches"], procs, spec: LaunchSpec, store, tmp_dir: Optional[str]):
+    def __init__(self, launches: Optional["Launches"], procs, spec: LaunchSpec, store, tmp_dir: Optional[str],
+                 not_before: Optional[int] = None):
         self.launches, self.procs, self.spec, self.store, self.tmp_dir = launches, procs, spec, store, tmp_dir
+        self.not_before = not_before
         self.run_dir, self.world_size = Path(spec.run_dir), spec.world_size
         self.pids = [p.pid for p in procs.processes]
         self.ends: Dict[int, RankEnd] = {}
@@ -291,6 +296,7 @@ class RankGroup:
         try:
             start_helpers(start_method)  # a launch server that died is started again
             store.open()  # env://'s store listens from here on: after a warm server's cold start, not during it
+            not_before = boot_ticks()
             with patched_env(child_env), bare_main(), error_files_in(tmp_dir), sigint_held(start_method == "spawn"):
                 procs = mp.start_processes(start_rank, args=(spec,), nprocs=spec.world_size, join=False,
                                            start_method=start_method)
@@ -299,7 +305,7 @@ class RankGroup:
                 store.close()
             remove_private_tmp(tmp_dir)
             raise
-        return cls(launches, procs, spec, store, tmp_dir)
+        return cls(launches, procs, spec, store, tmp_dir, not_before)
 
     # -- the processes ---------------------------------------------------------------------
     def running(self) -> List[int]:
@@ -396,7 +402,8 @@ class RankGroup:
         self._remove_error_files()
         # Nothing a rank started outlives the run: its group, and marked processes that left it.
         end_leftovers(self.run_dir, groups=self.pids, grace_s=_LEFTOVER_GRACE_S)
-        end_recorded_tree(self.run_dir, range(len(self.pids)), grace_s=_LEFTOVER_GRACE_S)  # a killed rank's
+        end_recorded_tree(self.run_dir, range(len(self.pids)), grace_s=_LEFTOVER_GRACE_S,  # a killed rank's
+                          not_before=self.not_before)
         for p in self.procs.processes:
             with contextlib.suppress(Exception):
                 p.close()

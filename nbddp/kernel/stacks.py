@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..contract import rundir
+from ..contract import rundir, statedir
 from ..contract.paths import PathLike
 from ..contract.protocol import STACK_SIGNAL
 
@@ -245,15 +245,14 @@ class _PlainOnly(pickle.Unpickler):
 def last_collectives(run_dir: PathLike, world_size: int) -> Dict[int, str]:
     """Each rank's last collective as NCCL's flight recorder dumped it: ``"all_reduce #12 (started)"``.
 
-    Only a dump in the run's private folder that is provably the user's is read
-    (:func:`nbddp.contract.rundir.read_private`), and nothing but plain containers is unpickled.
+    Only a dump in the run's private state folder that is provably the user's is read, through the
+    folder the kernel holds open (:mod:`nbddp.contract.statedir`), and nothing but plain containers is unpickled.
     """
     found = {}
     for r in range(world_size):
         try:
-            dump = _PlainOnly(io.BytesIO(rundir.read_private(rundir.state_dir(run_dir) / f"{FLIGHT_RECORDER_PREFIX}{r}"))
-                              ).load()
-        except (OSError, rundir.NotPrivate, pickle.UnpicklingError, EOFError, ValueError):
+            dump = _PlainOnly(io.BytesIO(statedir.read(run_dir, f"{FLIGHT_RECORDER_PREFIX}{r}"))).load()
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError):  # NotPrivate is an OSError
             continue
         entries = dump.get("entries") if isinstance(dump, dict) else None
         if not entries or not isinstance(entries[-1], dict):

@@ -26,7 +26,6 @@ from typing import Callable, Optional
 
 from ..contract import debugging
 from ..contract.protocol import read_stop_request
-from ..contract.rundir import PRIVATE_FILE_MODE
 
 #: How often a waiting rank looks for its answer or its release (seconds).
 POLL_S = 0.05
@@ -52,9 +51,10 @@ def attach(ctx) -> None:
 class _Output(io.TextIOBase):
     """pdb's output: appended to ``debug.rank<r>.out`` and flushed at once (the kernel reads it live)."""
 
-    def __init__(self, path: Path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
-        self._file = os.fdopen(fd, "w", encoding="utf-8", errors="replace")
+    def __init__(self, run_dir: Path, rank: int):
+        # Through the run's state folder this rank holds open (a swapped .nbddp is never written).
+        self._file = io.TextIOWrapper(debugging.open_output(run_dir, rank, append=True), encoding="utf-8",
+                                      errors="replace")
 
     def writable(self) -> bool:
         return True
@@ -75,10 +75,11 @@ class _Output(io.TextIOBase):
 _outputs: dict = {}  # one open output file per path for the process's life: a breakpoint in a loop opens none more
 
 
-def _output(path: Path) -> _Output:
-    if path not in _outputs:
-        _outputs[path] = _Output(path)
-    return _outputs[path]
+def _output(run_dir: Path, rank: int) -> _Output:
+    key = (os.path.abspath(run_dir), rank)
+    if key not in _outputs:
+        _outputs[key] = _Output(run_dir, rank)
+    return _outputs[key]
 
 
 class _Input(io.TextIOBase):
@@ -105,7 +106,7 @@ class RelayPdb(pdb.Pdb):
 
     def __init__(self, run_dir: Path, rank: int, on_leave: Optional[Callable[[], None]] = None):
         self.run_dir, self.rank, self._on_leave = Path(run_dir), rank, on_leave
-        self._out = _output(debugging.output_path(run_dir, rank))
+        self._out = _output(run_dir, rank)
         # nosigint: SIGINT is nbddp's stop request in a rank, never pdb's "break into the debugger".
         super().__init__(stdin=_Input(self._next_command), stdout=self._out, nosigint=True, readrc=False)
         self.use_rawinput = False

@@ -160,24 +160,26 @@ def own_tree() -> Optional[Dict[int, int]]:
 
 
 class TreeRecorder(threading.Thread):
-    """Writes this rank's descendants to ``path`` whenever they change (checked every ``interval`` s).
+    """Writes this rank's descendants to its ``tree-rank<r>.json`` whenever they change (checked every
+    ``interval`` s), through the run's state folder the rank holds open.
 
     A rank killed by a signal cannot end what it started; under spawn those re-parent to init.
     The kernel reads the record when the rank has gone and ends each process whose start time
     still matches (:func:`nbddp.kernel.procs.end_recorded_tree`).
     """
 
-    def __init__(self, path: Path, interval: float = 1.0):
+    def __init__(self, run_dir: Path, rank: int, interval: float = 1.0):
         super().__init__(name="nbddp-tree", daemon=True)
-        self.path, self.interval, self._last = Path(path), interval, None
+        self.run_dir, self.rank, self.interval, self._last = Path(run_dir), rank, interval, None
 
     def record(self) -> None:
         tree = own_tree()
         if tree is None or tree == self._last:
             return
-        from ..contract.rundir import write_json_atomic
+        from ..contract import rundir, statedir
 
-        write_json_atomic(self.path, {str(p): st for p, st in tree.items()}, mode=0o600)
+        statedir.write_json(self.run_dir, rundir.tree_record_path(self.run_dir, self.rank).name,
+                            {str(p): st for p, st in tree.items()})
         self._last = tree
 
     def run(self) -> None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from . import calls, debugger
 from . import reaper
 from .logs import redirect_output
-from ..contract import cells, rundir, targets
+from ..contract import cells, rundir, statedir, targets
 from .heartbeat import HeartbeatThread
 from . import process
 from ..contract.errors import ConfigError, shown_traceback
@@ -109,7 +109,9 @@ class Context:
         # spawn_train(profile=..., trackers=...): this rank's profiler, rank 0's tracker thread.
         self._profiler = None
         self._trackers = None
-        rundir.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+        # The run's state folder, held open for the rank's life (spawn_train's ranks hold it already;
+        # ranks under torchrun or srun make it, or refuse one that is not the user's alone).
+        statedir.pin(self.run_dir, None)
 
     # -- progress and metrics ---------------------------------------------------------
     def heartbeat(self, epoch: Optional[int] = None, step: Optional[int] = None, waiting: bool = False,
@@ -610,6 +612,11 @@ def entry(local_rank: int, spec: LaunchSpec, rank: Optional[int] = None) -> None
     process.run_rank_hook(rank)
     run_dir = Path(spec.run_dir)
     redirect_output(rundir.rank_log(run_dir, rank))
+    try:  # the state folder the kernel made for this launch, opened once: never .nbddp found by name again
+        statedir.pin(run_dir, spec.state_id)
+    except OSError as exc:
+        print(f"nbddp: rank {rank} cannot start: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
     warnings.formatwarning = one_line_warning  # rank 0's log is echoed into the cell line by line
     process.stacks_on_signal(run_dir, rank)
     reaper.TreeRecorder(run_dir, rank).start()

@@ -46,3 +46,18 @@ def plant_result(ctx, marker: str, uid: int):
 def say(ctx, tag: str):
     print(f"launch {tag} says hello", flush=True)
     return tag
+
+
+def forge_tree(ctx, pid: int, started: int):
+    """Rank 0 replaces its own record of its descendants with one naming process ``pid`` (not its child)."""
+    import json
+
+    record = Path(ctx.run_dir) / ".nbddp" / f"tree-rank{ctx.rank}.json"
+    deadline = time.time() + 30
+    while not record.exists() and time.time() < deadline:  # the recorder's first record (no children)
+        time.sleep(0.02)
+    forged = record.with_name("forged")
+    forged.write_text(json.dumps({str(pid): started}))
+    os.chmod(forged, 0o600)
+    os.replace(forged, record)
+    return "forged"
