@@ -138,7 +138,7 @@ def check_cluster(cluster: "Slurm", runs_dir: Path, ranks_per_node: int, gpus: o
                           "setting (`sinfo`, `sacctmgr show assoc user=$USER` list what you may use)")
 
 
-def cluster_ranks(cluster: Any, target: Any, nprocs: Optional[int], gpus: Any, runs_dir: Any) -> Tuple[Any, int]:
+def cluster_ranks(cluster: Any, target: Any, nprocs: Optional[int], gpus: Any, runs_dir: Any) -> Tuple[Any, Optional[int]]:
     """``(target, ranks)`` of a run on ``cluster``: ``nodes`` x ``gpus_per_node`` (or x ``nprocs`` CPU
     processes); a built-in config comes back saying so. Checked against the cluster first (:func:`check_cluster`)."""
     from ..contract import plans
@@ -156,7 +156,9 @@ def cluster_ranks(cluster: Any, target: Any, nprocs: Optional[int], gpus: Any, r
     runs = Path(runs_dir if runs_dir is not None else (target.runs_dir if is_config else "runs"))
     check_cluster(cluster, runs, per_node, gpus)
     ranks = cluster.nodes * per_node
-    return (target.replace(nprocs=ranks, gpus=()) if is_config else target), ranks
+    if is_config:  # a config says its own process count
+        return target.replace(nprocs=ranks, gpus=()), None
+    return target, ranks
 
 
 def _gpus_in(sinfo_line: str) -> int:
