@@ -1,12 +1,13 @@
-"""Exceptions nbddp raises in the notebook.
+"""Exceptions nbddp raises in the notebook, and a rank's traceback as both sides show it.
 
-Every error is user interface: the message says what happened, where, and what to do.
+Every error is user interface: the message says what happened, where, and what to do, once. A
+rank prints its traceback from the code it ran on (:func:`shown_traceback`), and the cell shows a
+``WorkerError`` under the line that launched, without nbddp's frames.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 from typing import List, Optional
 
@@ -139,7 +140,7 @@ def _outside_nbddp(tb):
 _WAY_IN = ("/nbddp/contract/protocol.py", "/nbddp/rank/runtime.py", "/nbddp/rank/calls.py", "/nbddp/rank/process.py",
            "/nbddp/contract/cells.py", "/nbddp/rank/spawned.py", "/runpy.py", "/multiprocessing/",
            "<frozen runpy>")
-_FRAME_LINE = re.compile(r'^  File "(?P<file>.+)", line \d+, in .+$')
+_FRAME_LINE = r'^  File "(?P<file>.+)", line \d+, in .+$'  # compiled on first use: `import nbddp` loads no re
 
 
 def shown_traceback(text: str) -> str:
@@ -148,6 +149,9 @@ def shown_traceback(text: str) -> str:
     Each traceback of a chain loses its leading frames of nbddp's way into the rank and of
     ``runpy``/``multiprocessing``; frames after the first one of the code it ran are kept, nbddp's
     too (a ``ctx`` call that failed). A traceback of nothing but those frames is kept whole."""
+    import re
+
+    frame_line = re.compile(_FRAME_LINE)
     out: List[str] = []
     block: List[List[str]] = []  # the current traceback's frames, each its lines
     in_frames = False  # between a traceback's first line and its exception
@@ -167,7 +171,7 @@ def shown_traceback(text: str) -> str:
             out.append(line)
             in_frames = True
             continue
-        if in_frames and _FRAME_LINE.match(line):
+        if in_frames and frame_line.match(line):
             block.append([line])
             continue
         if in_frames and block and line.startswith("    "):  # the frame's source line, carets, "[Previous line...]"
@@ -181,7 +185,9 @@ def shown_traceback(text: str) -> str:
 
 
 def _is_way_in(frame_line: str) -> bool:
-    m = _FRAME_LINE.match(frame_line)
+    import re
+
+    m = re.match(_FRAME_LINE, frame_line)
     path = m["file"].replace(os.sep, "/") if m else ""
     return any(part in path for part in _WAY_IN)
 
