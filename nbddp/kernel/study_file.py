@@ -27,7 +27,6 @@ import errno
 import os
 import sqlite3
 import stat
-import sys
 import threading
 import time
 from pathlib import Path
