@@ -25,10 +25,18 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..contract import private, rundir, statedir
 from ..contract.protocol import Heartbeat, LaunchSpec, read_heartbeats
-from ..rank.slurm_task import SPEC_FILE, exit_record_name
 from .ranks import remove_private_tmp
 from .report import RankEnd
 from .slurm import Slurm, cancel, job_state, submit
+
+#: The names :mod:`nbddp.rank.slurm_task` reads and writes in the job's folder (named here as text:
+#: the kernel never imports the rank side).
+SPEC_FILE = "spec.pkl"
+
+
+def exit_record_name(rank: int) -> str:
+    return f"exit.{rank}"
+
 
 #: How often ``squeue`` is asked while the handle polls (it polls every 50 ms).
 QUERY_EVERY_S = 1.0
