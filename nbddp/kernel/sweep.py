@@ -80,7 +80,8 @@ def sweep(target: Any, space: Callable[[Any], Any], n_trials: int = 20, *, metri
         parallel: trials at the same time (default: every slot the machine has).
         gpus_per_trial: GPUs per trial, idle ones leased (never one another kernel holds).
         nprocs: CPU processes per trial (instead of GPUs).
-        sampler, pruner: Optuna's (default TPE and median).
+        sampler: Optuna's sampler (default TPE).
+        pruner: Optuna's pruner (default median).
         block: wait for the end; ``False`` returns the :class:`Sweep` at once (``stop()``, ``wait()``).
         echo: a live table in a notebook; one line per finished trial.
         runs_dir: where run folders and the study go (default ``runs``; a config's own).
