@@ -125,3 +125,22 @@ def test_a_write_that_failed_at_a_stop_says_it_was_dropped_for_the_stop():
     with pytest.raises(OSError, match="No space"):  # no stop: the write's own error
         with uninterrupted(stop_requested=lambda: False):
             raise OSError(28, "No space left on device")
+
+
+def test_the_built_in_workers_write_on_the_steps_path_is_not_cut_by_an_interrupt(tmp_path):
+    """A CPU rank writes its checkpoint in the caller's thread: an Interrupt in the middle of
+    ``torch.save`` waits until the file is whole and in place, and the heartbeat says it writes."""
+    from nbddp.contract.checkpoint import BackgroundSaver
+
+    saver, path, seen = BackgroundSaver(background=False), tmp_path / "checkpoints" / "last.pt", []
+
+    def write(obj, where):
+        seen.append(saver.writing)
+        os.kill(os.getpid(), signal.SIGINT)  # the kernel's staged stop, mid-write
+        save_run_checkpoint(obj, where)
+
+    with pytest.raises(KeyboardInterrupt):
+        saver.save({"step": 7}, path, write=write)
+    assert seen == [True] and not saver.writing
+    assert load_checkpoint(path, run_dir=tmp_path) == {"step": 7}
+    assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]

@@ -318,7 +318,8 @@ def open_in_run(path: PathLike, run_dir: PathLike):
         FileNotFoundError: it is missing.
     """
     relative = os.path.relpath(os.path.abspath(path), os.path.abspath(run_dir))
-    return os.fdopen(open_private_below(Path(run_dir), relative, CHECKPOINT_IS_PRIVATE), "rb")
+    # Unbuffered: torch reads a checkpoint in large pieces, and a buffer would copy each once more.
+    return os.fdopen(open_private_below(Path(run_dir), relative, CHECKPOINT_IS_PRIVATE), "rb", buffering=0)
 
 
 def _load_weights_only(path: PathLike, what: str = "checkpoint", run_dir: Optional[PathLike] = None) -> Any:
