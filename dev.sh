@@ -2,6 +2,9 @@
 # One entry point for the two Quickstart commands:
 #   bash dev.sh train   set up .venv, train ResNet34 on the bundled digits, export the weights
 #   bash dev.sh test    set up .venv, run every test (unit, multi-process, kernel, notebooks)
+# and, for the documentation site (mkdocs.yml, docs/):
+#   bash dev.sh docs          build it into site/, strictly (a broken link or docstring fails)
+#   bash dev.sh screenshots   retake docs/images/ in a real JupyterLab (tests/test_browser.py)
 # Needs only python3 (3.10+). The set-up is skipped when requirements-dev.txt is unchanged.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -44,11 +47,24 @@ case "${1:-}" in
     # so module-scoped launches and kernels are shared as written.
     exec "$VENV/bin/python" -m pytest -n "${NBDDP_TEST_PROCS:-2}" --dist loadfile tests notebooks --nbmake "$@"
     ;;
+  docs)
+    setup
+    shift
+    export NO_MKDOCS_2_WARNING=1  # the theme's notice about its successor, printed on every build
+    exec "$VENV/bin/python" -m mkdocs build --strict "$@"
+    ;;
+  screenshots)
+    setup
+    shift
+    bash scripts/install_browser.sh
+    # The browser test copies the pictures the docs show into docs/images/ once it has passed.
+    NBDDP_SCREENSHOTS=docs/images exec "$VENV/bin/python" -m pytest tests/test_browser.py -p no:cacheprovider "$@"
+    ;;
   setup)
     setup
     ;;
   *)
-    echo "usage: bash dev.sh train|test|setup [extra arguments]" >&2
+    echo "usage: bash dev.sh train|test|docs|screenshots|setup [extra arguments]" >&2
     exit 2
     ;;
 esac

@@ -21,7 +21,9 @@ root folder and settings), at a laptop's 1280x800:
 
 Screenshots go to ``artifacts/browser/`` (git-ignored): the notebook before training, the whole
 panel while training / finished / stopped, the 1280x800 view while training, the TensorBoard
-frame, and ``last-page.png`` + ``console.log`` + ``jupyterlab.log`` for a failure.
+frame, and ``last-page.png`` + ``console.log`` + ``jupyterlab.log`` for a failure. With
+``NBDDP_SCREENSHOTS=docs/images`` (``bash dev.sh screenshots``) the ones the documentation shows
+are copied there once the test has passed; an ordinary run leaves the documentation alone.
 JupyterLab, its kernel (and so the workers and TensorBoard) and Chromium are killed in the
 fixtures' teardown, also when the test fails or times out.
 
@@ -58,6 +60,8 @@ VIEWPORT = {"width": 1280, "height": 800}
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 TITLE = "nbddp · DistributedDataParallel training"
 MS = 1000  # Playwright counts in milliseconds
+#: The screenshots the documentation shows (docs/images/), refreshed on demand: NBDDP_SCREENSHOTS.
+DOCS_SHOTS = ("panel-training.png", "tensorboard.png")
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
@@ -361,6 +365,18 @@ def check_layout(panel, where: str):
     return found
 
 
+def publish_screenshots() -> None:
+    """Copy the documentation's screenshots to ``$NBDDP_SCREENSHOTS`` (relative: to the repository)."""
+    dest = os.environ.get("NBDDP_SCREENSHOTS")
+    if not dest:
+        return
+    folder = Path(dest) if os.path.isabs(dest) else ROOT / dest
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in DOCS_SHOTS:
+        shutil.copyfile(ARTIFACTS / name, folder / name)
+    print(f"browser test: {', '.join(DOCS_SHOTS)} copied to {folder}")
+
+
 # ------------------------------------------------------------------------ the test
 def test_panel_trains_stops_and_tensorboard_shows_the_run_in_jupyterlab(lab, page):
     from playwright.sync_api import expect
@@ -482,3 +498,4 @@ def test_panel_trains_stops_and_tensorboard_shows_the_run_in_jupyterlab(lab, pag
     zombies = [p for p in children_of(kernel_pid) if proc_state(p) == "Z"]
     assert not zombies, f"zombie children of the kernel: {zombies}"
     print(f"browser test: {time.monotonic() - t0:.0f} s in the page, Stop took {stop_s:.1f} s")
+    publish_screenshots()
