@@ -630,9 +630,11 @@ class RunHandle:
         self._restart_at = time.time() + restart.backoff_s
 
     def _worker_error(self) -> WorkerError:
-        return build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._ranks.server),
-                                  stacks=self._failure_stacks, log_starts=self._log_starts,
-                                  store_port=_open_store_port(self.spec))
+        error = build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._ranks.server),
+                                   stacks=self._failure_stacks, log_starts=self._log_starts,
+                                   store_port=_open_store_port(self.spec))
+        explain = getattr(self._ranks, "explain", None)  # a SLURM job's own output (nbddp.kernel.slurm_group)
+        return explain(error) if explain is not None else error
 
     def _resumes_from(self) -> Optional[str]:
         """The checkpoint a restart would continue from, as the ranks noted it (else the newest file)."""

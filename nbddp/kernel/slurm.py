@@ -49,6 +49,12 @@ class Slurm:
         account: the account charged (``--account``); ``None``: the user's default.
         extra: more ``sbatch`` options, each one argument such as ``"--qos=high"`` or
             ``"--constraint=a100"``.
+        preempt_s: seconds before the time limit at which SLURM signals the ranks (``USR1``, as
+            ``--signal=USR1@N`` says): they checkpoint and stop through nbddp's stop request, the
+            job is requeued (``scontrol requeue``) and resumes from the run folder (the built-in
+            worker with ``resume=`` the run folder; a worker of your own with ``ctx.load_checkpoint()``).
+            ``None``: the job ends at its limit. A USR1 from ``scancel --signal=USR1`` (a
+            preemption) does the same.
     """
 
     partition: Optional[str] = None
@@ -57,12 +63,17 @@ class Slurm:
     time_min: int = 60
     account: Optional[str] = None
     extra: Tuple[str, ...] = ()
+    preempt_s: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name, low in (("nodes", 1), ("time_min", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"Slurm({name}={v!r}): must be an integer >= {low}")
+        p = self.preempt_s
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or not 0 < p < self.time_min * 60):
+            raise ConfigError(f"Slurm(preempt_s={p!r}): seconds before the time limit ({self.time_min * 60} s) at "
+                              "which the ranks checkpoint and the job is requeued, between 1 and the limit; or None")
         g = self.gpus_per_node
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
             raise ConfigError(f"Slurm(gpus_per_node={g!r}): an integer >= 1, or None to train on CPU processes")
@@ -186,18 +197,25 @@ def submit_options(cluster: Slurm, ranks_per_node: int, cpus_per_task: int, name
         opts.append(f"--account={cluster.account}")
     if cluster.gpus_per_node:
         opts.append(f"--gpus-per-node={cluster.gpus_per_node}")
+    if cluster.preempt_s:
+        opts += [f"--signal=USR1@{cluster.preempt_s}", "--requeue"]
     return opts + list(cluster.extra)
 
 
 def batch_script(folder: Path) -> str:
     """The job's script: every task starts its rank through :mod:`nbddp.rank.slurm_task`."""
     task = shlex.join([sys.executable, "-m", "nbddp.rank.slurm_task", os.fspath(folder)])
+    marker = shlex.quote(os.fspath(folder / "preempted.")) + '"${SLURM_RESTART_COUNT:-0}"'
     return "\n".join([
         "#!/bin/bash",
         "# Written by nbddp: one srun task per rank; the run folder holds what they write.",
+        # A USR1 meant for the ranks (the time limit's warning, a preemption) must not end this shell.
+        "trap 'true' USR1",
         'export NBDDP_SLURM_HEAD="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         # A rank's failure ends the run through nbddp's own shutdown (stop request, grace), not srun's.
         f"srun --kill-on-bad-exit=0 --wait=0 {task}",
+        # The ranks checkpointed and stopped on a USR1 (their guardians left the marker): run again.
+        f'if [ -e {marker} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
         "",
     ])
 
@@ -209,7 +227,8 @@ def submit(cluster: Slurm, folder: Path, ranks_per_node: int, cpus_per_task: int
     with os.fdopen(fd, "w") as f:
         f.write(batch_script(folder))
     args = ["sbatch", "--parsable", *submit_options(cluster, ranks_per_node, cpus_per_task, name),
-            f"--output={folder / 'job.out'}", f"--chdir={cwd}", os.fspath(script)]
+            f"--output={folder / 'job.out'}", "--open-mode=append",  # a requeued start adds to it
+            f"--chdir={cwd}", os.fspath(script)]
     done = run_command(args, "sbatch")
     if done.returncode != 0:
         raise NbddpError(f"sbatch refused the job: {(done.stderr or done.stdout).strip()}")
@@ -217,14 +236,13 @@ def submit(cluster: Slurm, folder: Path, ranks_per_node: int, cpus_per_task: int
 
 
 def job_state(job_id: str) -> Optional[Tuple[str, str]]:
-    """``(state, reason)`` of a job still in the queue (``squeue``), else None (it has left)."""
+    """``(state, reason)`` of a job ``squeue`` lists (``COMPLETED`` for a moment after its end), else None."""
     done = run_command(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], "squeue")
     line = done.stdout.strip().splitlines()
     if done.returncode != 0 or not line:
         return None
     state, _, reason = line[0].partition("|")
-    return (None if state in ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-                              "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE") else (state, reason))
+    return state, reason
 
 
 def cancel(job_id: str, signal_name: Optional[str] = None) -> None:

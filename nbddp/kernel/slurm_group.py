@@ -32,6 +32,10 @@ from .slurm import Slurm, cancel, job_state, submit
 #: The names :mod:`nbddp.rank.slurm_task` reads and writes in the job's folder (named here as text:
 #: the kernel never imports the rank side).
 SPEC_FILE = "spec.pkl"
+#: The spec a requeued job starts from: the built-in worker's config resuming the run folder.
+REQUEUE_SPEC_FILE = "spec-requeue.pkl"
+#: How much of the job's output (``job.out``: srun's and the guardians' own lines) an error quotes.
+JOB_OUTPUT_LINES = 20
 
 
 def exit_record_name(rank: int) -> str:
@@ -44,6 +48,12 @@ QUERY_EVERY_S = 1.0
 EXIT_RECORD_LAG_S = 3.0
 #: How long :meth:`SlurmGroup.reap` waits for the job to leave the queue before cancelling it.
 LEAVE_TIMEOUT_S = 20.0
+#: How long a job whose ranks stopped on SLURM's USR1 may be out of the queue (or seem ended) before it
+#: counts as gone for good (a requeue that never came).
+REQUEUE_WAIT_S = 120.0
+#: SLURM's states of a job that has ended.
+ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE")
 #: Variables the local start sets for ranks on this server, which a node sets for itself.
 _LOCAL_ONLY = ("TMPDIR", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 
@@ -56,7 +66,7 @@ def job_folder(run_dir: Path) -> Path:
 def _fresh_folder(run_dir: Path) -> Path:
     folder = private.private_folder(job_folder(run_dir), "the SLURM job's files")
     for name in os.listdir(folder):  # an earlier start's records and store are not this one's
-        if name.startswith("exit.") or name in ("store", SPEC_FILE):
+        if name.startswith(("exit.", "preempted.")) or name in ("store", "job.out", SPEC_FILE, REQUEUE_SPEC_FILE):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(folder / name)
     return folder
@@ -84,9 +94,10 @@ def submit_start(cluster: Slurm, launches: Any, spec: LaunchSpec, meet: Any, tmp
     run_dir = Path(spec.run_dir)
     folder = _fresh_folder(run_dir)
     job = _job_spec(spec, cluster, folder)
-    fd = os.open(folder / SPEC_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(job, f)
+    _write_spec(folder / SPEC_FILE, job)
+    if getattr(launches, "config", None) is not None:  # a requeued job resumes the run folder
+        _write_spec(folder / REQUEUE_SPEC_FILE,
+                    dataclasses.replace(job, args=(launches.config.replace(resume=str(run_dir)),)))
     per_node = job.world_size // cluster.nodes
     started = time.time() if started_at is None else started_at
     job_id = submit(cluster, folder, per_node, job.threads, f"nbddp-{run_dir.name}"[:64], job.cwd or os.getcwd())
@@ -97,6 +108,12 @@ def submit_start(cluster: Slurm, launches: Any, spec: LaunchSpec, meet: Any, tmp
                                 host=socket.gethostname(), started=started, tmp_dir=None,
                                 slurm={"job": job_id, "cluster": dataclasses.asdict(cluster)})
     return group
+
+
+def _write_spec(path: Path, spec: LaunchSpec) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(spec, f)
 
 
 class SlurmGroup:
@@ -123,6 +140,8 @@ class SlurmGroup:
         self._asked = 0.0
         self._left_at: Optional[float] = None
         self._told: Optional[tuple] = None
+        self._requeues: set = set()  # the job's starts that SLURM's USR1 stopped
+        self._requeue_since: Optional[float] = None  # a requeue is under way since then
 
     # -- the job -----------------------------------------------------------------------------
     def _ask(self, now: float, force: bool = False) -> None:
@@ -130,10 +149,19 @@ class SlurmGroup:
             return
         self._asked = now
         self.state = job_state(self.job_id)
+        if self._requeue_since is not None and (self.state is None or self.state[0] in ENDED):
+            # Between the ranks' stop on SLURM's USR1 and the job's return (the requeue ends the
+            # batch script: CANCELLED for a moment), unless it never comes back.
+            if now - self._requeue_since < REQUEUE_WAIT_S:
+                self.state = ("REQUEUED", "")
+        elif self._requeue_since is not None:
+            self._requeue_since = now  # queued again: the wait for its return starts over
+        if self.state is not None and self.state[0] in ENDED:
+            self.state = None
         if self.state is None:
             self._left_at = self._left_at or now
             return
-        self.ran = self.ran or self.state[0] in ("RUNNING", "COMPLETING")
+        self.ran = self.state[0] in ("RUNNING", "COMPLETING")  # a requeued job waits again
         told = self.state if self.state[0] != "RUNNING" else ("RUNNING", "")
         if told != self._told and self.notify is not None:
             self._told = told
@@ -141,6 +169,15 @@ class SlurmGroup:
             why = f" ({reason})" if reason and reason != "None" else ""
             self.notify(f"nbddp: SLURM job {self.job_id} {state.lower()}{why}"
                         + (" - queued, waiting for its nodes" if state == "PENDING" else ""))
+
+    def _preempted(self, count: int) -> None:
+        if count in self._requeues:
+            return
+        self._requeues.add(count)
+        self._requeue_since = time.time()
+        if self.notify is not None:
+            self.notify(f"nbddp: SLURM job {self.job_id} was signalled (time limit or preemption): the ranks "
+                        "checkpointed and stopped; requeued, it resumes from the run folder")
 
     # -- the processes -----------------------------------------------------------------------
     def running(self) -> List[int]:
@@ -153,6 +190,12 @@ class SlurmGroup:
                 record = json.loads(private.read_private(self.folder / exit_record_name(rank), "its end"))
             except (FileNotFoundError, ValueError):
                 continue
+            count = int(record.get("restart_count") or 0)
+            if record.get("preempted"):  # stopped on SLURM's USR1 and checkpointed: the job is requeued
+                self._preempted(count)
+                continue
+            if self._requeues and count > max(self._requeues):
+                self._requeue_since = None  # the requeued start has ended: SLURM's state is its end
             self.ends[rank] = RankEnd(rank, int(record.get("pid") or 0), record.get("exitcode"), now, by_launcher)
         if self.running():
             self._ask(now)
@@ -248,8 +291,21 @@ class SlurmGroup:
     def job_output(self) -> str:
         """The last lines SLURM itself wrote for the job (srun's errors, a rank that could not start)."""
         with contextlib.suppress(OSError):
-            return (self.folder / "job.out").read_text(errors="replace")[-4000:]
+            lines = (self.folder / "job.out").read_text(errors="replace").splitlines()
+            return "\n".join(lines[-JOB_OUTPUT_LINES:])
         return ""
+
+    def explain(self, error: Exception) -> Exception:
+        """A failed run's error, with the job's own output when a rank never started: what srun or the
+        rank's guardian said is there (a bad option, an interpreter missing on the node), not in a rank log."""
+        started = self.beats()
+        if all(r in started for r in range(self.world_size)):
+            return error
+        out = self.job_output()
+        if out and error.args:
+            error.args = (f"{error.args[0]}\n--- last lines of the SLURM job's output ({self.folder / 'job.out'}) ---"
+                          f"\n{out}",) + tuple(error.args[1:])
+        return error
 
 
 def start_job(cluster: Slurm, spec: LaunchSpec, meet: Any, leases: Any, launches: Any, tmp_dir: Optional[str],

@@ -28,6 +28,8 @@ from pathlib import Path
 
 #: The spec's file name in the job's private folder.
 SPEC_FILE = "spec.pkl"
+#: The spec a requeued job starts from (the built-in worker's config resuming the run folder), if any.
+REQUEUE_SPEC_FILE = "spec-requeue.pkl"
 #: Why the spec must be the user's own: it is unpickled, so whoever writes it runs code as the user.
 WHY_PRIVATE = "the launch of a SLURM run is read from it and unpickled, so only you may write it"
 
@@ -35,6 +37,48 @@ WHY_PRIVATE = "the launch of a SLURM run is read from it and unpickled, so only 
 def exit_record_name(rank: int) -> str:
     """The name of the record of how rank ``rank`` ended, in the job's private folder."""
     return f"exit.{rank}"
+
+
+def _restart_count() -> int:
+    """How many times SLURM requeued the job (0 for its first start)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def preempted_marker(folder: Path, count: int) -> Path:
+    """Left by the guardians of the job's start ``count`` when a USR1 asked the ranks to stop and checkpoint."""
+    return folder / f"preempted.{count}"
+
+
+def _read_spec(folder: Path):
+    """The launch this start of the job runs: a requeued job resumes (its own spec, where the kernel wrote one)."""
+    import pickle
+
+    from ..contract.private import read_private
+
+    name = SPEC_FILE
+    if _restart_count() and (folder / REQUEUE_SPEC_FILE).exists():
+        name = REQUEUE_SPEC_FILE
+    return pickle.loads(read_private(folder / name, WHY_PRIVATE))
+
+
+def _preempt(folder: Path, run_dir: str) -> None:
+    """SLURM's USR1 (the time limit near, a preemption): the stop request, as Stop writes it; the
+    ranks checkpoint and return, and the batch script requeues the job (it sees the marker)."""
+    from ..contract.protocol import write_stop_request
+
+    fd = os.open(preempted_marker(folder, _restart_count()), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.close(fd)
+    write_stop_request(run_dir, "stop")
+
+
+def _resume_after_preemption(folder: Path, run_dir: str) -> None:
+    """A requeued start: the stop request the preemption wrote is not for it."""
+    count = _restart_count()
+    if count and preempted_marker(folder, count - 1).exists():
+        from ..contract.protocol import clear_stop_request, read_stop_request
+
+        if read_stop_request(run_dir) == "stop":
+            clear_stop_request(run_dir)
 
 
 def _head_node() -> str:
@@ -50,11 +94,8 @@ def _job_port() -> int:
 def _rank_spec(folder: Path, rank: int, local_rank: int, tmp_dir: str):
     """The kernel's spec, with what only this task knows: its node's temp folder, GPUs and the job's head."""
     import dataclasses
-    import pickle
 
-    from ..contract.private import read_private
-
-    spec = pickle.loads(read_private(folder / SPEC_FILE, WHY_PRIVATE))
+    spec = _read_spec(folder)
     if spec.world_size != int(os.environ.get("SLURM_NTASKS", spec.world_size)):
         raise SystemExit(f"nbddp: the job has {os.environ.get('SLURM_NTASKS')} tasks but the run "
                          f"{spec.world_size} ranks")
@@ -69,10 +110,12 @@ def _rank_spec(folder: Path, rank: int, local_rank: int, tmp_dir: str):
     return dataclasses.replace(spec, env=env, **store)
 
 
-def _forward(child: int):
+def _forward(child: int, folder: Path, run_dir: str):
     def handler(sig, _frame):
         try:
-            if sig == signal.SIGINT:
+            if sig == signal.SIGUSR1:  # not the rank's: its default action would kill it
+                _preempt(folder, run_dir)
+            elif sig == signal.SIGINT:
                 os.kill(child, sig)  # a KeyboardInterrupt in the rank, as an Interrupt locally
             else:
                 try:
@@ -87,11 +130,8 @@ def _forward(child: int):
 def _host_store(folder: Path, world_size: int):
     """Rank 0's guardian hosts the TCP store an ``env://`` target dials (torchrun's agent does so)."""
     import datetime
-    import pickle
 
-    from ..contract.private import read_private
-
-    spec = pickle.loads(read_private(folder / SPEC_FILE, WHY_PRIVATE))
+    spec = _read_spec(folder)
     if spec.store_path:
         return None
     import torch.distributed as dist
@@ -106,7 +146,8 @@ def _write_exit(folder: Path, rank: int, pid: int, code: int) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"rank": rank, "pid": pid, "exitcode": code, "time": time.time(),
-                   "node": os.environ.get("SLURMD_NODENAME")}, f)
+                   "node": os.environ.get("SLURMD_NODENAME"), "restart_count": _restart_count(),
+                   "preempted": preempted_marker(folder, _restart_count()).exists()}, f)
     os.replace(tmp, folder / name)
 
 
@@ -114,12 +155,17 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     folder = Path(argv[0])
     rank, local_rank = int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_LOCALID", "0"))
+    run_dir = _read_spec(folder).run_dir
+    _resume_after_preemption(folder, run_dir)
     tmp_dir = tempfile.mkdtemp(prefix="nbddp-slurm-")  # the node's own, 0700: the rank's TMPDIR
     store = _host_store(folder, int(os.environ.get("SLURM_NTASKS", "1"))) if rank == 0 else None
     child = os.fork()
     if child == 0:
         code = 1
         try:
+            # SLURM signals every process of the task: USR1 (the time limit near, a preemption) is the
+            # guardian's to turn into the stop request; its default action would end the rank.
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
             spec = _rank_spec(folder, rank, local_rank, tmp_dir)
             from .runtime import entry
 
@@ -128,7 +174,7 @@ def main(argv=None) -> int:
             print(f"nbddp: rank {rank} could not start: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         os._exit(code)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCONT):
-        signal.signal(sig, _forward(child))
+        signal.signal(sig, _forward(child, folder, run_dir))
     while True:
         try:
             _, status = os.waitpid(child, 0)
