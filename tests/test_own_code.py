@@ -375,7 +375,7 @@ def test_a_function_sees_a_command_line_of_its_own_not_the_kernels(tmp_path, mon
 
 
 def test_the_readme_call_for_the_tutorial_series_multigpu_fits_its_upstream_signature(tmp_path):
-    """README's mp.spawn row launches the DDP tutorial series' multigpu.py as it is upstream."""
+    """The mp.spawn row of docs/your-code.md launches the DDP tutorial series' multigpu.py as it is upstream."""
     import ast
     import re
 
@@ -383,8 +383,8 @@ def test_the_readme_call_for_the_tutorial_series_multigpu_fits_its_upstream_sign
     from nbddp.contract.conventions import check_call
 
     call = re.search(r'`spawn_train\("multigpu\.py:main", ([^`]*?), nprocs=2, call="mp\.spawn"\)`',
-                     (ROOT / "README.md").read_text())
-    assert call, "README's mp.spawn row"
+                     (ROOT / "docs" / "your-code.md").read_text())
+    assert call, "the mp.spawn row of docs/your-code.md"
     args = ast.literal_eval(f"({call.group(1)},)")
     upstream = tmp_path / "multigpu.py"
     upstream.write_text("def main(rank: int, world_size: int, save_every: int, total_epochs: int, batch_size: int):\n"

@@ -81,11 +81,11 @@ def test_every_module_has_a_side():
 
 
 def test_the_readme_layout_names_every_module_on_its_side():
-    """README's Layout lists each module in the row of its side (``ui/`` as a folder)."""
+    """The Layout (docs/development.md) lists each module in the row of its side (``ui/`` as a folder)."""
     from conftest import ROOT
 
-    text = (ROOT / "README.md").read_text()
-    layout = text[text.index("## Layout"):text.index("## Development")]
+    text = (ROOT / "docs" / "development.md").read_text()
+    layout = text[text.index("## Layout"):text.index("## Tests")]
     rows = {side: next(row for row in layout.splitlines() if f"**{label}**" in row)
             for side, label in (("contract", "contract"), ("kernel", "kernel side"), ("rank", "rank side"),
                                 ("task", "built-in task"), ("entry", "entry"))}
@@ -94,7 +94,7 @@ def test_the_readme_layout_names_every_module_on_its_side():
         path = module.replace(".", "/")
         names = ("`ui/`",) if module.startswith("ui") else (
             f"`{path}/`" if modules[module].name == "__init__.py" else f"`{path}.py`",)
-        assert any(n in rows[side] for n in names), f"README's Layout lacks {module} in its {side} row"
+        assert any(n in rows[side] for n in names), f"the Layout (docs/development.md) lacks {module} in its {side} row"
 
 
 def test_every_folder_holds_one_side_and_the_top_folder_only_the_face():
