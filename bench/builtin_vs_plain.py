@@ -38,8 +38,12 @@ def builtin(tmp: Path, epochs: int, **changes) -> float:
 
 def builtin_in(tree: str, tmp: Path, epochs: int) -> float:
     """:func:`builtin` with the nbddp of ``tree``, in a fresh interpreter (its ranks import the same)."""
+    # The tree first on the path once the bench is imported (throughput.py puts this checkout there): the
+    # launching side must be the tree's nbddp too, or it talks to the tree's ranks in its own protocol.
+    root = str(Path(tree).resolve())
     code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); from builtin_vs_plain import builtin; "
-            f"from pathlib import Path; print(json.dumps(builtin(Path({str(tmp)!r}), {epochs})))")
+            f"sys.path.insert(0, {root!r}); from pathlib import Path; "
+            f"print(json.dumps(builtin(Path({str(tmp)!r}), {epochs})))")
     env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
                          timeout=1800, cwd=tree)

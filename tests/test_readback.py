@@ -21,7 +21,7 @@ STEPS = 8
 
 
 class Augment:
-    """A batch transform that draws nothing from the rank's random state, so it is prepared a step ahead (as on GPUs)."""
+    """A transform that draws nothing from the rank's random state: prepared a step ahead (as on GPUs)."""
 
     prepare_ahead = True
 

@@ -300,10 +300,10 @@ def _read_ahead(run: _Epoch, batches, step: int) -> tuple:
     run.ctx.heartbeat(epoch=run.epoch, step=step)  # reading data: local work again
     batch, error = _next_batch(batches)
     if error is None and getattr(run.batch_transform, "prepare_ahead", run.batch_transform is None):
-        # Prepared now, while the device still runs this step's forward and backward: queued
-        # behind them, the next step's input is ready when the device gets there, instead of
-        # being made while the device waits for it. Only a transform that
-        # says so (``prepare_ahead``: it draws nothing from the rank's random state, which a
+        # Prepared now, while the device runs this step's forward: the host's share of the
+        # transform (decoding, augmenting on the rank) overlaps the device's work, and the next
+        # step's input is ready when the device gets there. Only a transform that says so
+        # (``prepare_ahead``: it draws nothing from the rank's random state, which a
         # checkpoint after this step must hold as the step left it). A transform that fails (a
         # file that does not decode) is a read error: it travels in this step's agreement.
         try:
@@ -440,10 +440,10 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     An epoch whose batches do not divide by ``k`` ends with a shorter group, which steps too
     (its gradient is the mean of the batches it has); ``k`` times ``len(loader)`` batches are
     never needed. The agreement still runs every batch: a non-finite loss stops every rank
-    before any update of its group, an unreadable batch at the batch it feeds, and a stop
-    request at the end of the group it falls in, so a stopped epoch has completed all its
-    optimizer steps. A non-finite loss stops every rank before the update of the group it falls
-    in, unless it is the group's last batch (then before the next group's first update). ``label_smoothing`` goes to ``F.cross_entropy``.
+    before any update of its group (on the group's last batch: before the next group's first),
+    an unreadable batch at the batch it feeds, and a stop request at the end of the group it
+    falls in, so a stopped epoch has completed all its optimizer steps. ``label_smoothing``
+    goes to ``F.cross_entropy``.
 
     Checkpoints in the middle of the epoch: after a step at which the ranks agreed to stop, or
     at which ``checkpoint_due()`` said yes on some rank (the worker asks its clock on rank 0

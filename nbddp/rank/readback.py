@@ -84,7 +84,8 @@ def read(late: Late, step: int, why: str) -> List[float]:
         ValueError: ``step`` is before the step that produced the values (a bookkeeping error).
     """
     if step < late.step:
-        raise ValueError(f"values of step {late.step} read at step {step}: a step's values exist only from that step on")
+        raise ValueError(f"values of step {late.step} read at step {step}: "
+                         "a step's values exist only from that step on")
     if late.event is not None:
         late.event.synchronize()
     values = late.values.tolist()
