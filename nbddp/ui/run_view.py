@@ -10,6 +10,7 @@ whose output would land in whichever cell happens to run.
 from __future__ import annotations
 
 import html
+import os
 import math
 import threading
 import time
@@ -41,6 +42,18 @@ def duration(seconds: float) -> str:
 
 
 _duration = duration
+
+
+def folder_text(path: Any) -> str:
+    """A run folder as the panel shows it, HTML-escaped: relative to the notebook's working folder
+    when it lies below it (``runs/20261127-101500-flowers``), else absolute."""
+    try:
+        shown = os.path.relpath(os.path.abspath(path))
+    except ValueError:
+        shown = str(path)
+    if shown.startswith(os.pardir):
+        shown = os.path.abspath(path)
+    return f"<code>{html.escape(shown)}</code>"
 
 
 def _count(v: Any) -> Optional[int]:
@@ -150,7 +163,7 @@ class RunView:
             self.handle = handle
             self._ended.clear()
         handle.subscribe(self._on_event)
-        self._status("info", f"Training on {where} · run folder <code>{html.escape(str(handle.run_dir))}</code>")
+        self._status("info", f"Training on {where} · run folder {folder_text(handle.run_dir)}")
         # Anything the monitor thread read before the subscription is still on the handle.
         if handle.progress:
             self._on_progress(handle.progress)
@@ -275,7 +288,7 @@ class RunView:
             self._status("info", f"Training · epoch {last.get('epoch', 0) + 1}/{self.plan[0]} done · val accuracy "
                                  f"{last.get('val_accuracy', float('nan')):.4f} · best {best:.4f} (epoch {at + 1}) · "
                                  f"{html.escape(memory) + ' · ' if memory else ''}"
-                                 f"run folder <code>{html.escape(str(handle.run_dir))}</code>")
+                                 f"run folder {folder_text(handle.run_dir)}")
 
     def _redraw_chart(self) -> None:
         with self._lock:
@@ -346,7 +359,7 @@ class RunView:
         else:
             facts = [f"ran {on}", f"{n} record{'' if n == 1 else 's'} logged",
                      f"returned <code>{html.escape(_short(r.value))}</code>"]
-        facts.append(f"run folder <code>{html.escape(str(r.run_dir))}</code>")
+        facts.append(f"run folder {folder_text(r.run_dir)}")
         if r.restarts:
             facts.append(f"{len(r.restarts)} restart{'s' if len(r.restarts) > 1 else ''} on the way")
         if r.weights_path:
