@@ -259,3 +259,14 @@ def test_a_failing_rank_is_named_in_red(tmp_path, monkeypatch, tree, runs_dir):
     assert "error-color" in panel.status.value and panel.progress_bar.bar_style == "danger"
     assert panel.result is None and not panel.train_button.disabled
     assert not survivors(panel.handle.pids)
+
+
+def test_without_sbatch_on_the_path_the_panel_offers_no_slurm(monkeypatch, tree, runs_dir):
+    import os
+    import sys
+
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))  # python, but none of SLURM's commands
+    panel = TrainingPanel(small_cfg(tree, runs_dir, name="panel"))
+    assert panel.cluster_box.layout.display == "none" and panel.cluster_box in panel.widget.children
+    panel.where_toggle.value = "SLURM"  # even set by code: nothing to submit with, the run stays here
+    assert panel._launch_args()[1].get("cluster") is None

@@ -3,6 +3,7 @@
 Each submission is shared by the assertions about it: a job costs SLURM's own start-up (seconds).
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -46,6 +47,10 @@ def _processes_of(folder: Path) -> list:
     return found
 
 
+def _state(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True).stdout
+
+
 def _job_of(run_dir) -> tuple:
     from nbddp.contract import rundir
     from nbddp.kernel.slurm_group import job_folder
@@ -66,32 +71,72 @@ def add_ranks(ctx, scale):
 """
 
 
+ATTACHED = """
+import sys
+import nbddp
+
+handle = nbddp.spawn_train(sys.argv[1], nprocs=1, kwargs={"steps": 20, "print_every": 0}, runs_dir=sys.argv[2],
+                           cluster=nbddp.Slurm(), threads_per_proc=1, block=False, echo=False)
+print(handle.run_dir, flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
-    """A file.py:function (not blocking, events collected) and a cell function (blocking), queued side by side."""
+def jobs(tmp_path_factory):
+    """Every job of the file, queued side by side (each costs SLURM's and the ranks' start-up): a
+    file.py:function (events collected), a cell function, the built-in worker, a run Stop ends, one
+    submitted by a process that exits (attach follows it), one preempted, and one whose ranks never start."""
     import nbddp
 
     root = tmp_path_factory.mktemp("slurm")
+    runs = root / "runs"
+    logging_only = f"{WORKERS / 'logging_only.py'}:train"
+    submitter = subprocess.Popen([sys.executable, "-c", ATTACHED, logging_only, str(root / "attached")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    quiet = dict(cluster=nbddp.Slurm(), threads_per_proc=1, block=False, echo=False)
     events = []
-    handle = nbddp.spawn_train(f"{WORKERS / 'logging_only.py'}:train", nprocs=2, kwargs={"steps": 30, "print_every": 10},
-                               runs_dir=root / "runs", cluster=nbddp.Slurm(), threads_per_proc=1, block=False,
-                               on_event=lambda kind, payload: events.append((kind, payload)))
-    cell = in_main(CELL, "add_ranks")
-    cell_result = nbddp.spawn_train(cell, 10, nprocs=2, runs_dir=root / "runs", cluster=nbddp.Slurm(),
-                                    threads_per_proc=1, all_values=True)
-    return handle, handle.wait(timeout=300), events, cell_result
+    handles = {
+        "file": nbddp.spawn_train(logging_only, nprocs=2, kwargs={"steps": 30, "print_every": 10}, runs_dir=runs,
+                                  cluster=nbddp.Slurm(), threads_per_proc=1, block=False,
+                                  on_event=lambda kind, payload: events.append((kind, payload))),
+        "cell": nbddp.spawn_train(in_main(CELL, "add_ranks"), 10, nprocs=2, runs_dir=runs, all_values=True, **quiet),
+        # After its steps the worker waits for a file that never comes: only Stop ends it.
+        "stop": nbddp.spawn_train(logging_only, nprocs=2, kwargs={"steps": 5, "go": str(root / "never"),
+                                                                  "print_every": 0},
+                                  runs_dir=runs, stop_timeout_s=3.0, grace_s=1.0, **quiet),
+        "builtin": nbddp.spawn_train(small_cfg(make_tree(root / "data"), runs, epochs=1), **quiet),
+        "preempt": nbddp.spawn_train(f"{WORKERS / 'preemptible.py'}:train", nprocs=1, runs_dir=runs,
+                                     **{**quiet, "cluster": nbddp.Slurm(time_min=10, preempt_s=60)}),
+        # sbatch takes --ntasks=1 beside the job's 2 tasks a node; srun then starts 1 task of a 2-rank run.
+        "unstarted": nbddp.spawn_train(logging_only, nprocs=2, runs_dir=runs,
+                                       **{**quiet, "cluster": nbddp.Slurm(extra=("--ntasks=1",))}),
+    }
+    from nbddp.ui import TrainingPanel
+
+    panel = TrainingPanel(logging_only, kwargs={"steps": 10, "print_every": 5}, nprocs=1, runs_dir=str(runs))
+    panel.where_toggle.value = "SLURM"  # the partition dropdown lists sinfo's partitions, the default first
+    panel.train_button.click()
+    handles["panel"] = panel.handle
+    locked = panel.where_toggle.disabled and panel.partition_dropdown.disabled  # while it runs
+    yield handles, events, submitter, (panel, locked)
+    for handle in handles.values():  # a test that failed early leaves nothing queued
+        if handle.running:
+            with contextlib.suppress(Exception):
+                handle.stop(timeout=60)
 
 
-def test_a_cell_function_runs_as_a_slurm_job_and_every_rank_s_value_comes_back(two_runs):
-    *_, result = two_runs
+def test_a_cell_function_runs_as_a_slurm_job_and_every_rank_s_value_comes_back(jobs):
+    result = jobs[0]["cell"].wait(timeout=300)
     assert result.values == [{"rank": 0, "total": 30.0}, {"rank": 1, "total": 30.0}]
     assert result.value == result.values[0]
     job, folder = _job_of(result.run_dir)
     assert not _in_queue(job) and not _processes_of(folder)
 
 
-def test_a_file_function_s_output_values_and_progress_reach_the_handle_and_its_value_comes_back(two_runs):
-    handle, result, events, _ = two_runs
+def test_a_file_function_s_output_values_and_progress_reach_the_handle_and_its_value_comes_back(jobs):
+    handles, events, *_ = jobs
+    handle = handles["file"]
+    result = handle.wait(timeout=300)
     assert result.value == 30 and not result.stopped
     kinds = {kind for kind, _ in events}
     assert {"line", "metrics", "end", "notice"} <= kinds
@@ -103,14 +148,10 @@ def test_a_file_function_s_output_values_and_progress_reach_the_handle_and_its_v
     assert not _in_queue(job) and not _processes_of(folder)
 
 
-def test_stop_cancels_the_job_which_leaves_the_queue_with_nothing_left_running(tmp_path):
+def test_stop_cancels_the_job_which_leaves_the_queue_with_nothing_left_running(jobs):
     import nbddp
 
-    # After its steps the worker waits for a file that never comes: only Stop ends it.
-    handle = nbddp.spawn_train(f"{WORKERS / 'logging_only.py'}:train", nprocs=2,
-                               kwargs={"steps": 5, "go": str(tmp_path / "never"), "print_every": 0},
-                               runs_dir=tmp_path / "runs", cluster=nbddp.Slurm(), threads_per_proc=1, block=False,
-                               echo=False, stop_timeout_s=3.0, grace_s=1.0)
+    handle = jobs[0]["stop"]
     assert wait_for(lambda: len(handle.metrics) >= 5, timeout=180), "the job never logged"
     job, folder = _job_of(handle.run_dir)
     assert _in_queue(job) and _processes_of(folder)
@@ -122,13 +163,75 @@ def test_stop_cancels_the_job_which_leaves_the_queue_with_nothing_left_running(t
     assert wait_for(lambda: not _processes_of(folder), timeout=10), _processes_of(folder)
 
 
-def test_the_built_in_worker_trains_as_a_slurm_job(tmp_path):
-    import nbddp
-
-    cfg = small_cfg(make_tree(tmp_path / "data"), tmp_path / "runs", epochs=1)
-    result = nbddp.spawn_train(cfg, cluster=nbddp.Slurm(), threads_per_proc=1, echo=False)
+def test_the_built_in_worker_trains_as_a_slurm_job(jobs):
+    result = jobs[0]["builtin"].wait(timeout=300)
     assert 0.0 <= result.value["best_accuracy"] <= 1.0
     assert Path(result.weights_path).exists()
+
+
+def test_a_run_whose_submitting_process_exited_is_followed_again_from_its_folder_to_its_value(jobs, tmp_path):
+    import nbddp
+    from nbddp.contract import rundir
+    from nbddp.contract.private import NotPrivate
+
+    out, err = jobs[2].communicate(timeout=120)
+    assert jobs[2].returncode == 0, err
+    run_dir = Path(out.strip().splitlines()[-1])
+    job, folder = _job_of(run_dir)
+    handle = nbddp.attach(run_dir, echo=False)
+    result = handle.wait(timeout=300)
+    assert result.value == 20 and result.run_dir == run_dir
+    assert [m["step"] for m in result.metrics] == list(range(20))
+    assert not _in_queue(job) and not _processes_of(folder)
+    with pytest.raises(nbddp.ConfigError, match="no SLURM job's run"):
+        nbddp.attach(tmp_path)
+    os.chmod(rundir.launch_record_path(run_dir), 0o664)  # another may write it: the job id is not taken from it
+    with pytest.raises(NotPrivate):
+        nbddp.attach(run_dir)
+
+
+def test_slurm_s_signal_makes_the_ranks_checkpoint_and_the_requeued_job_resumes_from_the_run_folder(jobs):
+    handle = jobs[0]["preempt"]
+    events = []
+    handle.subscribe(lambda kind, payload: events.append((kind, payload)))
+    assert wait_for(lambda: len(handle.metrics) >= 21, timeout=180), "the job never reached half-way"
+    job, _ = _job_of(handle.run_dir)
+    # What SLURM sends preempt_s before the time limit: USR1 to every task.
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    # SLURM holds a requeued job for two minutes (its BeginTime); a test does not wait for that.
+    assert wait_for(lambda: "PENDING|BeginTime" in _state(job), timeout=120), _state(job)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    result = handle.wait(timeout=300)
+    assert result.value["restart_count"] == 1 and 0 < result.value["start"] < 40, result.value
+    steps = [m["step"] for m in result.metrics]
+    assert steps[-1] == 39 and set(steps) == set(range(40)), steps
+    assert any("requeued" in p for k, p in events if k == "notice"), events
+    assert not _in_queue(job)
+
+
+def test_a_rank_that_never_started_is_explained_by_the_job_s_output(jobs):
+    import nbddp
+
+    with pytest.raises(nbddp.WorkerError, match=r"(?s)SLURM job's output.*rank 0 could not start.*1 tasks but "
+                                                r"the run 2 ranks"):
+        jobs[0]["unstarted"].wait(timeout=300)
+
+
+def test_the_panel_offers_slurm_with_the_partitions_and_shows_its_run_as_a_local_one(jobs):
+    from conftest import text_of
+
+    panel, locked = jobs[3]
+    assert panel.partition_dropdown.options[0] == "debug" and panel.partition_dropdown.layout.display is None
+    assert panel.cluster_box.layout.display is None
+    assert locked
+    result = panel.wait(timeout=300)
+    assert result.value == 10 and panel.result is result
+    status = text_of(panel.status)
+    assert "Finished" in status and str(result.run_dir) in status, status
+    assert "at step 5" in text_of(panel.log)
+    job, folder = _job_of(result.run_dir)
+    assert not _in_queue(job) and not _processes_of(folder)
+    assert not panel.where_toggle.disabled
 
 
 def test_an_unknown_partition_is_refused_before_anything_is_queued(tmp_path):

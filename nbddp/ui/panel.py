@@ -28,6 +28,7 @@ from ..kernel.forkserver import prewarm
 from ..contract.gpus import list_gpus
 from ..kernel.handle import RunHandle, TrainResult
 from ..kernel.launch import spawn_train
+from .cluster import ClusterPicker
 from .devices import DevicePicker, gpu_choice
 from .form import ConfigForm
 from .run_view import gpu_memory_text  # noqa: F401 - a name of this module before the split
@@ -115,6 +116,7 @@ class TrainingPanel:
         self._devices = DevicePicker(self._gpus, start_gpus, start_nprocs)
         if self._devices.refresh_button is not None:
             self._devices.refresh_button.on_click(self._refresh_gpus)
+        self._cluster = ClusterPicker()  # "this server / SLURM", where sbatch is on the PATH
         self._view = RunView(self._worker is not None, lambda: self._set_busy(False), plan)
         self._view.train_button.on_click(self._on_train)
         self._view.stop_button.on_click(lambda _b: self.stop())
@@ -122,13 +124,14 @@ class TrainingPanel:
         if self._worker is not None:
             title += f" · <code>{html.escape(self._label)}</code>"
         self.widget = W.VBox([W.HTML(f"<b style='font-size:1.1em'>{title}</b>"), self._devices.box,
+                              self._cluster.cluster_box,
                               *self._form.parts, *self._view.parts],
                              layout=W.Layout(width="100%", max_width="1000px", padding="8px",
                                              border="1px solid var(--jp-border-color2, #ddd)"))
 
     def __getattr__(self, name: str) -> Any:
         # The parts' widgets and state, as attributes of the panel (see the class docstring).
-        for part in ("_form", "_devices", "_view"):
+        for part in ("_form", "_devices", "_cluster", "_view"):
             obj = self.__dict__.get(part)
             if obj is not None and hasattr(obj, name):
                 return getattr(obj, name)
@@ -261,6 +264,8 @@ class TrainingPanel:
             raise
         where = f"GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, gpus))}" if gpus \
             else f"{nprocs} CPU process{'es' if nprocs > 1 else ''}"
+        if launch.get("cluster") is not None:
+            where = launch["cluster"].describe()
         self._view.starting(where, "nccl" if gpus else "gloo", checking=self._worker is None)
         self._set_busy(True)
         try:
@@ -277,17 +282,26 @@ class TrainingPanel:
         if self._worker is None:
             cfg = self.config
             self._view.plan = (cfg.epochs, None)
+            cluster = self._cluster.cluster(len(cfg.gpus))
+            if cluster is not None:  # a node's GPUs (or CPU processes) are SLURM's to give
+                cfg = cfg.replace(gpus=(), nprocs=len(cfg.gpus) or cfg.nprocs)
+                return cfg, dict(self._observe, cluster=cluster), (), cfg.nprocs
             return cfg, dict(self._observe), tuple(cfg.gpus), cfg.nprocs
         kwargs = self.worker_kwargs
         gpus, nprocs = self._devices.chosen()
         self._view.plan = planned(kwargs)
         launch = dict(kwargs=kwargs, runs_dir=self._runs_dir, name=self._name, **self._observe)
+        cluster = self._cluster.cluster(len(gpus))
+        if cluster is not None:
+            launch.update(cluster=cluster, nprocs=len(gpus) or nprocs)
+            return self._worker, launch, (), launch["nprocs"]
         launch.update(gpus=list(gpus)) if gpus else launch.update(nprocs=nprocs)
         return self._worker, launch, gpus, nprocs
 
     def _set_busy(self, busy: bool) -> None:
         """Lock (or unlock) the devices and the form while a run goes on; Train and Stop follow."""
         self._devices.set_busy(busy)
+        self._cluster.set_busy(busy)
         self._form.set_busy(busy)
         self._view.set_busy(busy)
 
