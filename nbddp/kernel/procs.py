@@ -19,7 +19,7 @@ import signal
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from ..contract import rundir, statedir
 from ..contract.system import is_same_process, start_time
@@ -29,7 +29,31 @@ from ..contract.system import is_same_process, start_time
 MARKER_ENV = "NBDDP_RUN_DIR"
 
 
-def carries_marker(pid: int, run_dir: Union[str, Path]) -> bool:
+#: A run folder as a launch found it: (device, inode), whatever it is named or linked to later.
+FolderId = Tuple[int, int]
+
+
+def folder_id(run_dir: Union[str, Path]) -> Optional[FolderId]:
+    """The run folder a launch uses, as (device, inode): the parent of the state folder the launch
+    holds open (:mod:`nbddp.contract.statedir`), which a rename of the run folder, or a link put in
+    place of its name, does not change; else the folder its name leads to now."""
+    state = statedir.pinned(run_dir)
+    try:
+        st = os.stat("..", dir_fd=state.fd) if state is not None and state.fd is not None else os.stat(run_dir)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _is_folder(path: Union[str, Path], folder: FolderId) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == folder
+
+
+def carries_marker(pid: int, run_dir: Union[str, Path], folder: Optional[FolderId] = None) -> bool:
     """True if process ``pid`` is marked as a worker of ``run_dir``.
 
     A spawned worker starts with ``NBDDP_RUN_DIR=<run_dir>`` in its environment (as
@@ -37,10 +61,16 @@ def carries_marker(pid: int, run_dir: Union[str, Path]) -> bool:
     environment there instead, so its other mark counts too: its output (fd 1) goes to
     ``<run_dir>/logs/rank<r>.log``, which no unrelated process has as its stdout.
 
+    Args:
+        folder: the run folder as its launch found it (:func:`folder_id`): a mark counts only if
+            the folder it names is that very folder. Names are not compared: anyone who may write
+            the runs folder may rename the run folder and put a link to another run's in its place,
+            whose processes would then carry the name.
+
     Raises:
         PermissionError: ``pid`` belongs to another user, whose /proc entries are closed to us.
     """
-    target = os.path.realpath(run_dir)
+    target = os.path.realpath(run_dir) if folder is None else None
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
@@ -51,12 +81,15 @@ def carries_marker(pid: int, run_dir: Union[str, Path]) -> bool:
             value = os.fsdecode(item[len(prefix):])
             if not os.path.isabs(value):  # relative to the worker's own working folder
                 value = os.path.join(os.readlink(f"/proc/{pid}/cwd"), value)
-            if os.path.realpath(value) == target:
+            same = _is_folder(value, folder) if folder is not None else os.path.realpath(value) == target
+            if same:
                 return True
     try:
         out = Path(os.readlink(f"/proc/{pid}/fd/1"))
     except (FileNotFoundError, ProcessLookupError):
         return False
+    if folder is not None:  # the log's folder wherever it is now (a rename keeps the process's fd)
+        return rundir.is_rank_log(out, out.parent.parent) and _is_folder(out.parent.parent, folder)
     return rundir.is_rank_log(out, target)
 
 
@@ -67,7 +100,8 @@ def _parent(pid: int) -> Optional[int]:
         return None
 
 
-def marked_processes(run_dir: Union[str, Path], spare: Iterable[int] = ()) -> Dict[int, Optional[int]]:
+def marked_processes(run_dir: Union[str, Path], spare: Iterable[int] = (),
+                     folder: Optional[FolderId] = None) -> Dict[int, Optional[int]]:
     """``{pid: start_time}`` of this user's live processes that carry ``run_dir``'s marker.
 
     Never the calling process, the pids in ``spare``, nor a direct child of either that
@@ -85,7 +119,7 @@ def marked_processes(run_dir: Union[str, Path], spare: Iterable[int] = ()) -> Di
         try:
             if os.stat(f"/proc/{pid}").st_uid != uid or _parent(pid) in spared:
                 continue
-            if carries_marker(pid, run_dir):
+            if carries_marker(pid, run_dir, folder):
                 started = start_time(pid)
                 if started is not None and is_same_process(pid, started):
                     found[pid] = started
@@ -95,18 +129,19 @@ def marked_processes(run_dir: Union[str, Path], spare: Iterable[int] = ()) -> Di
 
 
 def end_leftovers(run_dir: Union[str, Path], groups: Iterable[int] = (), spare: Iterable[int] = (),
-                  grace_s: float = 1.0) -> List[int]:
+                  grace_s: float = 1.0, folder: Optional[FolderId] = None) -> List[int]:
     """End what a run's ranks left behind once they are gone: SIGTERM, up to ``grace_s``, SIGKILL.
 
     That is every member of the ranks' process groups (``groups``: the ranks' pids, each rank
     leads its own group; see :func:`orphaned_group`) and every process
-    of this user that carries the run's marker (see :func:`marked_processes`).
+    of this user that carries the run's marker (see :func:`marked_processes`; ``folder``: the run
+    folder as the launch found it, see :func:`carries_marker`).
 
     Returns:
         The marked pids that were found and ended (group members are ended without a list).
     """
     groups = [g for g in groups if orphaned_group(g)]
-    marked = marked_processes(run_dir, spare)
+    marked = marked_processes(run_dir, spare, folder)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for group in groups:
             try:

@@ -32,7 +32,7 @@ from ..contract.protocol import (MAX_RESTARTS_ENV, RESTART_ENV, Heartbeat, Launc
 from ..contract.system import cpu_cores, kill_group_or_process, start_time
 from .forkserver import server_pid, start_server
 from . import interrupt
-from .procs import MARKER_ENV, boot_ticks, end_leftovers, end_recorded_tree, orphaned_group
+from .procs import MARKER_ENV, boot_ticks, end_leftovers, end_recorded_tree, folder_id, orphaned_group
 from .rendezvous import Rendezvous, rendezvous_for
 from .report import RankEnd
 from .stacks import flight_recorder_env
@@ -271,6 +271,8 @@ class RankGroup:
         ends: how each rank that has ended ended (:class:`nbddp.kernel.report.RankEnd`).
         started_at: when this start began (heartbeats before it are an earlier start's).
         not_before: the same in /proc's start-time ticks: no process older is a descendant of its ranks.
+        folder: the run folder as this start found it (device, inode): what its ranks left behind is
+            looked for by that, never by where the folder's name leads at the end.
         server: the warm server the ranks forked from (none under spawn): they die with it.
     """
 
@@ -280,6 +282,7 @@ class RankGroup:
         self.not_before = not_before
         self.run_dir, self.world_size = Path(spec.run_dir), spec.world_size
         self.pids = [p.pid for p in procs.processes]
+        self.folder = folder_id(self.run_dir)
         self.ends: Dict[int, RankEnd] = {}
         self.started_at = time.time()
         self.server = server_pid() if spec.parent_pid is None else None
@@ -401,7 +404,7 @@ class RankGroup:
             return
         self._remove_error_files()
         # Nothing a rank started outlives the run: its group, and marked processes that left it.
-        end_leftovers(self.run_dir, groups=self.pids, grace_s=_LEFTOVER_GRACE_S)
+        end_leftovers(self.run_dir, groups=self.pids, grace_s=_LEFTOVER_GRACE_S, folder=self.folder)
         end_recorded_tree(self.run_dir, range(len(self.pids)), grace_s=_LEFTOVER_GRACE_S,  # a killed rank's
                           not_before=self.not_before)
         for p in self.procs.processes:
