@@ -104,7 +104,7 @@ def jobs(tmp_path_factory):
         "stop": nbddp.spawn_train(logging_only, nprocs=2, kwargs={"steps": 5, "go": str(root / "never"),
                                                                   "print_every": 0},
                                   runs_dir=runs, stop_timeout_s=3.0, grace_s=1.0, **quiet),
-        "builtin": nbddp.spawn_train(small_cfg(make_tree(root / "data"), runs, epochs=1), **quiet),
+        "builtin": nbddp.spawn_train(small_cfg(make_tree(root / "data"), runs, epochs=1, nprocs=1), **quiet),
         "preempt": nbddp.spawn_train(f"{WORKERS / 'preemptible.py'}:train", nprocs=1, runs_dir=runs,
                                      **{**quiet, "cluster": nbddp.Slurm(time_min=10, preempt_s=60)}),
         # sbatch takes --ntasks=1 beside the job's 2 tasks a node; srun then starts 1 task of a 2-rank run.
@@ -123,6 +123,26 @@ def jobs(tmp_path_factory):
         if handle.running:
             with contextlib.suppress(Exception):
                 handle.stop(timeout=60)
+
+
+# First: its signal, requeue and second start overlap the other jobs.
+def test_slurm_s_signal_makes_the_ranks_checkpoint_and_the_requeued_job_resumes_from_the_run_folder(jobs):
+    handle = jobs[0]["preempt"]
+    events = []
+    handle.subscribe(lambda kind, payload: events.append((kind, payload)))
+    assert wait_for(lambda: len(handle.metrics) >= 21, timeout=180), "the job never reached half-way"
+    job, _ = _job_of(handle.run_dir)
+    # What SLURM sends preempt_s before the time limit: USR1 to every task.
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    # SLURM holds a requeued job for two minutes (its BeginTime); a test does not wait for that.
+    assert wait_for(lambda: "PENDING|BeginTime" in _state(job), timeout=120), _state(job)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    result = handle.wait(timeout=300)
+    assert result.value["restart_count"] == 1 and 0 < result.value["start"] < 40, result.value
+    steps = [m["step"] for m in result.metrics]
+    assert steps[-1] == 39 and set(steps) == set(range(40)), steps
+    assert any("requeued" in p for k, p in events if k == "notice"), events
+    assert not _in_queue(job)
 
 
 def test_a_cell_function_runs_as_a_slurm_job_and_every_rank_s_value_comes_back(jobs):
@@ -188,25 +208,6 @@ def test_a_run_whose_submitting_process_exited_is_followed_again_from_its_folder
     os.chmod(rundir.launch_record_path(run_dir), 0o664)  # another may write it: the job id is not taken from it
     with pytest.raises(NotPrivate):
         nbddp.attach(run_dir)
-
-
-def test_slurm_s_signal_makes_the_ranks_checkpoint_and_the_requeued_job_resumes_from_the_run_folder(jobs):
-    handle = jobs[0]["preempt"]
-    events = []
-    handle.subscribe(lambda kind, payload: events.append((kind, payload)))
-    assert wait_for(lambda: len(handle.metrics) >= 21, timeout=180), "the job never reached half-way"
-    job, _ = _job_of(handle.run_dir)
-    # What SLURM sends preempt_s before the time limit: USR1 to every task.
-    subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    # SLURM holds a requeued job for two minutes (its BeginTime); a test does not wait for that.
-    assert wait_for(lambda: "PENDING|BeginTime" in _state(job), timeout=120), _state(job)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
-    result = handle.wait(timeout=300)
-    assert result.value["restart_count"] == 1 and 0 < result.value["start"] < 40, result.value
-    steps = [m["step"] for m in result.metrics]
-    assert steps[-1] == 39 and set(steps) == set(range(40)), steps
-    assert any("requeued" in p for k, p in events if k == "notice"), events
-    assert not _in_queue(job)
 
 
 def test_a_rank_that_never_started_is_explained_by_the_job_s_output(jobs):
