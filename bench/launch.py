@@ -15,6 +15,13 @@ kernelspec), 5 s after ``import nbddp``, with the forkserver pre-warmed at impor
 and without (``NBDDP_PREWARM=0``), interleaved: time of ``import nbddp`` (torch already
 imported), then the launch call to the worker's first line and to the end of its first step,
 then the same for a relaunch in that kernel. ``--part kernel`` runs only these rows.
+
+``--part costs``: the built-in worker's fixed costs, one line each, in a fresh Python process (torch
+imported first, as a kernel would have): ``import nbddp``, then for a first launch and the relaunches
+after it (tensor pipeline twice, then decode and pil) each cost the worker's first epoch record holds
+(:mod:`nbddp.tasks.classification.startup`: kernel checks, processes, rendezvous, data scan, cache
+build, model build, first step), and the launch call to the end of its first step, on a flowers-like
+folder (JPEGs of 320x240) with 2 CPU ranks.
 """
 
 import argparse
@@ -131,11 +138,77 @@ def print_kernel_table(results: dict, repeats: int) -> None:
               f"{[round(r['first'][0], 2) for r in runs]}, relaunch first line {[round(r['relaunch'][0], 2) for r in runs]}")
 
 
+COSTS_CHILD = r"""
+import json, sys, time
+sys.path.insert(0, {here!r})
+import torch, torch.distributed  # what a kernel has before its first launch
+t0 = time.perf_counter()
+import nbddp
+from nbddp import TrainConfig, spawn_train
+out = {{"import": time.perf_counter() - t0, "launches": []}}
+cfg = TrainConfig(**json.loads({config!r}))
+for key, pipeline in (("first", "tensor"), ("warm", "tensor"), ("warm decode", "decode"), ("warm pil", "pil")):
+    seen = {{}}
+    def first_step(kind, payload, t=time.perf_counter()):
+        if kind == "progress" and (payload.get("step") or 0) >= 1 and "to_first_step" not in seen:
+            seen["to_first_step"] = time.perf_counter() - t
+    r = spawn_train(cfg.replace(data_pipeline=pipeline), echo=False, on_event=first_step)
+    out["launches"].append(dict(key=key, record=r.metrics[0], **seen))
+print(json.dumps(out))
+"""
+
+
+def run_costs(tmp: Path, images: int) -> dict:
+    """One fresh process: ``import nbddp``, then the launches of :data:`COSTS_CHILD`."""
+    sys.path.insert(0, str(HERE))
+    from gpu import _flowers_like
+
+    data = _flowers_like(tmp / "flowers", images)
+    config = dict(data_path=str(data), model="resnet18", image_size=32, epochs=1, batch_size=16, nprocs=2,
+                  runs_dir=str(tmp / "cost-runs"), name="costs")
+    code = COSTS_CHILD.format(here=str(HERE), config=json.dumps(config))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    if out.returncode:
+        raise RuntimeError(f"the costs process failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def print_costs(runs: list) -> None:
+    """Each launch's costs, one line each: the median over the fresh processes."""
+    try:
+        from nbddp.tasks.classification.startup import NAMES
+    except ImportError:  # a checkout from before the worker recorded them: the totals only
+        NAMES = ()
+
+    med = statistics.median
+    print(f"\nfixed costs of the built-in worker's launches, 2 CPU ranks, seconds, median of {len(runs)} fresh processes")
+    print(f"fixed cost, first launch: {'import nbddp':<13} {med(r['import'] for r in runs):7.3f} s")
+    for i, launch in enumerate(runs[0]["launches"]):
+        key = launch["key"]
+        records = [r["launches"][i]["record"] for r in runs]
+        for name in NAMES:
+            values = [rec[f"startup_{name}_s"] for rec in records if f"startup_{name}_s" in rec]
+            if values:
+                print(f"fixed cost, {key} launch: {name.replace('_', ' '):<13} {med(values):7.3f} s")
+        total = [r["launches"][i].get("to_first_step") for r in runs]
+        total = [t for t in total if t is not None]
+        parts = med(sum(rec.get(f"startup_{n}_s", 0.0) for n in NAMES) for rec in records)
+        if total:
+            print(f"fixed cost, {key} launch: {'call to step 1':<13} {med(total):7.3f} s "
+                  f"(the costs above: {parts:.3f} s)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--part", choices=["all", "launchers", "kernel"], default="all")
+    ap.add_argument("--part", choices=["all", "launchers", "kernel", "costs"], default="all")
+    ap.add_argument("--images", type=int, default=300, help="--part costs: photos in the folder")
     a = ap.parse_args()
+    if a.part == "costs":
+        tmp = Path(tempfile.mkdtemp())
+        print_costs([run_costs(tmp, a.images) for _ in range(a.repeats)])
+        return
     methods = [] if a.part == "kernel" else ["spawn", "forkserver", "torchrun", "mp.spawn"]
     if methods:
         try:

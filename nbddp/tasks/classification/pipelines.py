@@ -118,16 +118,22 @@ def _tensor_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> Loaders:
                     TD.BatchAugment(cfg.image_size, cfg.crop_scale, cfg.hflip), TD.CenterCropNormalize(cfg.image_size))
 
 
-def load_data(cfg: TrainConfig, ctx) -> TaskData:
+def load_data(cfg: TrainConfig, ctx, clock=None) -> TaskData:
+    """The class folders read and split, and this rank's loaders; ``clock`` (a ``startup.LaunchClock``) notes both."""
     classes, samples = D.scan_class_folders(cfg.data_path)
     train_s, val_s = D.split_samples(samples, cfg.val_fraction, cfg.seed)
+    if clock is not None:
+        clock.mark("data_scan")
     if ctx.is_main:
         rundir.write_class_indices(ctx.run_dir, classes)
         data_record.write(ctx.run_dir, data_record.describe(str(cfg.data_path), classes, samples, cfg.val_fraction,
                                                             cfg.seed))
         print(f"data: {len(classes)} classes, {len(train_s)} train / {len(val_s)} val images; "
               f"{ctx.world_size} x {ctx.device.type} ({ctx.backend})", flush=True)
-    return TaskData(classes, cfg.num_classes or len(classes), train_s, val_s, make_loaders(cfg, ctx, train_s, val_s))
+    loaders = make_loaders(cfg, ctx, train_s, val_s)
+    if clock is not None:
+        clock.mark("cache_build")
+    return TaskData(classes, cfg.num_classes or len(classes), train_s, val_s, loaders)
 
 
 __all__ = ["Loaders", "TaskData", "make_loaders", "load_data"]

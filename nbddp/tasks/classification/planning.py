@@ -9,6 +9,7 @@ rank's runtime.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,11 +34,13 @@ def plan(cfg: TrainConfig) -> LaunchPlan:
 
     A config's ``nprocs`` counts CPU processes: with GPUs, the world is one process per GPU.
     """
+    planned = time.time()
     run_dir = preflight(cfg)  # data, weights, batch vs world size; resume folder if any
     gpus = tuple(cfg.gpus)
+    # The worker reports the launch's fixed costs (.startup): the kernel's share starts here.
     return LaunchPlan(target=TARGET, args=(cfg,), gpus=gpus, nprocs=None if gpus else cfg.nprocs,
                       name=cfg.name, runs_dir=str(cfg.runs_dir), timeout_s=cfg.timeout_s, run_dir=run_dir,
-                      config=cfg)
+                      config=cfg, kwargs={"planned": {"planned": planned, "checked": time.time()}})
 
 
 def preflight(cfg: TrainConfig) -> Optional[Path]:

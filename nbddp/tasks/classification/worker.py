@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .pipelines import TaskData, load_data
+from .startup import LaunchClock
 from ...contract import rundir
 from ...contract.checkpoint import BackgroundSaver, export_weights, load_checkpoint, save_run_checkpoint
 from ...contract.config import TrainConfig
@@ -322,18 +323,25 @@ def _checkpoint(t: _Trainer, progress: _Progress, epoch: int, cfg: TrainConfig, 
     }
 
 
-def train(ctx, cfg: TrainConfig) -> dict:
-    """Train, evaluate exactly, checkpoint, export. Returns a small summary (rank 0's is kept)."""
-    data = load_data(cfg, ctx)
+def train(ctx, cfg: TrainConfig, planned: Optional[dict] = None) -> dict:
+    """Train, evaluate exactly, checkpoint, export. Returns a small summary (rank 0's is kept).
+
+    ``planned``: when the kernel's plan began and ended its checks (:mod:`.planning`); rank 0 puts
+    the launch's fixed costs into its first epoch record (:mod:`.startup`).
+    """
+    started = LaunchClock(planned) if ctx.is_main else None
+    data = load_data(cfg, ctx, started)
     t = _build(cfg, ctx, data.num_classes)
     progress = _resume(cfg, ctx, t)
+    if started is not None:
+        started.mark("model_build")
     if ctx.is_main:
         rundir.cleanup_temp_files(rundir.checkpoints_dir(ctx.run_dir))  # a crash between temp write and rename
     check_same(len(data.loaders.train), "training steps per epoch")
     writer = _writer(cfg, ctx)
     ctx.background_writer = t.saver
     try:
-        _train_epochs(cfg, ctx, data, t, progress, writer)
+        _train_epochs(cfg, ctx, data, t, progress, writer, started)
     except BaseException:
         with contextlib.suppress(BaseException):
             t.saver.wait()  # a failing run still finishes the checkpoint it was writing
@@ -345,7 +353,8 @@ def train(ctx, cfg: TrainConfig) -> dict:
     return _final_pass(cfg, ctx, data, t, progress)
 
 
-def _train_epochs(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: _Progress, writer) -> None:
+def _train_epochs(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: _Progress, writer,
+                  started: Optional[LaunchClock] = None) -> None:
     """Epochs from ``progress.start_epoch`` on: train, validate, log, save; a stop request ends them."""
     steps_per_epoch = len(data.loaders.train)  # before a resumed epoch leaves out its first batches
     # Mid-epoch checkpoints at most every checkpoint_every_s: rank 0 keeps the time, and every
@@ -364,6 +373,8 @@ def _train_epochs(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: 
         lr = t.optimizer.param_groups[0]["lr"]
 
         def on_step(step, loss, _base=epoch * steps_per_epoch):
+            if started is not None:
+                started.mark("first_step")  # the launch's first step, its loss known
             if writer is not None:
                 writer.add_scalar("train_loss_step", loss, _base + step)
                 ctx.track(train_loss_step=loss, step=_base + step)  # to spawn_train(trackers=...), if any
@@ -398,7 +409,7 @@ def _train_epochs(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: 
         # The epoch's fixed costs, in its record (bench/gpu.py prints them): the loader's first
         # batch, the evaluation, the previous epoch's checkpoint on the step's path.
         costs = {"first_batch_s": stats.first_batch_s, "eval_s": time.perf_counter() - t_eval,
-                 "checkpoint_s": progress.checkpoint_s}
+                 "checkpoint_s": progress.checkpoint_s, **(started.take() if started is not None else {})}
         improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr, compile_s, costs)
         progress.checkpoint_s = 0.0
         t_save = time.perf_counter()
