@@ -503,6 +503,7 @@ def fixed_costs(e2e_r) -> str:
         start = r.get("first_step_s")
         lines.append(f"fixed cost, {key} launch: spawn_train to the first step "
                      + (f"{start:.2f} s" if isinstance(start, (int, float)) else "n/a"))
+        lines += _startup_lines(r.get("metrics", [])[:1], f"fixed cost, {key} launch")
         for m in r.get("metrics", []):
             parts = [f"{k.removesuffix('_s').replace('_', ' ')} {m[k]:.2f} s" for k in ("first_batch_s", "eval_s",
                                                                                        "checkpoint_s", "compile_s")
@@ -510,6 +511,15 @@ def fixed_costs(e2e_r) -> str:
             lines.append(f"fixed cost, {key} launch, epoch {m.get('epoch', 0) + 1}: " + (", ".join(parts) or "n/a")
                          + f" (epoch {m.get('seconds', float('nan')):.2f} s)")
     return "\n".join(lines)
+
+
+def _startup_lines(records, prefix: str) -> list:
+    """The launch's start-up costs, one line each, from its first epoch record (nbddp.tasks.classification.startup)."""
+    try:
+        from nbddp.tasks.classification.startup import lines
+    except ImportError:  # an nbddp from before the worker recorded them
+        return []
+    return [line for m in records for line in lines(m, prefix)]
 
 
 def _best_acc(r):
