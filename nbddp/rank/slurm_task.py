@@ -155,10 +155,15 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     folder = Path(argv[0])
     rank, local_rank = int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_LOCALID", "0"))
-    run_dir = _read_spec(folder).run_dir
-    _resume_after_preemption(folder, run_dir)
+    try:
+        run_dir = _read_spec(folder).run_dir
+        _resume_after_preemption(folder, run_dir)
+        store = _host_store(folder, int(os.environ.get("SLURM_NTASKS", "1"))) if rank == 0 else None
+    except Exception as exc:  # noqa: BLE001 - the spec is not readable (not yours, gone): say so, as a rank would
+        print(f"nbddp: rank {rank} could not start: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        _write_exit(folder, rank, os.getpid(), 1)
+        return 1
     tmp_dir = tempfile.mkdtemp(prefix="nbddp-slurm-")  # the node's own, 0700: the rank's TMPDIR
-    store = _host_store(folder, int(os.environ.get("SLURM_NTASKS", "1"))) if rank == 0 else None
     child = os.fork()
     if child == 0:
         code = 1
