@@ -11,7 +11,7 @@ import torch
 import nbddp
 from nbddp.contract.errors import ConfigError
 
-from conftest import WORKERS
+from conftest import WORKERS, wait_for
 
 WORKER = f"{WORKERS / 'sharded.py'}:train"
 STEPS, SAVE_AT = 6, 2
@@ -177,3 +177,26 @@ def test_python_m_nbddp_run_takes_the_strategy(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--nprocs", "1", "--strategy", "fsdp", WORKER, "--kwargs", '{"steps": 1}']) == 0
     assert "'strategy': 'fsdp'" in capsys.readouterr().out
+
+
+def test_a_save_that_a_peer_left_at_the_stop_is_dropped_cleanly(tmp_path):
+    """At a stop, rank 1 leaves with its KeyboardInterrupt while rank 0 saves (the collective save cannot
+    end): rank 0's save is dropped as a KeyboardInterrupt, not torch's CheckpointException; its
+    temporary folder is removed and ``last`` stays the checkpoint before the stop."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    handle = nbddp.spawn_train(f"{WORKERS / 'saving.py'}:peer_leaves_at_the_stop", str(marks), nprocs=2,
+                               strategy="fsdp", runs_dir=tmp_path / "runs", echo=False, block=False, timeout_s=60)
+    assert wait_for(lambda: all((marks / f"saved{r}").exists() for r in (0, 1)), timeout=120)
+    handle.stop(wait=False)
+    with pytest.raises(nbddp.TrainingInterrupted, match="ranks 0-1: KeyboardInterrupt at the stop request"):
+        handle.wait(timeout=120)  # both ranks ended by their KeyboardInterrupt: neither by a checkpoint error
+    log = (handle.run_dir / "logs" / "rank0.log").read_text()
+    assert "the checkpoint being written was dropped at the stop" in log, log[-3000:]
+    assert "CheckpointException" not in log, log[-3000:]
+    assert not (marks / "saved-after-the-stop").exists()
+    assert sorted(p.name for p in (handle.run_dir / "checkpoints").iterdir()) == ["last.dcp"]  # no temporary folder
+    from nbddp.contract.checkpoint import load_checkpoint
+
+    # The checkpoint before the stop, whole.
+    assert load_checkpoint(handle.run_dir / "checkpoints" / "last.dcp" / "extra.pt") == {"step": 0}

@@ -161,44 +161,44 @@ def save(run_dir: Path, name: str, state: Dict[str, Any], is_main: bool) -> Path
     modules, optimizers, rest = split_state(state)
     _refuse_stateless(modules)  # before any rank writes: every rank refuses the same state
     target = dcp_path(run_dir, name)
-    work, error = None, None
+    made, error = None, None
     if is_main:
         try:
             private_folder(target.parent, "the run's checkpoints", replace=True)
             _remove_stale_export_dirs(target)  # left by a run killed between its writes and its swap
             made = target.with_name(f".{target.name}{rundir.TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
             os.mkdir(made, PRIVATE_DIR_MODE)  # 0700 whatever the umask: the ranks write their shards in it
-            work = str(made)
         except OSError as exc:  # NotPrivate too: every rank learns of it below
-            error = exc
-    work = _broadcast_name(work)  # None: rank 0 failed; every rank skips the writes and learns of it below
-    try:
-        if work is not None:
-            extra = to_plain(rest)  # refused (TypeError) before any shard is written
-            # Every rank writes its own shard: no rank gathers the model.
-            dcp.save(_state_dicts(modules, optimizers), storage_writer=_writer(run_dir, Path(work)))
-            if is_main:
-                atomic_save(extra, Path(work) / EXTRA, mode=PRIVATE_FILE_MODE)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank learns of it below
-        error = _rank_error(exc)
-    try:
+            made, error = None, exc
+    try:  # from here on, whatever ends the save (a peer gone at a stop included) removes the folder
+        work = _broadcast_name(str(made) if made is not None else None)  # None: rank 0 failed, all skip
+        try:
+            if work is not None:
+                extra = to_plain(rest)  # refused (TypeError) before any shard is written
+                # Every rank writes its own shard: no rank gathers the model.
+                dcp.save(_state_dicts(modules, optimizers), storage_writer=_writer(run_dir, Path(work)))
+                if is_main:
+                    atomic_save(extra, Path(work) / EXTRA, mode=PRIVATE_FILE_MODE)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank learns of it below
+            error = _refusal(exc)
         agree_on_error(error, f"saving checkpoint {target.name}")
         if is_main:
             try:
-                _swap_in(Path(work), target)
+                _swap_in(made, target)
             except OSError as exc:
                 error = exc
         agree_on_error(error, f"saving checkpoint {target.name}")
     except BaseException:
-        if is_main and work is not None:
-            shutil.rmtree(work, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
         raise
     barrier()
     return target
 
 
-def _rank_error(exc: BaseException) -> BaseException:
-    """This rank's own error inside DCP's ``CheckpointException`` (it gathers every rank's), else ``exc``."""
+def _refusal(exc: BaseException) -> BaseException:
+    """A ``NotPrivate`` among the failures DCP's ``CheckpointException`` gathered from every rank (the
+    refusal naming a file, on every rank alike), else ``exc``."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
         for failure in failures.values():
@@ -280,7 +280,7 @@ def load(run_dir: Path, name: str, into: Dict[str, Any]) -> Optional[dict]:
     try:  # every file through the checked reader: a shard's own pickles as well as .metadata
         dcp.load(wanted, storage_reader=_reader(run_dir, folder))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP gathers every rank's failure
-        error = _rank_error(exc)
+        error = _refusal(exc)
         if isinstance(error, NotPrivate):
             raise error from None
         raise _incomplete(folder, _innermost(exc)) from None

@@ -37,3 +37,18 @@ def save_every_step(ctx, marks: str, width: int = 1536, steps: int = 100_000):
         Path(marks, f"saved{ctx.rank}").write_text(str(step))
         time.sleep(0.2)
     return None
+
+
+def peer_leaves_at_the_stop(ctx, marks: str):
+    """One whole checkpoint, then, at the stop: rank 0 saves again while rank 1 leaves with its
+    KeyboardInterrupt (as a rank does that took it outside its own save): rank 0's save is cut off."""
+    model = ctx.prepare(Wide(64))
+    optimizer = torch.optim.AdamW(model.parameters())
+    ctx.save_checkpoint({"model": model, "optimizer": optimizer, "step": 0})
+    Path(marks, f"saved{ctx.rank}").write_text("0")
+    while not ctx.should_stop():
+        time.sleep(0.05)
+    if ctx.rank == 1:
+        raise KeyboardInterrupt("rank 1 leaves at the stop")
+    ctx.save_checkpoint({"model": model, "optimizer": optimizer, "step": 1})
+    Path(marks, "saved-after-the-stop").write_text("1")
