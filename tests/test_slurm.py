@@ -4,7 +4,9 @@ Each submission is shared by the assertions about it: a job costs SLURM's own st
 """
 
 import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -179,6 +181,12 @@ def test_stop_cancels_the_job_which_leaves_the_queue_with_nothing_left_running(j
     # A worker that never asks ctx.should_stop() ends by the SIGINT that follows: as locally, the run raises.
     with pytest.raises(nbddp.TrainingInterrupted, match="stopped and reaped"):
         handle.wait(timeout=120)
+    # The SIGINT went through each task's guardian to its rank alone, as a local start sends it.
+    assert json.loads((folder / "signals").read_text())[0] == signal.SIGINT
+    from nbddp.contract import rundir
+
+    assert "KeyboardInterrupt: nbddp: the notebook asked this run to stop" in rundir.rank_log(handle.run_dir,
+                                                                                              1).read_text()
     assert not _in_queue(job)
     assert wait_for(lambda: not _processes_of(folder), timeout=10), _processes_of(folder)
 

@@ -34,6 +34,8 @@ from .slurm import Slurm, cancel, job_state, submit
 SPEC_FILE = "spec.pkl"
 #: The spec a requeued job starts from: the built-in worker's config resuming the run folder.
 REQUEUE_SPEC_FILE = "spec-requeue.pkl"
+#: The signals the kernel asks the guardians to deliver to their ranks (a JSON list).
+SIGNALS_FILE = "signals"
 #: How much of the job's output (``job.out``: srun's and the guardians' own lines) an error quotes.
 JOB_OUTPUT_LINES = 20
 
@@ -66,7 +68,8 @@ def job_folder(run_dir: Path) -> Path:
 def _fresh_folder(run_dir: Path) -> Path:
     folder = private.private_folder(job_folder(run_dir), "the SLURM job's files")
     for name in os.listdir(folder):  # an earlier start's records and store are not this one's
-        if name.startswith(("exit.", "preempted.")) or name in ("store", "job.out", SPEC_FILE, REQUEUE_SPEC_FILE):
+        if name.startswith(("exit.", "preempted.")) or name in ("store", "job.out", SIGNALS_FILE, SPEC_FILE,
+                                                                REQUEUE_SPEC_FILE):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(folder / name)
     return folder
@@ -141,6 +144,7 @@ class SlurmGroup:
         self._left_at: Optional[float] = None
         self._told: Optional[tuple] = None
         self._requeues: set = set()  # the job's starts that SLURM's USR1 stopped
+        self._signals: List[int] = []  # asked of the guardians so far (SIGNALS_FILE)
         self._requeue_since: Optional[float] = None  # a requeue is under way since then
 
     # -- the job -----------------------------------------------------------------------------
@@ -211,13 +215,22 @@ class SlurmGroup:
         return [e for e in self.ends.values() if e.exitcode != 0 and not e.by_launcher]
 
     def signal(self, sig: int) -> None:
-        """``scancel --signal`` to every task (SIGINT, SIGTERM), or the job's end (SIGKILL, or a job not yet running)."""
+        """SIGINT, SIGTERM to every rank through its guardian, or the job's end (SIGKILL, or a job not running)."""
         if self.closed or self.state is None:
             return
         if sig == signal.SIGKILL or not self.ran:
             cancel(self.job_id)
-        else:
-            cancel(self.job_id, signal.Signals(sig).name.replace("SIG", ""))
+            return
+        # Through the guardians, which deliver it as the local start does (SIGINT to the rank alone):
+        # `scancel --signal` would reach every process of each task, the DataLoader workers too.
+        self._signals.append(int(sig))
+        tmp = self.folder / f".{SIGNALS_FILE}.{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self._signals, f)
+        os.replace(tmp, self.folder / SIGNALS_FILE)
 
     def reap(self) -> None:
         """Wait until the job has left the queue (cancel it if it lingers); a rank not seen to end counts as ended by nbddp."""

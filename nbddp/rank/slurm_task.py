@@ -28,6 +28,10 @@ from pathlib import Path
 
 #: The spec's file name in the job's private folder.
 SPEC_FILE = "spec.pkl"
+#: The signals the kernel asks the guardians to deliver (a JSON list, appended to): ``scancel --signal``
+#: would reach every process of the task, a rank's DataLoader workers too, where a local start
+#: sends SIGINT to the rank alone.
+SIGNALS_FILE = "signals"
 #: The spec a requeued job starts from (the built-in worker's config resuming the run folder), if any.
 REQUEUE_SPEC_FILE = "spec-requeue.pkl"
 #: Why the spec must be the user's own: it is unpickled, so whoever writes it runs code as the user.
@@ -127,6 +131,34 @@ def _forward(child: int, folder: Path, run_dir: str):
     return handler
 
 
+def _signal_requests(folder: Path) -> list:
+    """The signals the kernel asked for, in order (``SIGNALS_FILE``, written only by the kernel, read if yours)."""
+    from ..contract.private import read_private
+
+    try:
+        found = json.loads(read_private(folder / SIGNALS_FILE, "the kernel's signals to the ranks are read from it"))
+    except (OSError, ValueError):  # none yet, or not the user's (NotPrivate): no request
+        return []
+    return [int(s) for s in found if isinstance(s, int)] if isinstance(found, list) else []
+
+
+def _deliver_requests(folder: Path, child: int, seen: int) -> int:
+    """Deliver the kernel's new signal requests to the rank as the local starter would; how many are done."""
+    asked = _signal_requests(folder)
+    for sig in asked[seen:]:
+        try:
+            if sig == signal.SIGINT:
+                os.kill(child, sig)  # the rank alone: its DataLoader workers are its to end
+            else:
+                try:
+                    os.killpg(child, sig)
+                except ProcessLookupError:
+                    os.kill(child, sig)
+        except (ProcessLookupError, ValueError, OSError):
+            pass
+    return max(seen, len(asked))
+
+
 def _host_store(folder: Path, world_size: int):
     """Rank 0's guardian hosts the TCP store an ``env://`` target dials (torchrun's agent does so)."""
     import datetime
@@ -180,13 +212,17 @@ def main(argv=None) -> int:
         os._exit(code)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCONT):
         signal.signal(sig, _forward(child, folder, run_dir))
+    seen = len(_signal_requests(folder)) if _restart_count() else 0  # a requeued job's are the earlier start's
     while True:
         try:
-            _, status = os.waitpid(child, 0)
-            break
+            pid, status = os.waitpid(child, os.WNOHANG)
         except ChildProcessError:
             status = 1 << 8
             break
+        if pid:
+            break
+        seen = _deliver_requests(folder, child, seen)
+        time.sleep(0.1)
     code = os.waitstatus_to_exitcode(status)  # -N for a signal, as multiprocessing says it
     _write_exit(folder, rank, child, code)
     shutil.rmtree(tmp_dir, ignore_errors=True)
