@@ -59,6 +59,7 @@ kernel    ``kernel.export``,                    weights out of a run folder; pre
 kernel    ``kernel.profiles``                   ``result.profile``: the ranks' profiles side by side, who waits for whom
 kernel    ``kernel.sweep``, ``kernel.slots``,   ``nbddp.sweep``: Optuna trials on every free GPU or CPU slot; the study
           ``kernel.study``, ``kernel.trials``   in SQLite in the runs folder; one trial's launch, pruning and end
+kernel    ``kernel.study_file``                 a sweep's study file, the user's alone: checked by descriptor, re-checked per connection
 kernel    ``ui``                                ``TrainingPanel``, charts, TensorBoard, a sweep's live table
 rank      ``rank.runtime``                      a rank's entry: ``Context``, heartbeats, error records
 rank      ``rank.process``                      what makes a process a rank: parent-death signal, own group, subreaper, forks
@@ -73,6 +74,7 @@ rank      ``rank.dist``                         process group and the collective
 rank      ``rank.reaper``,                      a rank as its children's subreaper: every descendant ended and reaped with it;
           ``rank.forkserver_reaper``            the warm server likewise for the ranks it forked
 rank      ``rank.engine``                       training and evaluation loops that stop every rank together
+rank      ``rank.readback``                     the one way a step's device values reach the host: a step late, never waiting
 rank      ``rank.sync_bn``                      SyncBatchNorm that works on CPU (gloo) as on GPUs
 rank      ``rank.profiling``                    torch.profiler on the worker's steps: traces and a per-rank record
 rank      ``rank.trackers``                     rank 0's MLflow / W&B thread: metrics, settings, weights
@@ -86,6 +88,9 @@ task      ``tasks.classification.data``,        class folders (scan, split, chec
           ``tasks.classification.decode_data``
 task      ``tasks.classification.data_record``  the images and split a run was made from (``data.json``): a resume on changed data is refused
 task      ``tasks.classification.models``       torchvision models, weights files (training and prediction)
+task      ``tasks.classification.crops``,       the decode pipeline's crops drawn in the loader processes; batched resizes;
+          ``tasks.classification.resize``,      a launch's fixed costs, one line each
+          ``tasks.classification.startup``
 ========  ====================================  ==============================================================
 """
 
@@ -110,6 +115,7 @@ SIDES = {
     "kernel.export": "kernel", "kernel.inference": "kernel", "kernel.debugger": "kernel",
     "kernel.profiles": "kernel",
     "kernel.sweep": "kernel", "kernel.slots": "kernel", "kernel.study": "kernel", "kernel.trials": "kernel",
+    "kernel.study_file": "kernel",
     "kernel.interrupt": "kernel",
     "kernel.refusals": "kernel",
     "kernel.slurm": "kernel", "kernel.slurm_group": "kernel", "kernel.slurm_attach": "kernel",
@@ -120,7 +126,7 @@ SIDES = {
     "rank.elastic": "rank", "rank.dist": "rank", "rank.engine": "rank", "rank.sync_bn": "rank",
     "rank.calls": "rank", "rank.spawned": "rank", "rank.logs": "rank", "rank.debugger": "rank", "rank.reaper": "rank", "rank.forkserver_reaper": "rank",
     "rank.profiling": "rank", "rank.trackers": "rank",
-    "rank.sharding": "rank", "rank.sharded_checkpoint": "rank",
+    "rank.sharding": "rank", "rank.sharded_checkpoint": "rank", "rank.readback": "rank",
     "rank.interrupt": "rank",
     "rank.slurm_task": "rank",
     "tasks": "task", "tasks.classification": "task", "tasks.classification.planning": "task",
@@ -129,6 +135,8 @@ SIDES = {
     "tasks.classification.pipelines": "task",
     "tasks.classification.tensor_data": "task", "tasks.classification.decode_data": "task",
     "tasks.classification.models": "task", "tasks.classification.data_record": "task",
+    "tasks.classification.crops": "task", "tasks.classification.resize": "task",
+    "tasks.classification.startup": "task",
 }
 
 #: Where each module of the package's first, flat layout lives now: ``import nbddp.dist`` still
