@@ -4,13 +4,14 @@ rank's debugger prompt nor make the kernel signal a process, by writing, renamin
 anything in the run folder.
 
 The attack is the same in both: the attacker writes a state file into a folder of the run she
-may write (``tensorboard/`` and ``metrics.jsonl`` are the victim's, group-writable under umask 002),
+may write (``tensorboard/`` and its event files are the victim's, group-writable under umask 002),
 renames ``.nbddp`` away and that folder into its place while the run runs (renaming in a
 group-writable run folder needs no other right). The kernel and the ranks keep using the state
 folder the launch made (pinned by descriptor), so the swap changes nothing; the next launch moves
 the swapped folder aside, unread.
 """
 
+import glob
 import os
 import subprocess
 import sys
@@ -21,7 +22,8 @@ import pytest
 from conftest import WORKERS, wait_for
 from shared_users import shared_project  # noqa: F401  (the fixture)
 
-from nbddp import spawn_train
+from nbddp import cleanup, spawn_train
+from nbddp.contract import rundir, statedir
 from nbddp.contract.system import start_time
 
 WORKER = textwrap.dedent('''
@@ -110,13 +112,15 @@ def test_a_group_member_cannot_make_the_kernel_signal_a_process(project):
     decoy = p.start(p.victim, "import time; time.sleep(600)")
     try:
         assert wait_for(lambda: start_time(decoy.pid) is not None, 10)
+        events = glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))[0]
+        assert os.stat(events).st_uid == p.victim.uid and os.stat(events).st_mode & 0o020
         forged = textwrap.dedent(f'''
             pid = {decoy.pid}
             started = open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[19]
-            open({os.path.join(run_dir, "metrics.jsonl")!r}, "w").write('{{"%d": %s}}' % (pid, started))
+            open({events!r}, "w").write('{{"%d": %s}}' % (pid, started))
         ''')
-        p.run(p.attacker, forged)  # metrics.jsonl is the victim's, and group-writable
-        p.shell(p.attacker, f"cd {run_dir} && mv metrics.jsonl tensorboard/tree-rank0.json")
+        p.run(p.attacker, forged)  # a TensorBoard event file is the victim's, and group-writable
+        p.shell(p.attacker, f"mv {events} {run_dir}/tensorboard/tree-rank0.json")
         _swap_in(p, run_dir, "tensorboard")
         p.shell(p.attacker, f"touch {go}")
         out = _finish(run)
@@ -140,3 +144,36 @@ def test_a_tree_record_never_names_a_process_older_than_its_rank(tmp_path):
     finally:
         decoy.kill()
         decoy.wait()
+
+
+def test_a_state_folder_moved_in_from_another_run_is_never_used(tmp_path):
+    """Renamed from a run of the user's own into another's place, a private ``.nbddp`` still says which
+    run folder it belongs to: its records are not this run's (pids, temp folder), nor are its files."""
+    first = spawn_train(f"{WORKERS / 'private.py'}:say", nprocs=1, kwargs={"tag": "a"}, runs_dir=tmp_path,
+                        name="a", echo=False)
+    other = spawn_train(f"{WORKERS / 'private.py'}:say", nprocs=1, kwargs={"tag": "b"}, runs_dir=tmp_path,
+                        name="b", echo=False)
+    assert rundir.read_launch_record(first.run_dir)["pids"]
+    os.rename(rundir.state_dir(first.run_dir), first.run_dir / ".nbddp.own")
+    os.rename(rundir.state_dir(other.run_dir), rundir.state_dir(first.run_dir))
+    assert rundir.read_launch_record(first.run_dir) == {}
+    with pytest.warns(UserWarning, match="ends nothing and removes nothing: .*belongs to another run folder"):
+        assert cleanup(first.run_dir, grace_s=0.1) == []
+    with pytest.warns(UserWarning, match=r"\.nbddp belongs to another run folder .*moved to \.nbddp\.not-yours-"):
+        again = spawn_train(f"{WORKERS / 'private.py'}:say", nprocs=1, kwargs={"tag": "c"}, resume=first.run_dir,
+                            echo=False)
+    assert again.value == "c"
+
+
+def test_a_rank_refuses_a_state_folder_that_is_not_the_launchs(tmp_path):
+    made = statedir.fresh(tmp_path, lambda name: False)
+    identity = made.identity
+    statedir.release(tmp_path)
+    os.rename(tmp_path / ".nbddp", tmp_path / ".nbddp.moved")
+    (tmp_path / ".nbddp").mkdir(mode=0o700)  # the user's own, private, but not the folder the launch made
+    with pytest.raises(statedir.NotPrivate, match=r"\.nbddp is not the state folder the kernel made for this launch"):
+        statedir.pin(tmp_path, identity)
+    os.rmdir(tmp_path / ".nbddp")
+    os.rename(tmp_path / ".nbddp.moved", tmp_path / ".nbddp")
+    assert statedir.pin(tmp_path, identity).identity == identity
+    statedir.release(tmp_path)

@@ -153,13 +153,14 @@ class StateDir:
         with self._lock:
             return os.listdir(self._dir())
 
-    def in_place(self, run_dir: PathLike) -> bool:
-        """True while ``<run_dir>/.nbddp`` (not followed) is still this folder."""
+    def replaced(self, run_dir: PathLike) -> bool:
+        """True when something else than this folder is at ``<run_dir>/.nbddp`` now (not followed);
+        False while it is this one, or nothing is there (the run folder was removed)."""
         try:
             st = os.lstat(os.path.join(run_dir, STATE_DIR))
         except OSError:
             return False
-        return (st.st_dev, st.st_ino) == self.identity
+        return (st.st_dev, st.st_ino) != self.identity
 
     def close(self) -> None:
         with self._lock:
@@ -370,7 +371,7 @@ def release(run_dir: PathLike, warn: bool = False) -> None:
     if state is None:
         return
     try:
-        if warn and not state.in_place(run_dir):
+        if warn and state.replaced(run_dir):
             warnings.warn(f"{state.path} was replaced during the run by another folder (anyone who may write "
                           f"{run_dir} can rename it): the run kept reading and writing its own state folder"
                           f"{_now_at(run_dir, state)} and used nothing of the other one. The next launch in this "
