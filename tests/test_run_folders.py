@@ -15,6 +15,8 @@ import pytest
 
 from nbddp import ConfigError, TrainConfig
 from nbddp.contract.checkpoint import atomic_save, load_checkpoint
+from nbddp.tasks.classification import data_record
+from nbddp.tasks.classification.data import scan_class_folders
 from nbddp.tasks.classification.planning import find_resume_dir, preflight
 from conftest import ROOT, free_port, launcher_env
 
@@ -130,5 +132,10 @@ def test_resume_refused_when_the_data_or_model_differ(tree, tmp_path):
     with pytest.raises(ConfigError, match=r"cannot resume .*trained 'resnet34'.*the config says 'resnet18'"):
         preflight(cfg)
     same = fake_run(runs, "20250101-120003-d", "d", started=4.0, data_path=str(tree), image_size=32, batch_size=4)
+    # A run with no data record is refused as changed data; one that recorded these images resumes.
+    with pytest.raises(ConfigError, match=r"cannot resume .*20250101-120003-d.*data record .*is missing"):
+        preflight(cfg)
+    classes, samples = scan_class_folders(tree)
+    data_record.write(same, data_record.describe(str(tree), classes, samples, cfg.val_fraction, cfg.seed))
     assert preflight(cfg) == same.resolve()
     assert load_checkpoint(same / "checkpoints" / "last.pt")["classes"] == ["a", "b", "c"]
