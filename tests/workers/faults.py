@@ -187,14 +187,14 @@ def _arm_diskfull(rank: int, action: str, epoch: int) -> None:
     from nbddp.contract import rundir
     from nbddp.tasks.classification import worker as classification
 
-    atomic_save = classification.atomic_save
+    save = classification.save_run_checkpoint
 
-    def full_atomic_save(obj, path, *args, **kwargs):
+    def full_save(obj, path, *args, **kwargs):
         if Path(path) == rundir.checkpoint_path(_rank_ctx.run_dir, rundir.LAST) and obj.get("epoch") == epoch:
             raise OSError(errno.ENOSPC, f"No space left on device (injected) writing {path}")
-        return atomic_save(obj, path, *args, **kwargs)
+        return save(obj, path, *args, **kwargs)
 
-    classification.atomic_save = full_atomic_save
+    classification.save_run_checkpoint = full_save
 
 
 def _arm_epoch(rank: int, action: str, epoch: int) -> None:
