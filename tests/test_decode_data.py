@@ -199,3 +199,15 @@ def test_an_image_the_loader_cannot_decode_is_named(tmp_path):
     index = next(i for i, (p, _) in enumerate(samples) if Path(p) == bad)
     with pytest.raises(DataError, match=rf"cannot decode .*{bad.name}"):
         EncodedImages(samples, Crops(16, True)).__getitems__([(index, 1)])
+
+
+def test_the_host_side_benchmark_runs_the_pipeline_as_the_worker_builds_it():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "bench" / "decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.main(["--host", "--images", "40", "--batch", "8", "--repeats", "1"])
+    assert r["images_per_epoch"] == 40 and min(r["loader"], r["rank"], r["together"], r["together_wall"]) > 0

@@ -137,8 +137,9 @@ def test_an_epoch_started_ahead_is_read_by_the_loader_processes_before_anyone_as
     from conftest import wait_for
 
     noted = tmp_path / "noted"
-    order = SkipSampler(DistributedSampler(_Random(), num_replicas=1, rank=0, shuffle=True, seed=5))
-    loader = DataLoader(_Noted(noted), batch_size=4, sampler=order, drop_last=True, num_workers=2,
+    # As the built-in worker's loaders are made: seeded keys, then the items.
+    order = SkipSampler(SeededSampler(DistributedSampler(_Random(), num_replicas=1, rank=0, shuffle=True, seed=5), 5))
+    loader = DataLoader(SeededDataset(_Noted(noted)), batch_size=4, sampler=order, drop_last=True, num_workers=2,
                         persistent_workers=True, multiprocessing_context="fork")
     ahead = EpochLoader(loader, order)
     order.set_epoch(0)
@@ -151,6 +152,7 @@ def test_an_epoch_started_ahead_is_read_by_the_loader_processes_before_anyone_as
     # Nobody iterates: the loader processes read the epoch's first batches all the same.
     assert wait_for(lambda: len(noted.read_text().split()) >= 4, timeout=30), "the first batch read ahead"
     assert [b.flatten().tolist() for b in ahead] == expected, "the pass started ahead is epoch 1's"
+    assert sorted(noted.read_text().split()) == sorted(str(i) for i in range(24)), "that pass, no other: each item once"
     # A skip armed after the start: the started pass no longer fits, a new one honours the skip.
     ahead.start(1)
     order.skip(8)
@@ -173,3 +175,5 @@ def test_the_next_epoch_loads_while_the_built_in_worker_evaluates_and_evaluation
     val_pids = {line[1] for line in lines if line[0] == "item" and line[2] in val_ids}
     train_pids = {line[1] for line in lines if line[0] == "train"}
     assert len(val_pids) == 2 and len(train_pids) == 2, "the same 2 loader processes every time, for each split"
+    seeds = [line[2] for line in lines if line[0] == "train"]
+    assert seeds and len(seeds) == len(set(seeds)), "each item read once: the pass started ahead is the one trained on"

@@ -73,6 +73,11 @@ class SeededSampler(Sampler):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
+    @property
+    def epoch(self) -> int:
+        """The wrapped sampler's epoch (0 if it has none)."""
+        return getattr(self.sampler, "epoch", 0)
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
         epoch = getattr(self.sampler, "epoch", 0)
         return ((i, item_seed(self.seed, epoch, i)) for i in self.sampler)
@@ -196,7 +201,7 @@ class EpochLoader:
     def start(self, epoch: int) -> None:
         """Begin the pass of ``epoch`` now (its loader processes start reading); ``iter()`` returns it."""
         self.order.set_epoch(epoch)
-        self._ahead = (epoch, self.order.skipping, iter(self.loader))
+        self._ahead = (self.order.epoch, self.order.skipping, iter(self.loader))
 
     def __iter__(self):
         ahead, self._ahead = self._ahead, None
