@@ -23,8 +23,11 @@ from shared_users import shared_project  # noqa: F401  (the fixture)
 WORKER = textwrap.dedent('''
     import os, time
 
-    def held(ctx, ready, go, steps=0):
-        """Say where the run is, wait for the test's word, then log ``steps`` steps (profiled if asked)."""
+    def held(ctx, ready, go, steps=0, early=False):
+        """Say where the run is (after a first record, ``early``), wait for the test's word, then log
+        ``steps`` steps (profiled if asked)."""
+        if early:
+            ctx.log(step=-1, loss=2.0)
         with open(ready + ".tmp", "w") as f:
             f.write(str(ctx.run_dir))
         os.replace(ready + ".tmp", ready)
@@ -36,8 +39,8 @@ WORKER = textwrap.dedent('''
 ''')
 
 LAUNCH = ("import os, sys; sys.stdin = open(os.devnull); import nbddp; "
-          "r = nbddp.spawn_train('attackw.py:held', {ready!r}, {go!r}, {steps}, nprocs=1, runs_dir='runs', "
-          "name={name!r}, echo=False{extra}); print('RESULT', r.value)")
+          "r = nbddp.spawn_train('attackw.py:held', {ready!r}, {go!r}, {steps}, {early}, nprocs=1, runs_dir='runs', "
+          "name={name!r}, echo=False{extra}); print('RESULT', r.value); print('METRICS', r.metrics)")
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +51,24 @@ def project(shared_project):  # noqa: F811 - the fixture imported above
     return p
 
 
-def _start(p, name: str, steps: int = 0, extra: str = ""):
-    """The victim's launch in the background; (process, run folder, the file that lets it go on) once it waits."""
+def _begin(p, name: str, steps: int = 0, early: bool = False, extra: str = ""):
+    """The victim's launch in the background; wait for it with :func:`_ready`."""
     ready, go = str(p.root / f"ready-{name}"), str(p.root / f"go-{name}")
-    run = p.start(p.victim, LAUNCH.format(ready=ready, go=go, steps=steps, name=name, extra=extra))
+    return p.start(p.victim, LAUNCH.format(ready=ready, go=go, steps=steps, early=early, name=name, extra=extra)), name
+
+
+def _ready(p, begun):
+    """(process, run folder, the file that lets it go on) once the worker waits."""
+    run, name = begun
+    ready, go = str(p.root / f"ready-{name}"), str(p.root / f"go-{name}")
     assert wait_for(lambda: os.path.exists(ready) or run.poll() is not None, 180), "the run did not start"
     assert run.poll() is None, run.communicate()[0]
     with open(ready) as f:
         return run, f.read(), go
+
+
+def _start(p, name: str, **how):
+    return _ready(p, _begin(p, name, **how))
 
 
 def _finish(p, run, go: str) -> str:
@@ -66,8 +79,9 @@ def _finish(p, run, go: str) -> str:
 
 def test_a_link_in_place_of_a_run_folder_never_makes_its_kernel_end_another_run(project):
     p = project
-    other, other_dir, other_go = _start(p, "other")  # the victim's run in another kernel
-    run, run_dir, go = _start(p, "linked")
+    begun = _begin(p, "other"), _begin(p, "linked")
+    other, other_dir, other_go = _ready(p, begun[0])  # the victim's run in another kernel
+    run, run_dir, go = _ready(p, begun[1])
     try:
         # Renaming in the group-writable runs folder needs no other right: the name now leads to the other run.
         p.shell(p.attacker, f"mv {run_dir} {run_dir}.away && ln -s {other_dir} {run_dir}")
@@ -81,3 +95,52 @@ def test_a_link_in_place_of_a_run_folder_never_makes_its_kernel_end_another_run(
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+
+
+def test_a_link_planted_in_the_run_folder_never_takes_a_ranks_writes_into_your_files(project):
+    p = project
+    home = p.base / "home" / p.victim.name
+    notes, thesis = home / "notes.txt", home / "thesis.tex"
+    p.shell(p.victim, f"echo precious > {notes}; echo thesis > {thesis}; chmod 600 {notes} {thesis}")
+    run, run_dir, go = _start(p, "planted", steps=6, extra=", profile={'wait': 1, 'warmup': 1, 'active': 2}")
+    try:
+        # Before the rank logs or profiles: links where it writes, to files of the victim's outside the run.
+        p.shell(p.attacker, f"cd {run_dir} && ln -s {notes} metrics.jsonl && mkdir -m 777 profile && "
+                            f"ln -s {thesis} profile/rank0.pt.trace.json.gz")
+        out = _finish(p, run, go)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert notes.read_text() == "precious\n", "the rank appended its ctx.log records to a file of the victim's"
+    assert thesis.read_text() == "thesis\n", "the rank replaced a file of the victim's with its profile"
+    assert "RESULT done" in out, out
+    # Both were moved aside, said in the rank's output, and made anew: the run's records are whole, its own.
+    said = open(os.path.join(run_dir, "logs", "rank0.log")).read()
+    assert f"{run_dir}/metrics.jsonl is a symbolic link" in said and "moved to metrics.jsonl.not-yours-" in said, said
+    assert f"{run_dir}/profile is owned by uid {p.attacker.uid}" in said, said
+    assert len(open(os.path.join(run_dir, "metrics.jsonl")).read().splitlines()) == 6
+    assert os.stat(os.path.join(run_dir, "metrics.jsonl")).st_mode & 0o777 == 0o644  # the group may read it
+    assert os.path.isfile(os.path.join(run_dir, "profile", "rank0.summary.json"))
+
+
+def test_a_group_member_cannot_put_records_in_a_runs_metrics(project):
+    p = project
+    run, run_dir, go = _start(p, "records", steps=2, early=True)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    forged = '{"step": 99, "loss": -1.0, "forged": 1}'
+    try:
+        # Written into in place, where the file lets her: it is the victim's, never writable by the group.
+        p.shell(p.attacker, f"echo '{forged}' >> {metrics}", check=False)
+        # Replaced by a file of hers once the kernel reads it (her record past where it read up to): it
+        # goes on reading the run's own.
+        p.shell(p.attacker, f"mv {metrics} {metrics}.away && head -c 4096 /dev/zero | tr '\\0' ' ' > {metrics} && "
+                            f"printf '\\n%s\\n' '{forged}' >> {metrics} && chmod 666 {metrics}")
+        out = _finish(p, run, go)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert "RESULT done" in out, out
+    assert "forged" not in out, f"the attacker's record reached the victim's result\n{out}"
+    assert "METRICS [{" in out and out.count("'loss'") == 3, out  # the worker's own three records

@@ -12,14 +12,17 @@ process starts and reads what the ranks wrote; the ranks (:mod:`nbddp.rank.profi
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import rundir
+from . import rundir, statedir
 from .errors import ConfigError
+from .private import NotPrivate, private_folder, problem, read_private
 
 PathLike = Union[str, os.PathLike]
 
@@ -117,18 +120,51 @@ class ProfileRecord:
     traces: List[str] = field(default_factory=list)  # trace files, relative to the run folder
     memory_snapshot: Optional[str] = None
 
-    def write(self, run_dir: PathLike) -> None:
-        path = rundir.profile_summary_path(run_dir, self.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        rundir.write_json_atomic(path, dataclasses.asdict(self))
+    def write(self, folder: "statedir.StateDir") -> None:
+        """Into the run's ``profile/`` folder, held open by the rank (:func:`open_profile_folder`): atomically, 0600."""
+        folder.write(rundir.profile_summary_path("", self.rank).name, json.dumps(dataclasses.asdict(self)).encode())
+
+
+#: Why the profile folder is the user's alone, for messages.
+PROFILES = "the run's profiles (traces, their summaries, the CUDA allocator's snapshot)"
+
+
+def open_profile_folder(run_dir: PathLike) -> "statedir.StateDir":
+    """The run's ``profile/`` folder, the user's alone (0700, whatever the umask), opened and held.
+
+    A rank writes its traces and its record through this descriptor, never through the folder's
+    name again: anyone of the group may rename things in a shared run folder and put a link in
+    their place, which would take a trace (a whole file, replaced) into any file of the user's.
+    A ``profile`` that is not a folder of the user's alone is moved aside with a warning.
+
+    Raises:
+        NotPrivate: another user keeps replacing it.
+    """
+    path = rundir.profile_dir(run_dir)
+    for _ in range(5):
+        private_folder(path, PROFILES, replace=True)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                continue  # replaced since the check: check again
+            raise
+        if problem(os.fstat(fd), "folder") is None:
+            return statedir.StateDir(fd, str(path))
+        os.close(fd)
+    raise NotPrivate(f"{path} keeps being replaced by something that is not yours: {PROFILES} cannot be written there.")
 
 
 def read_profile_records(run_dir: PathLike, world_size: int) -> Dict[int, ProfileRecord]:
-    """Every rank's :class:`ProfileRecord` that exists."""
+    """Every rank's :class:`ProfileRecord` that exists, read only from a ``profile/`` folder of the
+    user's alone (:func:`nbddp.contract.private.read_private`): one a group member swapped in is not read."""
     out = {}
     names = {f.name for f in dataclasses.fields(ProfileRecord)}
     for rank in range(world_size):
-        data = rundir.read_json(rundir.profile_summary_path(run_dir, rank))
+        try:
+            data = json.loads(read_private(rundir.profile_summary_path(run_dir, rank), PROFILES))
+        except (OSError, ValueError):  # NotPrivate included
+            continue
         if isinstance(data, dict) and data.get("rank") == rank:
             out[rank] = ProfileRecord(**{k: v for k, v in data.items() if k in names})
     return out
@@ -230,4 +266,5 @@ def write_tracker_ids(run_dir: PathLike, ids: Dict[str, Dict[str, Any]]) -> None
 
 
 __all__ = ["ProfileOptions", "ProfileRecord", "TrackerPlan", "profile_options", "check_trackers", "tracker_plan",
-           "read_profile_records", "read_tracker_ids", "write_tracker_ids", "TRACKERS", "PROFILE_DEFAULTS"]
+           "open_profile_folder", "read_profile_records", "read_tracker_ids", "write_tracker_ids", "TRACKERS",
+           "PROFILE_DEFAULTS"]

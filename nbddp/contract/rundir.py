@@ -53,12 +53,14 @@ import os
 import re
 import secrets
 import stat
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Union
 
 from . import statedir
 from .paths import PathLike
-from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, open_private_file, private_folder
+from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, _aside, open_private_file, private_folder
+from .private import problem
 from .private import read_private as _read_private
 from .statedir import STATE_DIR, TMP_MARK
 
@@ -457,6 +459,66 @@ def atomic_write_text(path: PathLike, text: str) -> Path:
 def write_json_atomic(path: PathLike, obj: Any, durable: bool = False, mode: int = 0o666) -> Path:
     """``obj`` as JSON, replaced atomically (not fsynced unless ``durable``: state records)."""
     return atomic_write(path, json.dumps(obj).encode(), durable=durable, mode=mode)
+
+
+#: The mode of a file of the run folder that nbddp reads back (``metrics.jsonl``), less the umask:
+#: never group-writable, whatever the umask (a group member could otherwise write its records).
+OWN_FILE_MODE = 0o644
+
+
+def open_own(path: PathLike, what: str) -> int:
+    """An appending descriptor of ``path``, a file of the run folder that nbddp reads back (``metrics.jsonl``).
+
+    The file is opened in its folder without following a link, and used only if, on its open
+    descriptor, it is a regular file of the user's with one name that no one else may write
+    (created :data:`OWN_FILE_MODE`): a link a group member put in its place would otherwise take
+    the writes into any file of the user's elsewhere, and a file others may write may hold their
+    records. Anything else there is moved aside, unread, with a warning, and a new file made.
+
+    Raises:
+        NotPrivate: another user keeps replacing it.
+    """
+    path = Path(path)
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for _ in range(5):
+            try:
+                # O_NONBLOCK: a FIFO put there must not hang the open; it is moved aside below.
+                fd = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC, OWN_FILE_MODE, dir_fd=folder)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EACCES, errno.EPERM):
+                    raise
+                found = "is not a regular file"
+                with contextlib.suppress(OSError):
+                    found = problem(os.lstat(path.name, dir_fd=folder), "file") or found
+            else:
+                found = problem(os.fstat(fd), "file")
+                if found is None:
+                    os.set_blocking(fd, True)
+                    return fd
+                os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                aside = _aside(path, folder)
+                warnings.warn(f"{path} {found}, so {what} were not written into it: it was moved to {aside.name} "
+                              f"(nothing in it was read) and a new file was made in its place.", stacklevel=3)
+    finally:
+        os.close(folder)
+    raise NotPrivate(f"{path} keeps being replaced by a file that is not yours alone: {what} cannot be written there.")
+
+
+def read_own(path: PathLike) -> Optional[int]:
+    """A read descriptor of ``path`` if it is, on that descriptor, a regular file of the user's with one
+    name that no one else may write (what :func:`open_own` writes); None if it is missing or is not."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if problem(os.fstat(fd), "file") is not None:
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return fd
 
 
 def read_json(path: PathLike) -> Optional[Any]:

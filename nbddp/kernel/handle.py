@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -128,22 +129,41 @@ def interrupts_held():
 
 
 class _LineTail:
-    """Reads the complete lines appended to a file since the last call."""
+    """Reads the complete lines appended to a file since the last call (``metrics.jsonl``).
+
+    Through one descriptor, taken once the file is a regular file of the user's with one name that
+    no one else may write (:func:`nbddp.contract.rundir.read_own`): its records are the run's
+    metrics and a sweep's objective, so a group member may neither write into it nor, once it is
+    read, swap another file in its place.
+    """
 
     def __init__(self, path: Path):
         self.path, self.offset, self.partial = path, 0, b""
+        self._fd: Optional[int] = None
 
     def read(self) -> List[str]:
+        if self._fd is None:
+            self._fd = rundir.read_own(self.path)
+            if self._fd is None:
+                return []
+        data = b""
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
+            while True:
+                chunk = os.pread(self._fd, 1 << 20, self.offset + len(data))
+                if not chunk:
+                    break
+                data += chunk
         except OSError:
             return []
         self.offset += len(data)
         data = self.partial + data
         *lines, self.partial = data.split(b"\n")
         return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines]
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def _newest_checkpoint(run_dir: Path) -> Optional[str]:
@@ -672,6 +692,7 @@ class RunHandle:
         """
         self._ranks.close()
         self._read_streams(final=True)
+        self._metrics_tail.close()
         self._outcome = outcome = _outcome_of(self, error, not_restarted)
         self._restart_at = None
         self._release()  # the GPUs' leases given back

@@ -11,6 +11,9 @@ Each window becomes a Chrome trace (``profile/rank<r>.pt.trace.json.gz``: Perfet
 profiler view) and adds to the rank's :class:`~nbddp.contract.observe.ProfileRecord`: where the
 profiled steps' time went (communication, data loading, computation, idle) and the operators
 that took most of it. The kernel puts every rank's record side by side (:mod:`nbddp.kernel.profiles`).
+``profile/`` is the user's alone (0700) and every file goes through the folder held open
+(:func:`~nbddp.contract.observe.open_profile_folder`): a link a group member puts at its name, or
+in it, never takes a trace into a file of the user's elsewhere.
 
 With ``memory=True`` (GPUs) the CUDA allocator's history is recorded from the start; an
 out-of-memory error keeps its snapshot in the run folder and the error says how to open it.
@@ -24,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..contract import rundir
-from ..contract.observe import ProfileOptions, ProfileRecord
+from ..contract.observe import ProfileOptions, ProfileRecord, open_profile_folder
 
 #: Names of the operators and kernels of a collective (gloo's and NCCL's, c10d's, DDP's).
 COMM_WORDS = ("nccl", "gloo:", "c10d::", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
@@ -70,6 +73,13 @@ class RankProfiler:
         self._ops: Dict[str, List[float]] = {}
         self._total = (options.wait + options.warmup + options.active) * options.repeat
         self._memory = options.memory and device.type == "cuda"
+        self._folder = None  # profile/, held open from the first file written (open_profile_folder)
+
+    def _in_folder(self, path: os.PathLike) -> str:
+        """Where torch writes ``path`` (a file of ``profile/``): through the folder held open, never its name."""
+        if self._folder is None:
+            self._folder = open_profile_folder(self.run_dir)
+        return f"/proc/self/fd/{self._folder.fd}/{os.path.basename(path)}"
 
     def start(self) -> None:
         """Start recording the allocator (``memory``); the profiler starts when its first window does."""
@@ -131,9 +141,8 @@ class RankProfiler:
     def _ready(self, prof) -> None:
         """A window ended: its Chrome trace, and its time added to the record."""
         path = rundir.profile_trace_path(self.run_dir, self.rank, self._windows)
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._windows += 1
-        prof.export_chrome_trace(str(path))
+        prof.export_chrome_trace(self._in_folder(path))
         self.record.traces.append(str(path.relative_to(self.run_dir)))
         parts = time_parts(prof.events())
         for key in ("steps", "wall_ms", "compute_ms", "comm_ms", "data_ms", "idle_ms"):
@@ -149,9 +158,8 @@ class RankProfiler:
         if not self._memory or not isinstance(exc, torch.cuda.OutOfMemoryError):
             return None
         path = rundir.memory_snapshot_path(self.run_dir, self.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            torch.cuda.memory._dump_snapshot(str(path))
+            torch.cuda.memory._dump_snapshot(self._in_folder(path))
         except Exception as dump_error:  # noqa: BLE001 - the OOM is the error to report
             return f"(the CUDA memory snapshot could not be written: {dump_error})"
         self.record.memory_snapshot = str(path.relative_to(self.run_dir))
@@ -174,9 +182,14 @@ class RankProfiler:
         for key in ("wall_ms", "compute_ms", "comm_ms", "data_ms", "idle_ms"):
             setattr(self.record, key, round(getattr(self.record, key), 3))
         try:
-            self.record.write(self.run_dir)
-        except OSError as exc:
+            self._in_folder(rundir.profile_summary_path(self.run_dir, self.rank))
+            self.record.write(self._folder)
+        except OSError as exc:  # NotPrivate too: another user kept replacing profile/
             print(f"profiler: the summary could not be written: {exc}", flush=True)
+        finally:
+            folder, self._folder = self._folder, None
+            if folder is not None:
+                folder.close()
 
 
 def top_operators(prof, cuda: bool) -> List[Tuple[str, float, int]]:

@@ -158,7 +158,9 @@ class Context:
         if not self.is_main:
             return
         if self._metrics_file is None:
-            self._metrics_file = open(rundir.metrics_path(self.run_dir), "a", buffering=1)
+            # Never through a link, never into a file others may write: the kernel reads its records back.
+            fd = rundir.open_own(rundir.metrics_path(self.run_dir), "ctx.log's records")
+            self._metrics_file = os.fdopen(fd, "a", buffering=1)
         record = {"time": round(time.time(), 3)}
         record.update({k: json_value(v) for k, v in metrics.items()})
         self._metrics_file.write(json.dumps(record) + "\n")
