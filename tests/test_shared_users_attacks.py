@@ -23,11 +23,15 @@ from shared_users import shared_project  # noqa: F401  (the fixture)
 WORKER = textwrap.dedent('''
     import os, time
 
-    def held(ctx, ready, go, steps=0, early=False):
-        """Say where the run is (after a first record, ``early``), wait for the test's word, then log
-        ``steps`` steps (profiled if asked)."""
+    def held(ctx, ready, go, steps=0, early=False, export=False):
+        """Say where the run is (after a first record, ``early``; with an export of its weights,
+        ``export``), wait for the test's word, then log ``steps`` steps (profiled if asked)."""
         if early:
             ctx.log(step=-1, loss=2.0)
+        if export:  # as an export is written: under the umask, for the group to read
+            os.makedirs(os.path.join(ctx.run_dir, "export"), exist_ok=True)
+            with open(os.path.join(ctx.run_dir, "export", "model.pth"), "w") as f:
+                f.write("weights")
         with open(ready + ".tmp", "w") as f:
             f.write(str(ctx.run_dir))
         os.replace(ready + ".tmp", ready)
@@ -39,7 +43,8 @@ WORKER = textwrap.dedent('''
 ''')
 
 LAUNCH = ("import os, sys; sys.stdin = open(os.devnull); import nbddp; "
-          "r = nbddp.spawn_train('attackw.py:held', {ready!r}, {go!r}, {steps}, {early}, nprocs=1, runs_dir='runs', "
+          "r = nbddp.spawn_train('attackw.py:held', {ready!r}, {go!r}, {steps}, {early}, {export}, nprocs=1, "
+          "runs_dir='runs', "
           "name={name!r}, echo=False{extra}); print('RESULT', r.value); print('METRICS', r.metrics)")
 
 
@@ -51,10 +56,11 @@ def project(shared_project):  # noqa: F811 - the fixture imported above
     return p
 
 
-def _begin(p, name: str, steps: int = 0, early: bool = False, extra: str = ""):
+def _begin(p, name: str, steps: int = 0, early: bool = False, export: bool = False, extra: str = ""):
     """The victim's launch in the background; wait for it with :func:`_ready`."""
     ready, go = str(p.root / f"ready-{name}"), str(p.root / f"go-{name}")
-    return p.start(p.victim, LAUNCH.format(ready=ready, go=go, steps=steps, early=early, name=name, extra=extra)), name
+    code = LAUNCH.format(ready=ready, go=go, steps=steps, early=early, export=export, name=name, extra=extra)
+    return p.start(p.victim, code), name
 
 
 def _ready(p, begun):
@@ -144,3 +150,29 @@ def test_a_group_member_cannot_put_records_in_a_runs_metrics(project):
     assert "RESULT done" in out, out
     assert "forged" not in out, f"the attacker's record reached the victim's result\n{out}"
     assert "METRICS [{" in out and out.count("'loss'") == 3, out  # the worker's own three records
+
+
+def test_a_link_planted_in_the_export_never_sends_your_files_to_the_tracker(project):
+    p = project
+    pytest.importorskip("mlflow")
+    home = p.base / "home" / p.victim.name  # 0700: its files are the victim's alone, whatever their mode
+    secret = home / "secret.txt"
+    p.shell(p.victim, f"echo SECRET-NOTES > {secret}; chmod 644 {secret}")
+    run, run_dir, go = _start(p, "tracked", export=True, extra=", trackers=['mlflow']")
+    try:
+        # The export folder is the victim's, and the group's to write (umask 002): a link among its files.
+        p.shell(p.attacker, f"ln -s {secret} {run_dir}/export/notes.txt")
+        out = _finish(p, run, go)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert "RESULT done" in out, out
+    # MLflow's artifacts are kept in the runs folder, which the group may read.
+    found = p.shell(p.attacker, "grep -r -l SECRET-NOTES runs/mlartifacts", check=False).stdout
+    assert not found, f"the victim's file was sent to the tracker, where the group reads it: {found}"
+    sent = sorted(str(f.relative_to(p.root / "runs" / "mlartifacts")).split("/", 2)[2]
+                  for f in (p.root / "runs" / "mlartifacts").rglob("*") if f.is_file())
+    assert sent == ["artifacts/export/model.pth"], sent  # the run's own export was sent
+    said = open(os.path.join(run_dir, "logs", "rank0.log")).read()
+    assert f"{run_dir}/export/notes.txt is a symbolic link" in said, said

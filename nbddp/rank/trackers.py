@@ -15,16 +15,21 @@ the training goes on.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import queue
+import shutil
+import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from ..contract import rundir
+from ..contract import rundir, statedir
 from ..contract.observe import TrackerPlan, read_tracker_ids, write_tracker_ids
+from ..contract.private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, problem
 
 _AXIS_KEYS = ("step", "epoch", "time")
 #: The MLflow tag that names a tracker run's run folder: a resume continues only a run it names.
@@ -99,7 +104,8 @@ class TrackerThread:
                     if batch:
                         backend.log(batch)
                     if end is not None:
-                        backend.end(end[1], _artifacts(self.run_dir) if end[1] else [])
+                        with _exported(self.run_dir, end[1]) as files:
+                            backend.end(end[1], files)
                 except Exception as exc:  # noqa: BLE001
                     _warn(backend.name, "failed", exc)
                     backends.remove(backend)
@@ -130,10 +136,99 @@ def _drain(q: "queue.SimpleQueue", flush_s: float = FLUSH_S) -> Tuple[List[tuple
     return [i for i in items if i[0] not in (_END, _FLUSH)], end
 
 
-def _artifacts(run_dir: Path) -> List[Path]:
-    """The exported weights and what describes them (the built-in worker's ``export/``)."""
-    folder = rundir.export_dir(run_dir)
-    return sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+#: Where the export's files are put for the trackers, in the run's private state folder.
+_STAGED = "export-sent"
+
+
+@contextlib.contextmanager
+def _exported(run_dir: Path, ok: bool = True) -> Iterator[List[str]]:
+    """The exported weights and what describes them (``export/``), as paths only this process reaches.
+
+    The export folder is the user's, but the group may write it (it is made under the umask): a
+    link put among its files would send any file the user may read to the tracker's store, which
+    the group may read (``<runs_dir>/mlartifacts``) or a server. So each file is opened without
+    following a link and sent only if, on that descriptor, it is a regular file of the user's
+    with one name; it is linked (else copied) by that descriptor into a private folder of the
+    run's state, and the tracker reads it from there, through the state folder held open. Anything
+    else is left out, with a line in the rank's log.
+    """
+    if not ok:
+        yield []
+        return
+    with statedir.opened(run_dir, create=True) as state:
+        _clear(state.fd, _STAGED)
+        os.mkdir(_STAGED, PRIVATE_DIR_MODE, dir_fd=state.fd)
+        try:
+            staged = os.open(_STAGED, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=state.fd)
+            try:
+                names = _stage(rundir.export_dir(run_dir), staged)
+            finally:
+                os.close(staged)
+            yield [f"/proc/self/fd/{state.fd}/{_STAGED}/{name}" for name in names]
+        finally:
+            _clear(state.fd, _STAGED)
+
+
+def _stage(folder: Path, staged: int) -> List[str]:
+    """Link (else copy) each file of ``folder`` that is the user's alone into ``staged``; their names."""
+    try:
+        source = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        print(f"tracker: {folder} is not a folder ({exc}); no export is sent", flush=True)
+        return []
+    names = []
+    try:
+        found = problem(os.fstat(source), "folder", shared_ok=True)
+        if found is not None:
+            print(f"tracker: {folder} {found}; no export is sent", flush=True)
+            return []
+        for name in sorted(os.listdir(source)):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=source)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    print(f"tracker: {folder / name} is a symbolic link; it is not sent", flush=True)
+                continue  # a folder (opened fine, below), or gone
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISDIR(st.st_mode):
+                    continue
+                found = problem(st, "file")
+                # A file others may write is sent: the export is theirs to read and write (the umask).
+                if found is not None and not found.startswith("may be written"):
+                    print(f"tracker: {folder / name} {found}; it is not sent", flush=True)
+                    continue
+                try:
+                    os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=staged, follow_symlinks=True)
+                except OSError:  # another file system, or no hard links there: a copy
+                    os.set_blocking(fd, True)
+                    out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE, dir_fd=staged)
+                    with os.fdopen(out, "wb") as dst, os.fdopen(os.dup(fd), "rb") as src:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                names.append(name)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(source)
+    return names
+
+
+def _clear(state_fd: int, name: str) -> None:
+    """Remove the folder ``name`` of the state folder and its files (one level: what :func:`_stage` made)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=state_fd)
+    except OSError:
+        return
+    try:
+        for entry in os.listdir(fd):
+            with contextlib.suppress(OSError):
+                os.unlink(entry, dir_fd=fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=state_fd)
 
 
 def _warn(name: str, what: str, exc: BaseException) -> None:
@@ -213,7 +308,7 @@ class _MLflow:
         for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
-    def end(self, ok: bool, files: List[Path]) -> None:
+    def end(self, ok: bool, files: List[str]) -> None:
         for path in files:
             self.client.log_artifact(self.run_id, str(path), artifact_path=rundir.EXPORT)
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
@@ -285,7 +380,7 @@ class _WandB:
         for values, step, _ in batch:
             self.run.log({**values, "step": step})
 
-    def end(self, ok: bool, files: List[Path]) -> None:
+    def end(self, ok: bool, files: List[str]) -> None:
         if files:
             artifact = self.wandb.Artifact(f"{self.run.id}-export", type="model")
             for path in files:
