@@ -176,3 +176,24 @@ def test_a_link_planted_in_the_export_never_sends_your_files_to_the_tracker(proj
     assert sent == ["artifacts/export/model.pth"], sent  # the run's own export was sent
     said = open(os.path.join(run_dir, "logs", "rank0.log")).read()
     assert f"{run_dir}/export/notes.txt is a symbolic link" in said, said
+
+
+EXPORT = ("import warnings, torch; warnings.simplefilter('always'); "
+          "from nbddp.contract.checkpoint import export_weights; "
+          "export_weights({{'w': torch.full((2,), {value})}}, {where!r}, ['a', 'b'])")
+
+
+def test_a_link_in_place_of_a_runs_export_never_replaces_an_export_of_yours_elsewhere(project):
+    p = project
+    home = p.base / "home" / p.victim.name
+    deployed, run_dir = home / "deployed", p.root / "runs" / "exported"
+    # The victim's export in use elsewhere, and a run folder of hers (the group's to write, umask 002).
+    p.run(p.victim, EXPORT.format(value=1.0, where=str(deployed)) + f"; import os; os.makedirs({str(run_dir)!r})")
+    before = {f.name: f.read_bytes() for f in deployed.iterdir()}
+    # The run's export folder's name, a link to it: the built-in worker's export at the run's end goes there.
+    p.shell(p.attacker, f"ln -s {deployed} {run_dir}/export")
+    done = p.run(p.victim, EXPORT.format(value=2.0, where=str(run_dir / "export")), check=False)
+    assert {f.name: f.read_bytes() for f in deployed.iterdir()} == before, "the run's export replaced the victim's"
+    assert done.returncode == 0, done.stderr
+    assert f"{run_dir}/export is a symbolic link" in done.stderr and "moved to export.not-yours-" in done.stderr
+    assert (run_dir / "export").is_dir() and not (run_dir / "export").is_symlink()

@@ -30,17 +30,19 @@ import pickle
 import secrets
 import shutil
 import signal
+import stat
 import threading
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from .errors import ConfigError, WeightsError
 from .paths import PathLike, pseudo_filesystem, special_file_kind
-from .private import PRIVATE_FILE_MODE, open_private_below, private_folder
+from .private import PRIVATE_FILE_MODE, _aside, open_private_below, owner, private_folder
 from .rundir import (TMP_MARK, CLASS_INDICES, EXPORT, EXPORT_FILES, EXPORT_META, EXPORT_PTH,  # noqa: F401
                      EXPORT_SAFETENSORS, fsync_dir, temp_writer_alive, atomic_write, atomic_write_text,
                      cleanup_temp_files, write_class_indices)
@@ -577,9 +579,36 @@ def file_digest(path: PathLike) -> str:
     return h.hexdigest()
 
 
+def _foreign_link(path: Path) -> Optional[Tuple[Path, int]]:
+    """The first link on the way to ``path`` that neither the user nor root made, and its owner; else None.
+
+    A link of the user's own (an export folder kept elsewhere) is followed; one another user put in
+    a folder the group may write (a run folder) would take the export wherever she chose.
+    """
+    path = Path(os.path.abspath(path))
+    for step in [*reversed(path.parents), path]:
+        try:
+            st = os.lstat(step)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode) and owner(st) not in (0, os.getuid()):
+            return step, owner(st)
+    return None
+
+
 def _export_target(out_dir: Path) -> Path:
     """The real folder to replace, after refusing one that holds more than an export."""
-    target = Path(os.path.realpath(out_dir))  # a link to a folder: replace the folder, keep the link
+    found = _foreign_link(out_dir)
+    if found is not None and found[0] == Path(os.path.abspath(out_dir)):
+        with contextlib.suppress(FileNotFoundError):  # the export folder's own name: a folder made in its place
+            aside = _aside(found[0])
+            warnings.warn(f"{out_dir} is a symbolic link that uid {found[1]} made, so the export was not written "
+                          f"where it leads: it was moved to {aside.name} and the export made in its place.",
+                          stacklevel=3)
+    elif found is not None:
+        raise ConfigError(f"{found[0]} is a symbolic link that uid {found[1]} made: an export to {out_dir} would go "
+                          f"wherever it leads, so nbddp does not write there. Remove the link (or export elsewhere).")
+    target = Path(os.path.realpath(out_dir))  # a link of the user's to a folder: replace the folder, keep the link
     if target.exists() and not target.is_dir():
         raise ConfigError(f"export folder {out_dir} is a file; pass a folder path (it is created if needed)")
     if target.is_dir():
@@ -654,7 +683,9 @@ def export_weights(
         without ``extra``).
 
     Raises:
-        ConfigError: ``out_dir`` is a file, or holds files that are not part of an export.
+        ConfigError: ``out_dir`` is a file, or holds files that are not part of an export, or a
+            link on the way to it is another user's (one at ``out_dir`` itself is moved aside, with
+            a warning: a group member may put one in a run folder).
     """
     from safetensors import torch as safetensors_torch
 
