@@ -179,7 +179,7 @@ def test_the_batched_resize_is_the_antialiased_bilinear_one_in_chunks_too(monkey
               for h, w in [(20, 30), (24, 24), (240, 320), (7, 5), (100, 40), (3, 300)]]
     for size, train in [(16, True), (64, True), (64, False)]:
         drawn = [Crops(size, train, 0.08, True).box(i + 1, *img.shape[-2:]) for i, img in enumerate(images)]
-        boxes, flips = [b for b, _ in drawn], [f for _, f in drawn]
+        boxes, flips = torch.tensor([b for b, _ in drawn]), torch.tensor([f for _, f in drawn])
         each = R.resize_each(images, boxes, flips, size, torch.device("cpu"))
         for chunk in (R.CHUNK_ELEMENTS, 3 * 30 * 30):  # one call, or one per image or two
             monkeypatch.setattr(R, "CHUNK_ELEMENTS", chunk)

@@ -8,6 +8,9 @@ module              runs    what it does
 ``data``            both    class folders, samplers, transforms, image loading
 ``tensor_data``     rank    the decoded tensor cache
 ``decode_data``     rank    file bytes decoded and augmented batch by batch on the device
+``crops``           both    each image's augmentation box, drawn from its seed (loader processes)
+``resize``          rank    the decode pipeline's resize: image by image, or a batch in a few calls
+``startup``         both    a launch's fixed costs, one number each
 ``models``          both    torchvision models, weights files (training and prediction)
 ==================  ======  =============================================================
 

@@ -133,7 +133,7 @@ class EncodedBatch:
     @property
     def data(self) -> list:
         """Each image's bytes (views into the one tensor; empty for an image the loader decoded)."""
-        return [self.blob[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
+        return list(self.blob.split([b - a for a, b in zip(self.offsets, self.offsets[1:])]))
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -200,7 +200,7 @@ class EncodedImages(Dataset):
     """
 
     def __init__(self, samples: Sequence[Sample], crops: Crops):
-        self.samples, self.crops = list(samples), crops
+        self.samples, self.crops = [(str(p), c) for p, c in samples], crops
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -219,7 +219,7 @@ class EncodedImages(Dataset):
             data = _read(path)
             size = jpeg_size(data)
             decoded = 0
-            if size is None and data[:3] != _JPEG_MAGIC:
+            if size is None and data[:3] != _JPEG_MAGIC:  # not a JPEG: decoded here
                 image = _decode_here(data, path)
                 pixels.append(image.reshape(-1))
                 size, decoded, data = tuple(image.shape[-2:]), 1, b""
@@ -228,8 +228,9 @@ class EncodedImages(Dataset):
             parts.append(data)
             offsets.append(offsets[-1] + len(data))
             seeds.append(seed)
-            paths.append(str(path))
+            paths.append(path)
             labels.append(label)
+        # One copy of the batch's bytes, into a buffer the tensor shares (frombuffer wants it writable).
         blob = torch.frombuffer(bytearray().join(parts), dtype=torch.uint8) if offsets[-1] else \
             torch.empty(0, dtype=torch.uint8)
         batch = EncodedBatch(blob, offsets, seeds, paths, torch.tensor(rows, dtype=torch.int64),
@@ -339,25 +340,31 @@ class DeviceDecoder:
         self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1) * 255
 
     def boxes(self, batch: EncodedBatch, images: list) -> tuple:
-        """``(boxes, flips)`` of the decoded ``images``: the loader's, or drawn here where it had none for that size."""
-        rows = batch.info.tolist() if batch.info is not None else [None] * len(images)
-        boxes, flips = [], []
-        for img, row, seed in zip(images, rows, batch.seeds):
-            height, width = img.shape[-2], img.shape[-1]
-            if row is not None and row[HEIGHT] == height and row[WIDTH] == width:
-                boxes.append(tuple(row[TOP:BOX_W + 1]))
-                flips.append(bool(row[FLIP]))
-            else:
-                box, flip = self.crops.box(int(seed), height, width)
-                boxes.append(box)
-                flips.append(flip)
-        return boxes, flips
+        """``(boxes, flips, sizes)`` of the decoded ``images`` (``int64 [N, 4]``, ``bool [N]``, ``int64 [N, 2]``,
+        on the CPU): the loader's boxes, or drawn here, from each seed, where it had none for the size
+        the image has."""
+        sizes = torch.tensor([(img.shape[-2], img.shape[-1]) for img in images], dtype=torch.int64).view(-1, 2)
+        if batch.info is None:
+            boxes, flips = torch.zeros(len(images), 4, dtype=torch.int64), torch.zeros(len(images), dtype=torch.bool)
+            redraw = range(len(images))
+        else:
+            boxes, flips = batch.info[:, TOP:BOX_W + 1], batch.info[:, FLIP].bool()
+            redraw = (batch.info[:, HEIGHT:WIDTH + 1] != sizes).any(1).nonzero().flatten().tolist()
+            if redraw:
+                boxes = boxes.clone()
+        for i in redraw:
+            box, flip = self.crops.box(int(batch.seeds[i]), *sizes[i].tolist())
+            boxes[i] = torch.tensor(box)
+            flips[i] = flip
+        return boxes, flips, sizes
 
     def __call__(self, batch: EncodedBatch) -> torch.Tensor:
         images = decode(batch, self.device)
-        boxes, flips = self.boxes(batch, images)
-        resize = resize_batch if self.batched else resize_each
-        out = resize(images, boxes, flips, self.image_size, self.device)
+        boxes, flips, sizes = self.boxes(batch, images)
+        if self.batched:
+            out = resize_batch(images, boxes, flips, self.image_size, self.device, sizes)
+        else:
+            out = resize_each(images, boxes, flips, self.image_size, self.device)
         return (out - self.mean) / self.std
 
 

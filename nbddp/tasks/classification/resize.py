@@ -17,7 +17,7 @@ Worker side.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +28,12 @@ import torch.nn.functional as F
 CHUNK_ELEMENTS = 1 << 24
 
 
-def resize_each(images: Sequence[torch.Tensor], boxes: List[tuple], flips: List[bool], size: int,
+def resize_each(images: Sequence[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor, size: int,
                 device: torch.device) -> torch.Tensor:
-    """``N x 3 x size x size`` float: each image's box resized on its own (the CPU way)."""
+    """``N x 3 x size x size`` float: each image's box (a row of ``boxes``: top, left, height, width)
+    resized on its own, mirrored where ``flips`` says (the CPU way)."""
     out = torch.empty(len(images), 3, size, size, device=device)
-    for i, (img, (top, left, h, w), flip) in enumerate(zip(images, boxes, flips)):
+    for i, (img, (top, left, h, w), flip) in enumerate(zip(images, boxes.tolist(), flips.tolist())):
         crop = img[None, :, top:top + h, left:left + w].float()
         out[i] = F.interpolate(crop, size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]
         if flip:
@@ -56,56 +57,67 @@ def filter_weights(lengths: torch.Tensor, padded: int, size: int) -> torch.Tenso
     return (weights / weights.sum(-1, keepdim=True)).float()
 
 
-def _chunks(boxes: List[tuple]) -> List[tuple]:
+def _chunks(boxes: torch.Tensor) -> List[tuple]:
     """``(start, end)`` runs of images whose padded crops stay within :data:`CHUNK_ELEMENTS` (one image at least)."""
+    n = len(boxes)
+    if n * 3 * int(boxes[:, 2].max()) * int(boxes[:, 3].max()) <= CHUNK_ELEMENTS:
+        return [(0, n)]
     runs, start, hc, wc = [], 0, 0, 0
-    for i, (_, _, h, w) in enumerate(boxes):
+    for i, (_, _, h, w) in enumerate(boxes.tolist()):
         nh, nw = max(hc, h), max(wc, w)
         if i > start and (i - start + 1) * 3 * nh * nw > CHUNK_ELEMENTS:
             runs.append((start, i))
             start, nh, nw = i, h, w
         hc, wc = nh, nw
-    runs.append((start, len(boxes)))
+    runs.append((start, n))
     return runs
 
 
-def resize_batch(images: Sequence[torch.Tensor], boxes: List[tuple], flips: List[bool], size: int,
-                 device: torch.device) -> torch.Tensor:
+def _end_to_end(images: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The images' pixels in one 1-D tensor, in one call (DDP's own helper), else by a view of each."""
+    try:
+        from torch._utils import _flatten_dense_tensors
+
+        return _flatten_dense_tensors(list(images))
+    except (ImportError, AttributeError, RuntimeError):
+        return torch.cat([img.reshape(-1) for img in images])
+
+
+def resize_batch(images: Sequence[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor, size: int,
+                 device: torch.device, sizes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``N x 3 x size x size`` float: every image's box resized in a few batched calls (the GPU way).
 
-    The images are laid end to end in one tensor; each chunk gathers its boxes into one padded
-    ``n x 3 x h x w`` tensor (edge pixels repeated: their weights are 0) and resizes it with two
-    batched matrix products.
+    ``boxes`` (``int64 [N, 4]``: top, left, height, width), ``flips`` (``bool [N]``) and ``sizes``
+    (``int64 [N, 2]``: each image's height and width, read from the images when not given) are on
+    the CPU. The images are laid end to end in one tensor; each chunk gathers its boxes into one
+    padded ``n x 3 x h x w`` tensor (edge pixels repeated: their weights are 0) and resizes it
+    with two batched matrix products.
     """
     n = len(images)
     out = torch.empty(n, 3, size, size, device=device)
     if n == 0:
         return out
-    flat = torch.cat([img.reshape(-1) for img in images])
-    heights = [int(img.shape[-2]) for img in images]
-    widths = [int(img.shape[-1]) for img in images]
-    starts, at = [], 0
-    for h, w in zip(heights, widths):
-        starts.append(at)
-        at += 3 * h * w
+    flat = _end_to_end(images)
+    if sizes is None:
+        sizes = torch.tensor([(img.shape[-2], img.shape[-1]) for img in images], dtype=torch.int64)
+    plane = sizes[:, 0] * sizes[:, 1]
+    start = torch.cumsum(3 * plane, 0) - 3 * plane
     # Per image: where it starts, its plane, its width, its box; one copy to the device.
-    geometry = torch.tensor([[s, h * w, w, *box] for s, h, w, box in zip(starts, heights, widths, boxes)],
-                            dtype=torch.int64).to(device, non_blocking=True)
-    mirrored = torch.tensor(flips, dtype=torch.bool).to(device, non_blocking=True)
+    geometry = torch.cat([start[:, None], plane[:, None], sizes[:, 1:], boxes], 1).to(device, non_blocking=True)
+    mirrored = flips.to(device, non_blocking=True)
     channel = torch.arange(3, device=device).view(1, 3, 1, 1)
     for a, b in _chunks(boxes):
-        g = geometry[a:b]
-        base, plane, width, top, left, h, w = (g[:, k] for k in range(7))
-        hc, wc = max(box[2] for box in boxes[a:b]), max(box[3] for box in boxes[a:b])
+        base, plane, width, top, left, h, w = geometry[a:b].unbind(1)
+        hc, wc = int(boxes[a:b, 2].max()), int(boxes[a:b, 3].max())
         rows = top[:, None] + torch.minimum(torch.arange(hc, device=device), h[:, None] - 1)  # [m, hc]
         cols = left[:, None] + torch.minimum(torch.arange(wc, device=device), w[:, None] - 1)  # [m, wc]
         pixel = (rows * width[:, None])[:, :, None] + cols[:, None, :]  # [m, hc, wc] within a plane
         index = pixel[:, None] + (base[:, None, None, None] + channel * plane[:, None, None, None])
         crops = flat.take(index).float()  # [m, 3, hc, wc]
-        wy = filter_weights(h, hc, size)  # [m, S, hc]
-        wx = filter_weights(w, wc, size)  # [m, S, wc]
-        wx = torch.where(mirrored[a:b, None, None], wx.flip(1), wx)
         m = b - a
+        both = filter_weights(torch.cat([h, w]), max(hc, wc), size)  # the rows' and the columns' at once
+        wy, wx = both[:m, :, :hc], both[m:, :, :wc]  # [m, S, hc], [m, S, wc]
+        wx = torch.where(mirrored[a:b, None, None], wx.flip(1), wx)
         # Rows of every channel at once, then columns of every channel at once: two products of m
         # matrices (not 3m), the channels side by side in each.
         across = torch.bmm(crops.view(m, 3 * hc, wc), wx.transpose(1, 2))  # [m, 3*hc, S]
