@@ -211,3 +211,16 @@ def test_the_host_side_benchmark_runs_the_pipeline_as_the_worker_builds_it():
     spec.loader.exec_module(bench)
     r = bench.main(["--host", "--images", "40", "--batch", "8", "--repeats", "1"])
     assert r["images_per_epoch"] == 40 and min(r["loader"], r["rank"], r["together"], r["together_wall"]) > 0
+
+
+def test_the_resize_is_chosen_by_device_or_by_its_variable(monkeypatch):
+    from nbddp.tasks.classification.decode_data import RESIZE_ENV
+
+    assert not DeviceDecoder("cpu", 8, True).batched and DeviceDecoder("cpu", 8, True, batched=True).batched
+    monkeypatch.setenv(RESIZE_ENV, "batch")
+    assert DeviceDecoder("cpu", 8, True).batched and not DeviceDecoder("cpu", 8, True, batched=False).batched
+    monkeypatch.setenv(RESIZE_ENV, "each")
+    assert not DeviceDecoder("meta", 8, True).batched
+    monkeypatch.setenv(RESIZE_ENV, "both")
+    with pytest.raises(ValueError, match="NBDDP_DECODE_RESIZE='both': use 'batch' or 'each'"):
+        DeviceDecoder("cpu", 8, True)
