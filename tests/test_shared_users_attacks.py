@@ -85,17 +85,20 @@ def _finish(p, run, go: str) -> str:
 
 def test_a_link_in_place_of_a_run_folder_never_makes_its_kernel_end_another_run(project):
     p = project
-    begun = _begin(p, "other"), _begin(p, "linked")
+    begun = _begin(p, "other", steps=1), _begin(p, "linked", steps=1)
     other, other_dir, other_go = _ready(p, begun[0])  # the victim's run in another kernel
     run, run_dir, go = _ready(p, begun[1])
     try:
         # Renaming in the group-writable runs folder needs no other right: the name now leads to the other run.
         p.shell(p.attacker, f"mv {run_dir} {run_dir}.away && ln -s {other_dir} {run_dir}")
         out = _finish(p, run, go)
-        assert "RESULT done" in out, out
+        assert "RESULT done" in out and out.count("'loss'") == 1, out
         # The kernel looked for what the first run's ranks left behind: the other run's rank is not that.
         out = _finish(p, other, other_go)
         assert "RESULT done" in out, f"the first run's kernel ended the other run's rank\n{out}"
+        # Each run's records went into its own folder, and each kernel read its own run's.
+        assert out.count("'loss'") == 1, f"the other run's result holds the first run's records\n{out}"
+        assert len(open(os.path.join(run_dir + ".away", "metrics.jsonl")).read().splitlines()) == 1
     finally:
         for proc in (run, other):
             if proc.poll() is None:

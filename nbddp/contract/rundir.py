@@ -466,20 +466,31 @@ def write_json_atomic(path: PathLike, obj: Any, durable: bool = False, mode: int
 OWN_FILE_MODE = 0o644
 
 
+def _run_folder(run_dir: Path) -> int:
+    """``run_dir`` opened: the parent of the state folder this process holds open for it, whatever the
+    run folder is named now (a link put in place of its name leads elsewhere), else by its name."""
+    state = statedir.pinned(run_dir)
+    if state is not None and state.fd is not None:
+        with contextlib.suppress(OSError):  # released meanwhile: by its name
+            return os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=state.fd)
+    return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
 def open_own(path: PathLike, what: str) -> int:
     """An appending descriptor of ``path``, a file of the run folder that nbddp reads back (``metrics.jsonl``).
 
-    The file is opened in its folder without following a link, and used only if, on its open
-    descriptor, it is a regular file of the user's with one name that no one else may write
-    (created :data:`OWN_FILE_MODE`): a link a group member put in its place would otherwise take
-    the writes into any file of the user's elsewhere, and a file others may write may hold their
-    records. Anything else there is moved aside, unread, with a warning, and a new file made.
+    The file is opened in the run folder the launch uses (:func:`_run_folder`) without following a
+    link, and used only if, on its open descriptor, it is a regular file of the user's with one
+    name that no one else may write (created :data:`OWN_FILE_MODE`): a link a group member put in
+    its place would otherwise take the writes into any file of the user's elsewhere, and a file
+    others may write may hold their records. Anything else there is moved aside, unread, with a
+    warning, and a new file made.
 
     Raises:
         NotPrivate: another user keeps replacing it.
     """
     path = Path(path)
-    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    folder = _run_folder(path.parent)
     try:
         for _ in range(5):
             try:
@@ -510,10 +521,17 @@ def open_own(path: PathLike, what: str) -> int:
 def read_own(path: PathLike) -> Optional[int]:
     """A read descriptor of ``path`` if it is, on that descriptor, a regular file of the user's with one
     name that no one else may write (what :func:`open_own` writes); None if it is missing or is not."""
+    path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        folder = _run_folder(path.parent)
     except OSError:
         return None
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+    except OSError:
+        return None
+    finally:
+        os.close(folder)
     if problem(os.fstat(fd), "file") is not None:
         os.close(fd)
         return None
