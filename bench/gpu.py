@@ -4,6 +4,7 @@
     python bench/gpu.py --quick                    # a quick pass: fewer steps, one repeat
     python bench/gpu.py --profile                  # + a profiler summary of one nbddp training step
     python bench/gpu.py --e2e-only                 # only the built-in worker's launches (fixed costs, pipelines)
+    python bench/gpu.py --no-e2e --step-rows eager # parts 1 and 2 only, nbddp's step without the DDP variants
     python bench/gpu.py --smoke                    # CPU, tiny sizes: every code path (tests)
 
 ResNet34 (torchvision, 10 outputs) at 224 px, batch 256 per GPU, autocast (bf16 from compute
@@ -255,8 +256,10 @@ class _Labelled(torch.nn.Module):
             return self.inner(x)
 
 
-def step_worker(ctx, model_name, image_size, batch, steps, repeats, warmup, do_compile, compile_backend, profile):
-    """Part 2, in every rank of a ``spawn_train`` launch: nbddp's training step and its variants."""
+def step_worker(ctx, model_name, image_size, batch, steps, repeats, warmup, do_compile, compile_backend, profile,
+                variants="all"):
+    """Part 2, in every rank of a ``spawn_train`` launch: nbddp's training step and its variants
+    (``variants="eager"``: the step as the built-in worker builds it, alone)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from nbddp.rank.dist import data_parallel, no_forward_buffer_sync
@@ -294,8 +297,9 @@ def step_worker(ctx, model_name, image_size, batch, steps, repeats, warmup, do_c
                 torch.backends.cudnn.benchmark = True
         return run
 
-    built = {name: build(kw) for name, (kw, _) in STEP_VARIANTS.items()}
-    runners = {name: runner(*built[name], cudnn_benchmark=bench) for name, (_, bench) in STEP_VARIANTS.items()}
+    chosen = {name: v for name, v in STEP_VARIANTS.items() if variants == "all" or name == STEP_EAGER}
+    built = {name: build(kw) for name, (kw, _) in chosen.items()}
+    runners = {name: runner(*built[name], cudnn_benchmark=bench) for name, (_, bench) in chosen.items()}
     compile_s = None
     if do_compile:
         compiled = build(None, compile_model=True)
@@ -340,10 +344,8 @@ def _group_of(evt, kernel_name=""):
             return "optimizer"
         if name.startswith("autograd::engine::evaluate_function"):
             return "backward"
-        if name == "bench: forward":
-            return "forward"
-        if name == "bench: data wait":
-            return "data wait"
+        if name.startswith("bench: "):  # bench: forward, bench: data wait (and bench/step_profile.py's parts)
+            return name[len("bench: "):]
         e = e.cpu_parent
     return "other (loss, agreement flags, copies)"
 
@@ -536,13 +538,15 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
     for name, row in step_r["rows"].items():
         table.append((name, row["images_per_s_per_gpu"], row["peak_gib"]))
     # The built-in worker's peaks are in its epoch records (max over its GPUs; none on the CPU).
-    steady = [m for k in ("first", "warm") for m in e2e_r[k]["metrics"][1:]]
-    table.append(("built-in worker, tensor pipeline, steady epochs", e2e_r["steady_images_per_s"] / world,
-                  _peak_gib(steady)))
-    for i, m in enumerate(e2e_r["decode"]["metrics"]):
-        table.append((f"built-in worker, decode pipeline, epoch {i + 1}", m["images_per_s"] / world, _peak_gib([m])))
-    for i, m in enumerate(e2e_r["pil"]["metrics"]):
-        table.append((f"built-in worker, PIL pipeline, epoch {i + 1}", m["images_per_s"] / world, _peak_gib([m])))
+    if e2e_r is not None:
+        steady = [m for k in ("first", "warm") for m in e2e_r[k]["metrics"][1:]]
+        table.append(("built-in worker, tensor pipeline, steady epochs", e2e_r["steady_images_per_s"] / world,
+                      _peak_gib(steady)))
+        for i, m in enumerate(e2e_r["decode"]["metrics"]):
+            table.append((f"built-in worker, decode pipeline, epoch {i + 1}", m["images_per_s"] / world,
+                          _peak_gib([m])))
+        for i, m in enumerate(e2e_r["pil"]["metrics"]):
+            table.append((f"built-in worker, PIL pipeline, epoch {i + 1}", m["images_per_s"] / world, _peak_gib([m])))
     base = plain_r["rows"][PLAIN_EAGER]["images_per_s"]
     print(f"\n{step_r['device']} x {world} ({step_r['backend']}), torch {step_r['torch']}, {a.model} at "
           f"{a.image_size} px, batch {a.batch_size} per GPU, {step_r['amp_dtype']} autocast + channels_last, "
@@ -560,7 +564,7 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
     if a.compile:
         ratios["nbddp compiled / plain compiled"] = (ratio(step_r["rows"][STEP_COMPILED]["images_per_s_per_gpu"],
                                                            plain_r["rows"][PLAIN_COMPILED]["images_per_s"]), 0.97)
-    for pipe, v in e2e_r["steady_images_per_s_by_pipeline"].items():
+    for pipe, v in (e2e_r or {}).get("steady_images_per_s_by_pipeline", {}).items():
         ratios[f"built-in steady ({pipe}) / plain eager"] = (ratio(v / world, base), 0.9)
         after = e2e_r["steady_images_per_s_after_first_batch"][pipe]
         ratios[f"built-in steady ({pipe}), each epoch's first batch left out / plain eager"] = (
@@ -568,19 +572,8 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
     print("\n| ratio | measured | goal |\n|---|---|---|")
     for name, (value, goal) in ratios.items():
         print(f"| {name} | {value:.3f} | >= {goal} |")
-    first, warm = e2e_r["first"]["wall_s"], e2e_r["warm"]["wall_s"]
-    if e2e_r["timed_out"]:
-        print(f"\nthe end-to-end part ran out of its {a.part_timeout:.0f} s: launches not finished show nan")
-    print(f"\nbuilt-in worker, {a.images} images, {a.epochs} epochs: first launch in a fresh process {first:.1f} s "
-          f"(goal <= 12 s; the process took {e2e_r['process_s']:.1f} s with python start and "
-          f"{e2e_r['import_s']:.1f} s of import torch/nbddp), warm relaunch {warm:.1f} s (goal <= 5 s), "
-          f"PIL pipeline ({e2e_r['pil']['wall_s']:.1f} s wall): "
-          f"{', '.join(f'{v:,.0f}' for v in e2e_r['pil_images_per_s'])} images/s by epoch (goal >= 2,500)")
-    dec = e2e_r["steady_images_per_s_by_pipeline"]["decode"] / world
-    print(f"decode pipeline, steady: {dec:,.0f} images/s per GPU (goal >= 5,000), {ratio(dec, base):.3f} of the "
-          f"synthetic-tensor rate (plain eager; goal >= 0.9); best validation accuracy decode "
-          f"{_best_acc(e2e_r['decode']):.3f}, pil {_best_acc(e2e_r['pil']):.3f}, tensor {_best_acc(e2e_r['warm']):.3f}")
-    print(fixed_costs(e2e_r))
+    if e2e_r is not None:
+        _report_e2e(a, e2e_r, world, base)
     comp = (f"plain {plain_r['compile_s']:.1f} s, nbddp (DDP) {step_r['compile_s']:.1f} s" if a.compile
             else "not run (--compile)")
     print(f"torch.compile time: {comp}")
@@ -600,6 +593,27 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
                                                 for n, v, p in table],
             "ratios": {k: {"measured": v, "goal": g} for k, (v, g) in ratios.items()},
             "plain": plain_r, "step": step_r, "e2e": e2e_r, "date": time.strftime("%Y-%m-%d")}
+
+
+def _report_e2e(a, e2e_r, world, base) -> None:
+    """Part 3's lines: the launches' wall times, the decode pipeline, the fixed costs."""
+
+    def ratio(num, den):
+        return num / den if den else float("nan")
+
+    first, warm = e2e_r["first"]["wall_s"], e2e_r["warm"]["wall_s"]
+    if e2e_r["timed_out"]:
+        print(f"\nthe end-to-end part ran out of its {a.part_timeout:.0f} s: launches not finished show nan")
+    print(f"\nbuilt-in worker, {a.images} images, {a.epochs} epochs: first launch in a fresh process {first:.1f} s "
+          f"(goal <= 12 s; the process took {e2e_r['process_s']:.1f} s with python start and "
+          f"{e2e_r['import_s']:.1f} s of import torch/nbddp), warm relaunch {warm:.1f} s (goal <= 5 s), "
+          f"PIL pipeline ({e2e_r['pil']['wall_s']:.1f} s wall): "
+          f"{', '.join(f'{v:,.0f}' for v in e2e_r['pil_images_per_s'])} images/s by epoch (goal >= 2,500)")
+    dec = e2e_r["steady_images_per_s_by_pipeline"]["decode"] / world
+    print(f"decode pipeline, steady: {dec:,.0f} images/s per GPU (goal >= 5,000), {ratio(dec, base):.3f} of the "
+          f"synthetic-tensor rate (plain eager; goal >= 0.9); best validation accuracy decode "
+          f"{_best_acc(e2e_r['decode']):.3f}, pil {_best_acc(e2e_r['pil']):.3f}, tensor {_best_acc(e2e_r['warm']):.3f}")
+    print(fixed_costs(e2e_r))
 
 
 def _e2e_only(a, data_root: Path, work: Path) -> dict:
@@ -639,6 +653,9 @@ def main(argv=None):
     ap.add_argument("--work-dir", default=None, help="for the generated photos and the runs (default: temp)")
     ap.add_argument("--part-timeout", type=float, default=400, help="seconds each subprocess part may take")
     ap.add_argument("--e2e-only", action="store_true", help="only part 3, the built-in worker end to end")
+    ap.add_argument("--no-e2e", action="store_true", help="parts 1 and 2 only (bench/gpu_round.py runs part 3 apart)")
+    ap.add_argument("--step-rows", choices=("all", "eager"), default="all",
+                    help="eager: nbddp's step as the built-in worker builds it, without the DDP option variants")
     ap.add_argument("--launches", default="first,warm,decode,pil",
                     help="part 3's launches after the first (tensor pipeline), e.g. first,warm,decode")
     ap.add_argument("--plain-only", action="store_true", help=argparse.SUPPRESS)  # part 1, in its own process
@@ -661,7 +678,7 @@ def main(argv=None):
 
     work = Path(a.work_dir or Path(tempfile.gettempdir()) / "nbddp-bench")
     work.mkdir(parents=True, exist_ok=True)
-    data_root = _flowers_like(work / f"flowers-like-{a.images}", a.images)
+    data_root = None if a.no_e2e else _flowers_like(work / f"flowers-like-{a.images}", a.images)
     t0 = time.perf_counter()
     if a.e2e_only:
         return _e2e_only(a, data_root, work)
@@ -671,10 +688,10 @@ def main(argv=None):
                          runs_dir=work / "runs",
                          kwargs=dict(model_name=a.model, image_size=a.image_size, batch=a.batch_size, steps=a.steps, repeats=a.repeats,
                                      warmup=a.warmup, do_compile=a.compile, compile_backend=a.compile_backend,
-                                     profile=a.profile)).value
+                                     profile=a.profile, variants=a.step_rows)).value
     if a.json:  # parts 1 and 2 kept should the end-to-end part fail
         Path(a.json).write_text(json.dumps({"plain": plain_r, "step": step_r}, indent=1, default=str))
-    e2e_r = _run_e2e_child(a, data_root, work, work / "e2e.json")
+    e2e_r = None if a.no_e2e else _run_e2e_child(a, data_root, work, work / "e2e.json")
     r = _report(a, plain_r, step_r, e2e_r)
     r["bench_s"] = time.perf_counter() - t0
     print(f"\nbenchmark time: {r['bench_s']:.0f} s (not counting the photos' generation)")

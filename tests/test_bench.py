@@ -64,3 +64,35 @@ def test_decode_benchmark_measures_both_pipelines_side_by_side():
     decode = load("decode")
     r = decode.main(["--images", "20", "--image-size", "32", "--batch", "8", "--repeats", "1"])
     assert r["pil"] > 0 and r["decode"] > 0 and r["decode_vs_pil"] > 0 and r["images"] == 20
+
+
+def test_gpu_round_runs_every_step_and_summarises_the_goals_on_the_cpu(tmp_path):
+    """bench/gpu_round.py --smoke: each step's own command at tiny sizes, then the summary of the GPU goals."""
+    gpu_round = load("gpu_round")
+    out = tmp_path / "out"
+    summary = gpu_round.main(["--smoke", "--out", str(out), "--work-dir", str(tmp_path / "work")])
+
+    steps = json.loads((out / "steps.json").read_text())
+    assert list(steps) == [s.name for s in gpu_round.STEPS]
+    assert steps["install"] == {"skipped": "nbddp is installed"}
+    ran = {name: s for name, s in steps.items() if "skipped" not in s}
+    assert {"machine", "step", "e2e", "profiles", "fsdp", "decode", "gpu-tests"} <= set(ran), steps
+    assert all(s["rc"] == 0 and not s["timed_out"] for s in ran.values()), steps
+    assert all((out / f"{name}.log").read_text().startswith("$ ") for name in ran)
+
+    rows = {r["goal"]: r for r in summary["rows"]}
+    # What a CPU measures has its figure; what only a GPU has reads "not measured", never "met".
+    for goal in ("nbddp's step / plain PyTorch, eager, same run", "built-in worker's steady epochs (tensor) / plain eager",
+                 "flowers 3 epochs, first launch in a fresh process, s"):
+        assert rows[goal]["measured"] is not None and math.isfinite(rows[goal]["measured"]), rows[goal]
+    for goal in ("nbddp's step / plain PyTorch, torch.compile, same run", "FSDP step, spawn_train / torchrun",
+                 "decode pipeline, flowers-sized folder, images/s per GPU"):
+        assert rows[goal]["status"] == "not measured", rows[goal]
+    assert rows["tests/test_gpu.py on the GPU"]["shown"].endswith("skipped"), "no GPU here: every GPU test skips"
+    assert "| goal | measured | target | status |" in (out / "summary.md").read_text()
+
+    # A steady step of the built-in worker, profiled: its parts, and no host synchronisation (a CPU has none).
+    prof = json.loads((out / "profiles.json").read_text())["tensor"]["profile"]
+    assert {"forward", "backward", "optimizer", "data wait", "agreement"} <= set(prof["host_by_part_ms"]), prof
+    assert prof["host_syncs_per_step"] == 0 and prof["steps"] == 2
+    assert any(line.startswith("tensor: ") for line in summary["profiles"])

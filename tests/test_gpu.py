@@ -167,6 +167,46 @@ def test_batch_augment_on_the_gpu_matches_the_cpu():
     assert torch.allclose(gpu.cpu(), cpu, atol=1e-4)
 
 
+@needs_gpu
+def test_a_steady_training_step_never_waits_for_the_gpu():
+    """CUDA's own check (``set_sync_debug_mode("error")``) over the steady steps: none of them makes the host wait
+    for the device. Each step's loss is read at the next step, from pinned memory, behind an event."""
+    import torch
+
+    from nbddp.rank import readback
+    from nbddp.rank.engine import train_one_epoch
+
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 3))
+    model = model.to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 3, 32, 32, generator=g).to(dev), torch.randint(0, 3, (16,), generator=g).to(dev))
+            for _ in range(8)]
+
+    def batches():  # batch k is read during step k - 1: steps 2 to 5 run whole under the check
+        for k, batch in enumerate(data):
+            torch.cuda.set_sync_debug_mode("error" if 2 <= k < len(data) - 1 else "default")
+            yield batch
+
+    class Loader:
+        def __len__(self):
+            return len(data)
+
+        def __iter__(self):
+            return batches()
+
+    try:
+        with readback.recording() as reads:
+            stats = train_one_epoch(model, opt, Loader(), dev, 0, amp_dtype=torch.bfloat16, channels_last=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert stats.steps == len(data) and torch.isfinite(torch.tensor(stats.loss))
+    assert [(r.produced, r.step) for r in reads] == [(s, s + 1) for s in range(7)] + [(7, 7)]
+
+
 @needs_2_gpus
 def test_sync_bn_on_two_gpus_equals_one_process_on_the_whole_batch(runs_dir):
     import sys
