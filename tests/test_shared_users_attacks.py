@@ -23,11 +23,14 @@ from shared_users import shared_project  # noqa: F401  (the fixture)
 WORKER = textwrap.dedent('''
     import os, time
 
-    def held(ctx, ready, go, steps=0, early=False, export=False):
+    def held(ctx, ready, go, steps=0, early=False, export=False, profile=False):
         """Say where the run is (after a first record, ``early``; with an export of its weights,
-        ``export``), wait for the test's word, then log ``steps`` steps (profiled if asked)."""
+        ``export``; with ``profile/`` as an older nbddp made it, ``profile``), wait for the test's
+        word, then log ``steps`` steps (profiled if asked)."""
         if early:
             ctx.log(step=-1, loss=2.0)
+        if profile:  # under the umask: the group's to write in
+            os.makedirs(os.path.join(ctx.run_dir, "profile"), exist_ok=True)
         if export:  # as an export is written: under the umask, for the group to read
             os.makedirs(os.path.join(ctx.run_dir, "export"), exist_ok=True)
             with open(os.path.join(ctx.run_dir, "export", "model.pth"), "w") as f:
@@ -43,8 +46,8 @@ WORKER = textwrap.dedent('''
 ''')
 
 LAUNCH = ("import os, sys; sys.stdin = open(os.devnull); import nbddp; "
-          "r = nbddp.spawn_train('attackw.py:held', {ready!r}, {go!r}, {steps}, {early}, {export}, nprocs=1, "
-          "runs_dir='runs', "
+          "r = nbddp.spawn_train('attackw.py:held', {ready!r}, {go!r}, {steps}, {early}, {export}, {profile}, "
+          "nprocs=1, runs_dir='runs', "
           "name={name!r}, echo=False{extra}); print('RESULT', r.value); print('METRICS', r.metrics)")
 
 
@@ -56,10 +59,12 @@ def project(shared_project):  # noqa: F811 - the fixture imported above
     return p
 
 
-def _begin(p, name: str, steps: int = 0, early: bool = False, export: bool = False, extra: str = ""):
+def _begin(p, name: str, steps: int = 0, early: bool = False, export: bool = False, profile: bool = False,
+           extra: str = ""):
     """The victim's launch in the background; wait for it with :func:`_ready`."""
     ready, go = str(p.root / f"ready-{name}"), str(p.root / f"go-{name}")
-    code = LAUNCH.format(ready=ready, go=go, steps=steps, early=early, export=export, name=name, extra=extra)
+    code = LAUNCH.format(ready=ready, go=go, steps=steps, early=early, export=export, profile=profile, name=name,
+                         extra=extra)
     return p.start(p.victim, code), name
 
 
@@ -111,23 +116,25 @@ def test_a_link_planted_in_the_run_folder_never_takes_a_ranks_writes_into_your_f
     home = p.base / "home" / p.victim.name
     notes, thesis = home / "notes.txt", home / "thesis.tex"
     p.shell(p.victim, f"echo precious > {notes}; echo thesis > {thesis}; chmod 600 {notes} {thesis}")
-    run, run_dir, go = _start(p, "planted", steps=6, extra=", profile={'wait': 1, 'warmup': 1, 'active': 2}")
+    run, run_dir, go = _start(p, "planted", steps=6, profile=True,
+                              extra=", profile={'wait': 1, 'warmup': 1, 'active': 2}")
     try:
-        # Before the rank logs or profiles: links where it writes, to files of the victim's outside the run.
-        p.shell(p.attacker, f"cd {run_dir} && ln -s {notes} metrics.jsonl && mkdir -m 777 profile && "
+        # Before the rank logs or profiles: links where it writes, to files of the victim's outside the run
+        # (profile/ is the victim's, made under the umask as an older nbddp made it: the group writes in it).
+        p.shell(p.attacker, f"cd {run_dir} && ln -s {notes} metrics.jsonl && "
                             f"ln -s {thesis} profile/rank0.pt.trace.json.gz")
         out = _finish(p, run, go)
     finally:
         if run.poll() is None:
             run.kill()
             run.communicate()
-    assert notes.read_text() == "precious\n", "the rank appended its ctx.log records to a file of the victim's"
-    assert thesis.read_text() == "thesis\n", "the rank replaced a file of the victim's with its profile"
+    assert notes.read_bytes() == b"precious\n", "the rank appended its ctx.log records to a file of the victim's"
+    assert thesis.read_bytes() == b"thesis\n", "the rank replaced a file of the victim's with its profile"
     assert "RESULT done" in out, out
     # Both were moved aside, said in the rank's output, and made anew: the run's records are whole, its own.
     said = open(os.path.join(run_dir, "logs", "rank0.log")).read()
     assert f"{run_dir}/metrics.jsonl is a symbolic link" in said and "moved to metrics.jsonl.not-yours-" in said, said
-    assert f"{run_dir}/profile is owned by uid {p.attacker.uid}" in said, said
+    assert f"{run_dir}/profile may be written by other users" in said and "moved to profile.not-yours-" in said, said
     assert len(open(os.path.join(run_dir, "metrics.jsonl")).read().splitlines()) == 6
     assert os.stat(os.path.join(run_dir, "metrics.jsonl")).st_mode & 0o777 == 0o644  # the group may read it
     assert os.path.isfile(os.path.join(run_dir, "profile", "rank0.summary.json"))

@@ -11,18 +11,20 @@ process starts and reads what the ranks wrote; the ranks (:mod:`nbddp.rank.profi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import rundir, statedir
 from .errors import ConfigError
-from .private import NotPrivate, private_folder, problem, read_private
+from .private import PRIVATE_DIR_MODE, NotPrivate, _aside, problem, read_private
 
 PathLike = Union[str, os.PathLike]
 
@@ -135,23 +137,40 @@ def open_profile_folder(run_dir: PathLike) -> "statedir.StateDir":
     A rank writes its traces and its record through this descriptor, never through the folder's
     name again: anyone of the group may rename things in a shared run folder and put a link in
     their place, which would take a trace (a whole file, replaced) into any file of the user's.
-    A ``profile`` that is not a folder of the user's alone is moved aside with a warning.
+    It is found in the run folder the launch uses (:func:`nbddp.contract.rundir.open_run_folder`).
+    A ``profile`` that is not a folder of the user's that no one else may write (an older nbddp's,
+    made under the umask, may hold links others put there) is moved aside, with a warning, and
+    made anew: never narrowed.
 
     Raises:
         NotPrivate: another user keeps replacing it.
     """
     path = rundir.profile_dir(run_dir)
-    for _ in range(5):
-        private_folder(path, PROFILES, replace=True)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                continue  # replaced since the check: check again
-            raise
-        if problem(os.fstat(fd), "folder") is None:
-            return statedir.StateDir(fd, str(path))
-        os.close(fd)
+    run = rundir.open_run_folder(Path(run_dir))
+    try:
+        for _ in range(5):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(rundir.PROFILE, PRIVATE_DIR_MODE, dir_fd=run)  # the umask only takes bits away
+            try:
+                fd = os.open(rundir.PROFILE, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=run)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                found = "is a symbolic link" if exc.errno == errno.ELOOP else "is not a folder"
+            else:
+                found = problem(os.fstat(fd), "folder")
+                if found is None:
+                    os.fchmod(fd, PRIVATE_DIR_MODE)  # group-readable under the umask, or setgid: only you read it
+                    return statedir.StateDir(fd, str(path))
+                os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                aside = _aside(path, run)
+                warnings.warn(f"{path} {found}, so {PROFILES} were not written into it: it was moved to {aside.name} "
+                              f"and a private folder (0700) was made in its place.", stacklevel=3)
+    finally:
+        os.close(run)
     raise NotPrivate(f"{path} keeps being replaced by something that is not yours: {PROFILES} cannot be written there.")
 
 

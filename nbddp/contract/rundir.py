@@ -466,7 +466,7 @@ def write_json_atomic(path: PathLike, obj: Any, durable: bool = False, mode: int
 OWN_FILE_MODE = 0o644
 
 
-def _run_folder(run_dir: Path) -> int:
+def open_run_folder(run_dir: Path) -> int:
     """``run_dir`` opened: the parent of the state folder this process holds open for it, whatever the
     run folder is named now (a link put in place of its name leads elsewhere), else by its name."""
     state = statedir.pinned(run_dir)
@@ -479,7 +479,7 @@ def _run_folder(run_dir: Path) -> int:
 def open_own(path: PathLike, what: str) -> int:
     """An appending descriptor of ``path``, a file of the run folder that nbddp reads back (``metrics.jsonl``).
 
-    The file is opened in the run folder the launch uses (:func:`_run_folder`) without following a
+    The file is opened in the run folder the launch uses (:func:`open_run_folder`) without following a
     link, and used only if, on its open descriptor, it is a regular file of the user's with one
     name that no one else may write (created :data:`OWN_FILE_MODE`): a link a group member put in
     its place would otherwise take the writes into any file of the user's elsewhere, and a file
@@ -490,7 +490,7 @@ def open_own(path: PathLike, what: str) -> int:
         NotPrivate: another user keeps replacing it.
     """
     path = Path(path)
-    folder = _run_folder(path.parent)
+    folder = open_run_folder(path.parent)
     try:
         for _ in range(5):
             try:
@@ -523,7 +523,7 @@ def read_own(path: PathLike) -> Optional[int]:
     name that no one else may write (what :func:`open_own` writes); None if it is missing or is not."""
     path = Path(path)
     try:
-        folder = _run_folder(path.parent)
+        folder = open_run_folder(path.parent)
     except OSError:
         return None
     try:
