@@ -207,3 +207,17 @@ def test_a_link_in_place_of_a_runs_export_never_replaces_an_export_of_yours_else
     assert done.returncode == 0, done.stderr
     assert f"{run_dir}/export is a symbolic link" in done.stderr and "moved to export.not-yours-" in done.stderr
     assert (run_dir / "export").is_dir() and not (run_dir / "export").is_symlink()
+
+
+def test_a_folder_renamed_in_as_an_exports_leftover_is_never_removed(project):
+    p = project
+    data, run_dir = p.root / "data" / "photos", p.root / "runs" / "leftover"
+    # The victim's images: the folder the group's to write (umask 002), a class folder only hers (as tar makes it).
+    p.shell(p.victim, f"mkdir -p {data}/roses {run_dir} && echo jpeg > {data}/roses/0001.jpg && chmod 755 {data}/roses")
+    assert p.shell(p.attacker, f"rm -rf {data}/roses", check=False).returncode != 0  # not hers to remove
+    # Renamed into the run folder as the temp folder of an export that died (a pid no process has).
+    p.shell(p.attacker, f"mv {data} {run_dir}/.export{'.tmp-'}999999999-abcd")
+    done = p.run(p.victim, EXPORT.format(value=1.0, where=str(run_dir / "export")), check=False)
+    assert done.returncode == 0, done.stderr
+    assert (run_dir / ".export.tmp-999999999-abcd" / "roses" / "0001.jpg").read_text() == "jpeg\n", \
+        "the export removed the victim's images as its leftover"

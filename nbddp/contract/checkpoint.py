@@ -624,10 +624,22 @@ def _export_target(out_dir: Path) -> Path:
 
 
 def _remove_stale_export_dirs(target: Path) -> None:
-    # Left by an export that died between its writes and its swap (killed, power loss).
+    """Remove what an export (or a sharded checkpoint) that died between its writes and its swap left.
+
+    Such a folder holds files only. One that holds a folder is never one: in a folder the group may
+    write, a group member may rename any folder of yours that she may move (the group's to write)
+    to that name, and its sub-folders may be yours alone, beyond what she could remove herself.
+    """
     for stale in target.parent.glob(f".{target.name}{TMP_MARK}*"):
-        if stale.is_dir() and not stale.is_symlink() and not temp_writer_alive(stale):
+        if stale.is_dir() and not stale.is_symlink() and not temp_writer_alive(stale) and _files_only(stale):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _files_only(folder: Path) -> bool:
+    try:
+        return all(entry.is_file(follow_symlinks=False) for entry in os.scandir(folder))
+    except OSError:
+        return False
 
 
 def _swap_in(new: Path, target: Path) -> None:
