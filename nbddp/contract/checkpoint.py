@@ -35,7 +35,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -635,9 +635,9 @@ def _remove_stale_export_dirs(target: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def _files_only(folder: Path) -> bool:
+def _files_only(folder: Path, allowed: AbstractSet[str] = frozenset()) -> bool:
     try:
-        return all(entry.is_file(follow_symlinks=False) for entry in os.scandir(folder))
+        return all(entry.is_file(follow_symlinks=False) or entry.name in allowed for entry in os.scandir(folder))
     except OSError:
         return False
 
@@ -646,7 +646,9 @@ def _swap_in(new: Path, target: Path) -> None:
     """Put the complete folder ``new`` at ``target``; a previous ``target`` goes away whole.
 
     Two renames in one parent folder: at every moment ``target`` is the old export, nothing,
-    or the new export, never a mix of their files.
+    or the new export, never a mix of their files. The previous one is removed only if it holds
+    files only, as an export or a sharded checkpoint does (see :func:`_remove_stale_export_dirs`:
+    what a group member renamed to ``target`` while this one was written is kept, renamed).
     """
     if not target.exists():
         os.rename(new, target)
@@ -658,7 +660,8 @@ def _swap_in(new: Path, target: Path) -> None:
         except BaseException:
             os.rename(old, target)
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        if _files_only(old, allowed=_REPLACEABLE):
+            shutil.rmtree(old, ignore_errors=True)
     fsync_dir(target.parent)
 
 
