@@ -73,7 +73,7 @@ class FileBytes(Dataset):
 
 
 def _read(path) -> bytes:
-    """A file's bytes, read with three system calls (a ``open()`` file object costs as much again).
+    """A file's bytes, read with three system calls (an ``open()`` file object costs as much again).
 
     Raises:
         DataError: naming the file that cannot be read.
