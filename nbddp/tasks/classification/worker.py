@@ -355,10 +355,12 @@ def train(ctx, cfg: TrainConfig, planned: Optional[dict] = None) -> dict:
 
 def _train_epochs(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: _Progress, writer,
                   started: Optional[LaunchClock] = None) -> None:
-    """Epochs from ``progress.start_epoch`` on: train, validate, log, save; a stop request ends them."""
+    """Epochs from ``progress.start_epoch`` on: train, validate, log, save; a stop request ends them.
+
+    Mid-epoch checkpoints come at most every ``checkpoint_every_s``: rank 0 keeps the time, and
+    every rank learns its decision in the step's existing all-reduce.
+    """
     steps_per_epoch = len(data.loaders.train)  # before a resumed epoch leaves out its first batches
-    # Mid-epoch checkpoints at most every checkpoint_every_s: rank 0 keeps the time, and every
-    # rank learns its decision in the step's existing all-reduce.
     clock = _CheckpointClock(cfg.checkpoint_every_s) if ctx.is_main else None
     for epoch in range(progress.start_epoch, cfg.epochs):
         if _early_stop_due(cfg, progress, epoch):
