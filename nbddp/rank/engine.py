@@ -403,6 +403,17 @@ def _train_step(run: _Epoch, step: int, batch, batches, group: _Group, before: O
     return agreed, images, batch, error, late
 
 
+def _start_epoch(model, optimizer, device, epoch, ctx, scaler, amp_dtype, channels_last, batch_transform,
+                 accum_steps, label_smoothing, checkpoint_due) -> "_Epoch":
+    """The model set to train (BatchNorm statistics frozen where asked) and the epoch's step state."""
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps={accum_steps!r}: batches per optimizer step, an integer >= 1")
+    model.train()
+    freeze_bn_statistics(model)
+    return _Epoch(model, optimizer, device, epoch, ctx, scaler, amp_dtype, channels_last, batch_transform,
+                  accum_steps=accum_steps, label_smoothing=label_smoothing, checkpoint_due=checkpoint_due)
+
+
 def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scaler=None,
                     amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False,
                     on_step: Optional[Callable[[int, float], None]] = None,
@@ -412,6 +423,10 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
                     checkpoint: Optional[Callable[[EpochStats], None]] = None,
                     checkpoint_due: Optional[Callable[[], bool]] = None) -> EpochStats:
     """Train for one pass over ``loader``; every rank leaves at the same step.
+
+    Every rank sees the same agreements, so every rank takes the same decisions. A stop or a
+    checkpoint waits for the end of the accumulation group: the state saved, or left with, has
+    applied every batch it counts.
 
     Conditions only one rank sees end every rank at the same step instead of leaving the
     others waiting in DDP's next all-reduce: a non-finite loss, a stop request from the
@@ -457,16 +472,11 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
             ``loader`` then yields the remaining batches only (``nbddp.tasks.classification.loading.SkipSampler``); step
             numbers, progress and the returned totals continue from ``start``.
     """
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps={accum_steps!r}: batches per optimizer step, an integer >= 1")
-    model.train()
-    freeze_bn_statistics(model)
-    run = _Epoch(model, optimizer, device, epoch, _context(ctx), scaler, amp_dtype, channels_last, batch_transform,
-                 accum_steps=accum_steps, label_smoothing=label_smoothing, checkpoint_due=checkpoint_due)
+    run = _start_epoch(model, optimizer, device, epoch, _context(ctx), scaler, amp_dtype, channels_last,
+                       batch_transform, accum_steps, label_smoothing, checkpoint_due)
     start = start or EpochStats(0.0, 0, 0, 0.0, False)
     first_step, total_steps = start.steps, start.steps + len(loader)
-    t0 = time.perf_counter() - start.seconds
-    t_first = time.perf_counter()
+    t0 = (t_first := time.perf_counter()) - start.seconds  # the epoch's clock; a resumed one's time counts
     batches = iter(loader)
     batch, stop = _first_batch(run, batches, first_step, total_steps)
     first_batch_s = time.perf_counter() - t_first
@@ -506,9 +516,6 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
             count(_settle(run, pending, "read error"))  # the steps done are reported before leaving
             run.ctx.heartbeat(epoch=epoch, step=step + 1)  # the step whose batch failed
             _raise_read_error(error, agreed.unreadable, epoch, step + 1)
-        # Every rank saw the same agreements, so every rank takes the same decisions. A stop or a
-        # checkpoint waits for the end of the accumulation group: the state saved, or left
-        # with, has applied every batch it counts.
         stop_asked = stop_asked or agreed.stop
         save_asked = save_asked or agreed.save
         if last or not group.syncs:
