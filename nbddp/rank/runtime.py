@@ -56,6 +56,15 @@ def one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"{category.__name__}: {text} ({os.path.basename(filename)}:{lineno})\n"
 
 
+def _note_checkpoint(ctx: "Context", path: Path, state: Any) -> None:
+    """A checkpoint ``ctx`` wrote is whole: loadable from now on, and (rank 0) where a restart continues from."""
+    ctx._loadable.add(Path(path))  # whole on disk: every rank is past the save's agreement
+    if ctx.is_main:  # where a restart continues from (nbddp.kernel.restarts)
+        epoch, step = (state.get(k) if isinstance(state, dict) else None for k in ("epoch", "step"))
+        note_checkpoint(ctx.run_dir, path, epoch if isinstance(epoch, int) else ctx.epoch,
+                        step if isinstance(step, int) else ctx.step)
+
+
 class Context:
     """What a worker function receives as its first argument.
 
@@ -305,7 +314,7 @@ class Context:
 
         if isinstance(state, dict) and any(split_state(state)[:2]):
             path = save_sharded(self.run_dir, name, state, self.is_main)
-            self._note_checkpoint(path, state)
+            _note_checkpoint(self, path, state)
             return path
         if has_dtensors(state):  # one tensor at a time, kept on rank 0 only
             state = gather_dtensors(state, keep=self.is_main)
@@ -318,15 +327,8 @@ class Context:
                 error = exc
         agree_on_error(error, f"saving checkpoint {path.name}")
         barrier()
-        self._note_checkpoint(path, state)
+        _note_checkpoint(self, path, state)
         return path
-
-    def _note_checkpoint(self, path: Path, state: Any) -> None:
-        self._loadable.add(Path(path))  # whole on disk: every rank is past the save's agreement
-        if self.is_main:  # where a restart continues from (nbddp.kernel.restarts)
-            epoch, step = (state.get(k) if isinstance(state, dict) else None for k in ("epoch", "step"))
-            note_checkpoint(self.run_dir, path, epoch if isinstance(epoch, int) else self.epoch,
-                            step if isinstance(step, int) else self.step)
 
     def load_checkpoint(self, into: Union[dict, str, None] = None, name: str = rundir.LAST) -> Optional[dict]:
         """The run's checkpoint ``name``, or ``None`` if there is none (a fresh run).
