@@ -273,7 +273,7 @@ def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted
     reason = self._shutdown.reason if self._shutdown else None
     all_ok = all(e.exitcode == 0 for e in self._ends.values())
     if error is not None or reason == "failure" or (not all_ok and reason is None):
-        outcome: Union[TrainResult, BaseException] = error or self._worker_error()
+        outcome: Union[TrainResult, BaseException] = error or _worker_error(self)
         if isinstance(outcome, WorkerError):
             _note_restarts(outcome, self.restarts, not_restarted)
         return refusals.said_once(outcome, self.run_dir, self.world_size)  # a rank's refusal, once
@@ -290,6 +290,21 @@ def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted
                                      ended_first=result is not None and (self._ended_first or not any(
                                          b.stopping for b in self._ranks.beats().values())))  # none saw the request
     return _stopped(self.spec, reason, self._ends)
+
+
+def _worker_error(self: "RunHandle") -> WorkerError:
+    """The run's one error, from what its ranks left (and a SLURM job's own output)."""
+    error = build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._ranks.server),
+                               stacks=self._failure_stacks, log_starts=self._log_starts,
+                               store_port=_open_store_port(self.spec))
+    explain = getattr(self._ranks, "explain", None)  # a SLURM job's own output (nbddp.kernel.slurm_group)
+    return explain(error) if explain is not None else error
+
+
+def _resumes_from(run_dir: Path) -> Optional[str]:
+    """The checkpoint a restart would continue from, as the ranks noted it (else the newest file)."""
+    note = read_checkpoint_note(run_dir)
+    return note.where() if note is not None else _newest_checkpoint(run_dir)
 
 
 class RunHandle:
@@ -633,8 +648,8 @@ class RunHandle:
         if reason not in ("failure", None) or all(e.exitcode == 0 for e in self._ends.values()):
             self._finish()
             return
-        error = self._worker_error()
-        restart, why = (self._policy.next_restart(error, self.restarts, self._resumes_from())
+        error = _worker_error(self)
+        restart, why = (self._policy.next_restart(error, self.restarts, _resumes_from(self.run_dir))
                         if self._policy is not None else (None, ""))
         if restart is None:
             self._finish(error, why)
@@ -648,18 +663,6 @@ class RunHandle:
         self._emit("restart", restart)
         self._shutdown = None  # that launch's; a Stop or an Interrupt during the back-off makes a new one
         self._restart_at = time.time() + restart.backoff_s
-
-    def _worker_error(self) -> WorkerError:
-        error = build_worker_error(self.run_dir, self._ends, self.world_size, server_died=server_death(self._ranks.server),
-                                   stacks=self._failure_stacks, log_starts=self._log_starts,
-                                   store_port=_open_store_port(self.spec))
-        explain = getattr(self._ranks, "explain", None)  # a SLURM job's own output (nbddp.kernel.slurm_group)
-        return explain(error) if explain is not None else error
-
-    def _resumes_from(self) -> Optional[str]:
-        """The checkpoint a restart would continue from, as the ranks noted it (else the newest file)."""
-        note = read_checkpoint_note(self.run_dir)
-        return note.where() if note is not None else _newest_checkpoint(self.run_dir)
 
     def _relaunch(self) -> None:
         """Start the restart that waited for its back-off; a restart that cannot start ends the run."""
