@@ -17,7 +17,7 @@ Images per second, median of ``--repeats`` passes, and the ratio decode / pil.
 
 **Host side** (``--host``): the decode pipeline as the built-in worker builds it
 (``pipelines._decode_loaders``, no loader processes, one CPU thread), with the decoder replaced by
-a lookup, over tiny photos (16x12 JPEGs padded with a comment segment to the 20 KB of a
+a lookup, over tiny photos (8x6 JPEGs padded with a comment segment to the 20 KB of a
 flowers-sized one: the bytes read are real, the pixel work is next to nothing). What is left is
 the pipeline's own host work per image: reading the files, drawing the crops, packing them, and
 launching the device's work (the batched path a GPU rank runs). Reported per part: the loader's
@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
 
 
 def _tiny_photos(root: Path, n: int, pad_to: int = 20_000) -> Path:
-    """``n`` JPEGs of 16x12 in 5 class folders, each padded to ``pad_to`` bytes with a comment segment."""
+    """``n`` JPEGs of 8x6 in 5 class folders, each padded to ``pad_to`` bytes with a comment segment."""
     import io
 
     import torch
@@ -103,7 +103,7 @@ def _tiny_photos(root: Path, n: int, pad_to: int = 20_000) -> Path:
     for i in range(n):
         folder = root / f"class{i % 5}"
         folder.mkdir(parents=True, exist_ok=True)
-        pixels = torch.randint(0, 256, (12, 16, 3), dtype=torch.uint8, generator=g).numpy()
+        pixels = torch.randint(0, 256, (6, 8, 3), dtype=torch.uint8, generator=g).numpy()
         buf = io.BytesIO()
         Image.fromarray(pixels).save(buf, "JPEG", quality=90)
         jpeg = buf.getvalue()
@@ -140,9 +140,9 @@ def host(argv) -> dict:
         loaders = pipelines._decode_loaders(cfg, ctx, samples, samples[:a.batch])
         if hasattr(loaders.train_transform, "batched"):
             loaders.train_transform.batched = True  # what a GPU rank runs (a CPU rank resizes image by image)
-        # The lookup: every photo is 16x12, so one decoded image per slot of a batch serves all.
+        # The lookup: every photo is 8x6, so one decoded image per slot of a batch serves all.
         g = torch.Generator().manual_seed(1)
-        decoded = [torch.randint(0, 256, (3, 12, 16), dtype=torch.uint8, generator=g) for _ in range(a.batch)]
+        decoded = [torch.randint(0, 256, (3, 6, 8), dtype=torch.uint8, generator=g) for _ in range(a.batch)]
         real = torchvision.io.decode_jpeg
         torchvision.io.decode_jpeg = lambda data, **kw: decoded[:len(data)] if isinstance(data, list) else decoded[0]
         try:
