@@ -124,10 +124,6 @@ def read_private(path: Path, why_private: str) -> bytes:
         return f.read()
 
 
-def _aside(path: Path, dir_fd: Optional[int] = None) -> Path:
-    """Rename ``path`` (a link, a file or a folder) to a unique ``<name>.not-yours-<time>-<token>`` beside it."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = path.with_name(f"{path.name}{ASIDE_MARK}{stamp}-{secrets.token_hex(3)}")
 def open_private_below(top: Path, relative: str, why_private: str) -> int:
     """A read descriptor of ``top/relative``, only if everything below ``top`` on the way is the user's alone.
 
@@ -188,6 +184,10 @@ def _refuse(found: Optional[str], path: Path, why_private: str, kind: str) -> No
     raise NotPrivate(f"{path} {found}: {why_private}. {fix}.")
 
 
+def _aside(path: Path, dir_fd: Optional[int] = None) -> Path:
+    """Rename ``path`` (a link, a file or a folder) to a unique ``<name>.not-yours-<time>-<token>`` beside it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = path.with_name(f"{path.name}{ASIDE_MARK}{stamp}-{secrets.token_hex(3)}")
     os.rename(path.name if dir_fd is not None else path, aside.name if dir_fd is not None else aside,
               src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return aside
