@@ -183,6 +183,7 @@ _EXPORTS = {
     "TrainingInterrupted": "contract.errors",
     "RunAbandoned": "contract.errors",
     "Retryable": "contract.errors",
+    "StudyError": "kernel.study_file",
 }
 
 __all__ = [name for name in _EXPORTS if name not in ("show_predictions", "plot_confusion_matrix")]
