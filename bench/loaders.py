@@ -15,10 +15,14 @@ start of the next one's first step (its batch in hand), evaluation excluded; it 
 the epoch records (``time``, ``seconds``, ``eval_s``, ``first_batch_s``), so the same bench
 measures any version of the worker. The goal: a gap of at most one step's time. A CPU rank writes
 its end-of-epoch checkpoint in the gap (a writer thread slowed its steps: docs/benchmarks.md), so
-the gap without it, the loaders' share, is printed beside.
+the gap without it, the loaders' share, is printed beside. Beside it, each evaluation's time and
+its wait for batches: the seconds its ``next()`` calls on the validation loader took, summed over
+the pass (a rank hook, :func:`eval_wait_hook`, times them on rank 0; the decode pipeline's decoding
+on the device is not part of it).
 """
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -66,6 +70,57 @@ def boundary_gaps(metrics: list) -> list:
     return gaps
 
 
+EVAL_WAIT_ENV = "NBDDP_BENCH_EVAL_WAIT"
+
+
+def eval_wait_hook(rank: int) -> None:
+    """Rank hook (``NBDDP_RANK_HOOK``): rank 0 appends each epoch evaluation's wait for its batches to ``$NBDDP_BENCH_EVAL_WAIT``.
+
+    The wait is the time spent in the validation loader's ``next()``, from the pass's ``iter()`` to
+    its end; the final pass (``gather_predictions``) is left out.
+    """
+    from nbddp.tasks.classification import worker as W
+
+    if rank != 0:
+        return
+    path, evaluate = os.environ[EVAL_WAIT_ENV], W.evaluate
+
+    class Timed:
+        def __init__(self, loader):
+            self.loader, self.waited = loader, 0.0
+
+        def __iter__(self):
+            t0 = time.perf_counter()
+            batches = iter(self.loader)
+            self.waited += time.perf_counter() - t0
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    self.waited += time.perf_counter() - t0
+                    return
+                self.waited += time.perf_counter() - t0
+                yield batch
+
+        def __len__(self):
+            return len(self.loader)
+
+        def __getattr__(self, name):
+            return getattr(self.__dict__["loader"], name)
+
+    def timed_evaluate(model, loader, *a, **kw):
+        if kw.get("gather_predictions"):
+            return evaluate(model, loader, *a, **kw)
+        timed = Timed(loader)
+        result = evaluate(model, timed, *a, **kw)
+        with open(path, "a") as f:
+            f.write(f"{timed.waited}\n")
+        return result
+
+    W.evaluate = timed_evaluate
+
+
 def gaps(args) -> list:
     from gpu import _flowers_like
     from nbddp import TrainConfig, spawn_train
@@ -78,8 +133,11 @@ def gaps(args) -> list:
     spawn_train(cfg.replace(epochs=1, data_pipeline="tensor"), echo=False)  # warm-up: forkserver, page cache
     rows = []
     for pipeline in args.pipelines.split(","):
-        r = spawn_train(cfg.replace(data_pipeline=pipeline), echo=False)
+        waits = tmp / f"eval-wait-{pipeline}"
+        env = {"NBDDP_RANK_HOOK": f"{Path(__file__).resolve()}:eval_wait_hook", EVAL_WAIT_ENV: str(waits)}
+        r = spawn_train(cfg.replace(data_pipeline=pipeline), echo=False, env=env)
         m = r.metrics
+        eval_wait = [float(x) for x in waits.read_text().split()]
         # An epoch's steps: its images over the global batch; its time after the first batch, per step.
         steps = [round(e["images_per_s"] * e["seconds"] / (args.batch * args.nprocs)) for e in m[1:]]
         step_s = statistics.median((e["seconds"] - e["first_batch_s"]) / max(n, 1) for e, n in zip(m[1:], steps))
@@ -91,17 +149,19 @@ def gaps(args) -> list:
                          gaps_ms=[round(x * 1e3) for x in g], no_checkpoint_ms=statistics.median(g_loaders) * 1e3,
                          first_batch_ms=statistics.median(e["first_batch_s"] for e in m[1:]) * 1e3,
                          checkpoint_ms=statistics.median(e["checkpoint_s"] for e in m[1:]) * 1e3,
-                         eval_ms=statistics.median(e["eval_s"] for e in m[1:]) * 1e3))
+                         eval_ms=statistics.median(e["eval_s"] for e in m[1:]) * 1e3,
+                         eval_wait_ms=statistics.median(eval_wait[1:]) * 1e3,
+                         eval_waits_ms=[round(x * 1e3) for x in eval_wait]))
         print(f"{pipeline}: {rows[-1]}", flush=True)
     print(f"\nepoch boundaries: {args.nprocs} CPU ranks, resnet18 at {args.image_size} px, batch {args.batch}, "
           f"{args.gap_workers} loader processes per rank, {args.epochs} epochs; ms, median over the boundaries")
     print("| pipeline | step | gap (eval excluded) | gap / step | of which first batch | checkpoint "
-          "| gap without it / step | eval |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| gap without it / step | eval | of which waiting for batches |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['pipeline']} | {r['step_ms']:.0f} | {r['gap_ms']:.0f} | {r['gap_ms'] / r['step_ms']:.2f} "
               f"| {r['first_batch_ms']:.0f} | {r['checkpoint_ms']:.0f} | {r['no_checkpoint_ms'] / r['step_ms']:.2f} "
-              f"| {r['eval_ms']:.0f} |")
+              f"| {r['eval_ms']:.0f} | {r['eval_wait_ms']:.0f} |")
     return rows
 
 

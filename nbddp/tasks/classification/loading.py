@@ -1,6 +1,7 @@
 """How a rank's loader reads the built-in task's data: loader processes forked from the rank and dying
 with it, every image's randomness seeded by (seed, epoch, image) whatever the number of
-processes, an epoch resumed in its middle, and evaluation shards without padding.
+processes, an epoch resumed in its middle, the next epoch's pass and the evaluation's begun ahead,
+and evaluation shards without padding.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from torch.utils.data import Dataset, Sampler
 
@@ -189,13 +190,19 @@ class EpochLoader:
     seed (:class:`SeededSampler`), and a ``DataLoader`` given its own ``generator`` draws its
     workers' seeds from it, once a pass, whenever that is.
 
+    ``near_end``, if given, is called once a pass, as the pass hands out the batch after which at
+    most ``in_flight(loader)`` remain: from then on the loader processes are given no new batch and
+    free their cores as they finish, so what ``near_end`` starts (the evaluation's pass,
+    :class:`PassAhead`) loads beside the epoch's last steps.
+
     Args:
         loader: a ``DataLoader`` (or anything iterable with a length) over ``order``.
         order: its sampler, a :class:`SkipSampler`.
+        near_end: called once each pass near its end (see above), or None.
     """
 
-    def __init__(self, loader, order: "SkipSampler"):
-        self.loader, self.order = loader, order
+    def __init__(self, loader, order: "SkipSampler", near_end: Optional[Callable[[], None]] = None):
+        self.loader, self.order, self.near_end = loader, order, near_end
         self._ahead: Optional[tuple] = None  # (epoch, items skipped, the pass) begun by start()
 
     def start(self, epoch: int) -> None:
@@ -206,14 +213,86 @@ class EpochLoader:
     def __iter__(self):
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[:2] == (self.order.epoch, self.order.skipping):
-            return ahead[2]
-        return iter(self.loader)
+            batches = ahead[2]
+        else:
+            batches = iter(self.loader)
+        if self.near_end is None:
+            return batches
+        return _NearEnd(batches, len(self.loader), in_flight(self.loader), self.near_end)
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __getattr__(self, name: str):
-        if name in ("loader", "order", "_ahead"):  # not set yet (unpickling): no recursion
+        if name in ("loader", "order", "near_end", "_ahead"):  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def in_flight(loader) -> int:
+    """Batches a ``DataLoader``'s processes are given ahead of its consumer (0 without processes)."""
+    workers = getattr(loader, "num_workers", 0)
+    return workers * (getattr(loader, "prefetch_factor", None) or 2) if workers > 0 else 0
+
+
+class _NearEnd:
+    """A pass that calls ``then()`` once, when it has handed out all but ``lead`` of its ``total`` batches (or fewer)."""
+
+    def __init__(self, batches, total: int, lead: int, then: Callable[[], None]):
+        self.batches, self.left, self.lead, self.then = batches, total, lead, then
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.batches)  # an unreadable batch raises here, the pass still usable: no generator
+        self.left -= 1
+        if self.then is not None and self.left <= self.lead:
+            then, self.then = self.then, None
+            then()
+        return batch
+
+
+class PassAhead:
+    """An evaluation loader whose pass can begin before the evaluation asks for it.
+
+    ``start()`` begins a pass of the wrapped ``DataLoader`` now: its (persistent) loader processes
+    start reading the first batches, ``prefetch_factor`` each, while the rank still trains. The
+    next ``iter()`` hands out that pass, untouched, once; after that, or when nothing was started,
+    ``iter()`` begins one as the loader does. The evaluation's batches depend on nothing that
+    changes between passes (no epoch, no random draw), so a pass started during one epoch and
+    used by a later evaluation (a stopped epoch's, then the final pass) yields what a new one would.
+
+    A persistent-worker ``DataLoader`` has a single iterator, which every ``iter()`` resets (after
+    waiting for the batches in flight): a started pass is therefore handed out only if the loader's
+    iterator is still that pass and has yielded nothing, and ``start()`` leaves a pending pass
+    alone. ``len()`` and every other attribute (``sampler``, ``dataset``) are the loader's.
+    """
+
+    def __init__(self, loader):
+        self.loader = loader
+        self._pending = None  # the pass begun by start(), not handed out yet
+
+    def start(self) -> None:
+        """Begin a pass now, unless one begun earlier is still waiting untouched."""
+        if not self._untouched(self._pending):
+            self._pending = iter(self.loader)
+
+    def _untouched(self, batches) -> bool:
+        if batches is None:
+            return False
+        own = getattr(self.loader, "_iterator", None)  # a persistent-worker loader's single iterator, else None
+        return (own is None or own is batches) and getattr(batches, "_num_yielded", 0) == 0
+
+    def __iter__(self):
+        pending, self._pending = self._pending, None
+        return pending if self._untouched(pending) else iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        if name in ("loader", "_pending"):  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)
 

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from . import data as D
 from . import data_record
+from .loading import PassAhead
 from ...contract import rundir
 from ...contract.config import TrainConfig
 
@@ -25,7 +26,7 @@ class Loaders:
 
     sampler: D.SkipSampler  # the training order: set_epoch every epoch, skip(n) to resume in the middle of one
     train: D.EpochLoader    # start_epoch(e) begins epoch e's pass ahead of its first step
-    val: Any                # its loader processes persist: an evaluation starts none
+    val: Any                # its loader processes persist, its pass begun near the epoch's end (PassAhead)
     train_transform: Optional[Callable] = None
     val_transform: Optional[Callable] = None
 
@@ -75,7 +76,20 @@ def make_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> Loaders:
                               generator=torch.Generator().manual_seed(cfg.seed), **common)
     val_loader = DataLoader(val_ds, batch_size=cfg.batch_size,
                             sampler=D.ShardSampler(len(val_ds), ctx.rank, ctx.world_size), **common)
-    return Loaders(order, D.EpochLoader(train_loader, order), val_loader)
+    return Loaders(order, *_evaluation_ahead(train_loader, order, val_loader))
+
+
+def _evaluation_ahead(train_loader, order, val_loader) -> tuple:
+    """``(train, val)``: the evaluation's pass begins while the epoch's last steps run, where loader processes read it.
+
+    Begun by the evaluation itself, its first batch would wait for one loader process to read a
+    whole batch alone (1.2-1.6 s an evaluation of the PIL pipeline on one H100, against 0.05 s
+    for the tensor pipeline's). Without loader processes there is nothing to begin ahead.
+    """
+    if val_loader.num_workers == 0:
+        return D.EpochLoader(train_loader, order), val_loader
+    val = PassAhead(val_loader)
+    return D.EpochLoader(train_loader, order, near_end=val.start), val
 
 
 def _decode_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> Loaders:
@@ -98,7 +112,7 @@ def _decode_loaders(cfg: TrainConfig, ctx, train_s, val_s) -> Loaders:
         train_s, val_s, order, cfg.batch_size, D.ShardSampler(len(val_s), ctx.rank, ctx.world_size), common,
         train_crops=Crops(cfg.image_size, True, cfg.crop_scale, cfg.hflip), val_crops=Crops(cfg.image_size, False),
         generator=torch.Generator().manual_seed(cfg.seed))
-    return Loaders(order, D.EpochLoader(train_loader, order), val_loader,
+    return Loaders(order, *_evaluation_ahead(train_loader, order, val_loader),
                     DD.DeviceDecoder(ctx.device, cfg.image_size, True, cfg.crop_scale, cfg.hflip),
                     DD.DeviceDecoder(ctx.device, cfg.image_size, False))
 
