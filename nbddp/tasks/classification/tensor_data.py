@@ -20,6 +20,11 @@ which the worker seeds per (seed, epoch, rank): resumed runs draw what uninterru
 
 Memory: ``N * 3 * S * S`` bytes per rank (the digits at 32 px: 7 MB; 3,670 flower photos at
 224 px: 0.7 GB).
+
+The decoded images are kept between launches (:mod:`nbddp.tasks.classification.decoded_store`,
+in the user's private cache folder, up to ``NBDDP_DECODED_CACHE_GB``): a relaunch over the same
+files reads them back instead of decoding, and the ranks of one launch decode them once between
+them.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from . import decoded_store
 from .data import IMAGENET_MEAN, IMAGENET_STD, Sample, load_rgb, loader_processes, resize_size
 
 
@@ -63,6 +69,10 @@ class _Decode(Dataset):
 class TensorCache:
     """Every image of ``samples`` decoded once into ``images`` (uint8 ``[N, 3, S, S]``) and ``labels``.
 
+    Decoded images are read back from the user's store of them when it holds these files as they
+    are now (:mod:`nbddp.tasks.classification.decoded_store`); ``decoded`` says how many images
+    this cache decoded itself (0 when read back).
+
     Args:
         samples: ``(path, class_index)`` pairs.
         image_size: the training crop side; the cache keeps ``load_size(image_size)`` squares.
@@ -71,17 +81,22 @@ class TensorCache:
 
     Raises:
         DataError: an image cannot be read (named by path).
+        ValueError: ``NBDDP_DECODED_CACHE_GB`` is not a size in GiB.
     """
 
     def __init__(self, samples: Sequence[Sample], image_size: int, device: torch.device, workers: int = 0):
         size = load_size(image_size)
         images = torch.empty(len(samples), 3, size, size, dtype=torch.uint8)
-        # Forked decoders: no interpreter start nor torch import per worker (see loader_processes).
-        loader = DataLoader(_Decode(samples, size), batch_size=64, **loader_processes(workers))
-        offset = 0
-        for batch in loader:
-            images[offset:offset + len(batch)] = batch
-            offset += len(batch)
+
+        def decode(out: torch.Tensor) -> None:
+            # Forked decoders: no interpreter start nor torch import per worker (see loader_processes).
+            loader = DataLoader(_Decode(samples, size), batch_size=64, **loader_processes(workers))
+            offset = 0
+            for batch in loader:
+                out[offset:offset + len(batch)] = batch
+                offset += len(batch)
+
+        self.decoded = len(samples) if decoded_store.fill(samples, size, images, decode) else 0
         self.images = images.to(device)
         self.labels = torch.tensor([int(c) for _, c in samples], dtype=torch.long, device=device)
 
