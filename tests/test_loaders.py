@@ -18,10 +18,12 @@ def test_loader_workers_fork_from_the_rank_and_persist_across_epochs(tmp_path, r
                          echo=False)
     v = result.value
     first, second = v["epochs"]
-    assert len(first["workers"]) == 2
-    assert first["parents"] == [v["rank"]] * 2, "nbddp's loader workers are the rank's own children"
+    assert len(first["workers"]) == 2 and len(first["val_workers"]) == 2
+    assert first["parents"] == [v["rank"]] * 4, "nbddp's loader workers are the rank's own children"
     assert second["workers"] == first["workers"], "the same worker processes serve every epoch"
-    assert sorted(v["descendants"]) == sorted(first["workers"]), "no forkserver nor anything else under the rank"
+    assert second["val_workers"] == first["val_workers"], "and every evaluation"
+    assert sorted(v["descendants"]) == sorted(first["workers"] + first["val_workers"]), \
+        "no forkserver nor anything else under the rank"
     # A user's own DataLoader (its Dataset class lives in the worker file) forks from the rank too.
     assert v["start_method"] == "fork"
     assert {ppid for _pid, ppid in v["user_workers"]} == {v["rank"]}

@@ -54,14 +54,17 @@ class _Pid(Dataset):
 
 def loader_probe(ctx, data_path: str):
     """Which processes load the data: their parents, across epochs, and any forkserver."""
-    sampler, train_loader, _ = _builtin_loaders(ctx, data_path, num_workers=2)
+    sampler, train_loader, val_loader = _builtin_loaders(ctx, data_path, num_workers=2)
     epochs = []
     for epoch in range(2):
         sampler.set_epoch(epoch)
         for _ in train_loader:
             pass
         workers = [w.pid for w in train_loader._iterator._workers]  # persistent: the same iterator
-        epochs.append({"workers": workers, "parents": [_ppid(p) for p in workers]})
+        # The training pass began the evaluation's near its end: its loader processes, started then.
+        val_workers = [w.pid for w in val_loader.loader._iterator._workers]
+        epochs.append({"workers": workers, "parents": [_ppid(p) for p in workers + val_workers],
+                       "val_workers": val_workers})
     descendants = _descendants(os.getpid())  # a forkserver (and its children) would show here
     # A DataLoader of the user's own, with the rank's default start method (a class from this file).
     user = [b[0].tolist() for b in DataLoader(_Pid(), batch_size=1, num_workers=2)]
