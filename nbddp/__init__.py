@@ -89,8 +89,9 @@ task      ``tasks.classification.data``,        class folders (scan, split, chec
 task      ``tasks.classification.data_record``  the images and split a run was made from (``data.json``): a resume on changed data is refused
 task      ``tasks.classification.models``       torchvision models, weights files (training and prediction)
 task      ``tasks.classification.crops``,       the decode pipeline's crops drawn in the loader processes; batched resizes;
-          ``tasks.classification.resize``,      a launch's fixed costs, one line each
-          ``tasks.classification.startup``
+          ``tasks.classification.resize``,      a launch's fixed costs, one line each; the tensor pipeline's decoded
+          ``tasks.classification.startup``,     images kept between launches (the user's private cache folder)
+          ``tasks.classification.decoded_store``
 ========  ====================================  ==============================================================
 """
 
@@ -136,7 +137,7 @@ SIDES = {
     "tasks.classification.tensor_data": "task", "tasks.classification.decode_data": "task",
     "tasks.classification.models": "task", "tasks.classification.data_record": "task",
     "tasks.classification.crops": "task", "tasks.classification.resize": "task",
-    "tasks.classification.startup": "task",
+    "tasks.classification.startup": "task", "tasks.classification.decoded_store": "task",
 }
 
 #: Where each module of the package's first, flat layout lives now: ``import nbddp.dist`` still

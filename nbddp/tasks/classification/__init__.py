@@ -7,6 +7,7 @@ module              runs    what it does
 ``worker``          rank    ``train(ctx, cfg)``: the training loop, checkpoints, export
 ``data``            both    class folders, samplers, transforms, image loading
 ``tensor_data``     rank    the decoded tensor cache
+``decoded_store``   rank    the decoded images kept between launches (private cache folder)
 ``decode_data``     rank    file bytes decoded and augmented batch by batch on the device
 ``crops``           both    each image's augmentation box, drawn from its seed (loader processes)
 ``resize``          rank    the decode pipeline's resize: image by image, or a batch in a few calls
