@@ -140,13 +140,11 @@ def fill(samples: Sequence[Tuple[str, int]], size: int, out: torch.Tensor, decod
         store = _Entry(folder_fd, key, out)
         if store.read():
             return False
-        if not _make_room(folder_fd, key, store.nbytes, cap):
-            decode(out)
-            return True
         lock = _open_lock(key)
         if lock is None:
             decode(out)
-            store.write()
+            if _make_room(folder_fd, key, store.nbytes, cap):
+                store.write()
             return True
         with lock:
             try:
@@ -157,9 +155,9 @@ def fill(samples: Sequence[Tuple[str, int]], size: int, out: torch.Tensor, decod
                 first = False
             if store.read():
                 return False
-            if not first:
-                # The one that held the lock could not store them: decode side by side with the
-                # other waiting ranks rather than one after another under the lock.
+            if not first or not _make_room(folder_fd, key, store.nbytes, cap):
+                # Not to be stored (no room), or the rank that held the lock could not store them:
+                # decode side by side with the other ranks rather than one after another under the lock.
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
                 decode(out)
                 return True
