@@ -82,6 +82,18 @@ def test_the_evaluation_pass_begins_as_the_training_pass_hands_out_its_last_indi
     assert [b.flatten().tolist() for b in val] == expected
 
 
+def test_beginning_the_evaluation_pass_leaves_the_trainings_random_draws_alone(tmp_path):
+    # A DataLoader without a generator of its own draws its processes' base seed from torch's
+    # global generator when it starts them: mid-epoch, that would move the training's dropout draws.
+    val = PassAhead(_fork_loader(_Noted(tmp_path / "val", 4), ShardSampler(4, 0, 1)))
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    val.start()
+    assert torch.equal(torch.rand(4), expected)
+    assert len(list(val)) == 2
+
+
 @pytest.mark.parametrize("pipeline", ["pil", "decode"])
 def test_the_built_in_worker_reads_the_evaluation_batches_before_evaluating_and_its_numbers_stay(tmp_path, runs_dir,
                                                                                                 pipeline):

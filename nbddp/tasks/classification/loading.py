@@ -274,9 +274,21 @@ class PassAhead:
         self._pending = None  # the pass begun by start(), not handed out yet
 
     def start(self) -> None:
-        """Begin a pass now, unless one begun earlier is still waiting untouched."""
+        """Begin a pass now, unless one begun earlier is still waiting untouched.
+
+        Torch's global generator is left as it was: a ``DataLoader`` without a generator of its own
+        draws its processes' base seed from it when it starts them, and a pass begun in the middle
+        of an epoch would otherwise move the training's draws (dropout) after that step, where a
+        run resumed after it (its processes started in another epoch) would not.
+        """
+        import torch
+
         if not self._untouched(self._pending):
-            self._pending = iter(self.loader)
+            state = torch.get_rng_state()
+            try:
+                self._pending = iter(self.loader)
+            finally:
+                torch.set_rng_state(state)
 
     def _untouched(self, batches) -> bool:
         if batches is None:
