@@ -15,7 +15,10 @@ say() { echo "install_slurm: $*"; }
 
 answers() { timeout 10 sinfo -h -o %P >/dev/null 2>&1; }
 
-if command -v sinfo >/dev/null 2>&1 && answers; then
+MARK="# A one-host cluster made by nbddp's scripts/install_slurm.sh for its tests."
+OURS=0
+[ "$(head -n 1 /etc/slurm/slurm.conf 2>/dev/null)" = "$MARK" ] && OURS=1
+if command -v sinfo >/dev/null 2>&1 && answers && [ "$OURS" = "0" ]; then
   say "a SLURM cluster already answers (partitions: $(sinfo -h -o %P | tr '\n' ' ')): nothing to do"
   exit 0
 fi
@@ -57,13 +60,17 @@ fi
 chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge 2>/dev/null
 chmod 0700 /etc/munge; chmod 0600 /etc/munge/munge.key
 
+OLD_CONF=$(cat "$CONF" 2>/dev/null || true)
 cat > "$CONF" <<EOF
-# A one-host cluster made by nbddp's scripts/install_slurm.sh for its tests.
+$MARK
 ClusterName=nbddp-test
 SlurmctldHost=$HOST
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits until the credentials of its last start expire (120 s by default): 20 s here,
+# so that the preemption test sees SLURM's own requeue, delay included, in a test's time.
+AuthInfo=cred_expire=20
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -88,6 +95,11 @@ NodeName=$HOST CPUs=16 RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
 
+if [ "$OLD_CONF" != "$(cat "$CONF")" ] && pgrep -x slurmctld >/dev/null; then
+  say "the configuration changed: restarting slurmctld and slurmd"
+  pkill -x slurmctld; pkill -x slurmd
+  for _ in $(seq 1 20); do pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || break; sleep 0.5; done
+fi
 pgrep -x munged >/dev/null || su -s /bin/sh munge -c "/usr/sbin/munged" 2>/dev/null || /usr/sbin/munged --force
 pgrep -x slurmctld >/dev/null || /usr/sbin/slurmctld
 pgrep -x slurmd >/dev/null || /usr/sbin/slurmd

@@ -1,7 +1,7 @@
 """The README's ``my_worker.py``: a DDP model trained step by step that only calls ``ctx.log``.
 
 It prints one line every ``print_every`` steps (so the cell's echo and the ``ctx.log`` line meet),
-and once its steps are done waits for the file ``go`` (when given): a test looks at the cell while
+and once its steps are done waits for the file ``go`` (when given, up to ``go_wait_s``): a test looks at the cell while
 the run still goes, then lets it end.
 """
 
@@ -12,7 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def train(ctx, steps: int = 300, go: str = "", print_every: int = 100):
+def train(ctx, steps: int = 300, go: str = "", print_every: int = 100, go_wait_s: float = 120):
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(10, 1).to(ctx.device))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -25,9 +25,9 @@ def train(ctx, steps: int = 300, go: str = "", print_every: int = 100):
         ctx.log(step=step, loss=loss.item())
         if print_every and step % print_every == 0 and ctx.is_main:
             print(f"at step {step}", flush=True)
-    deadline = time.time() + 120
+    deadline = time.time() + go_wait_s
     while go and not os.path.exists(go):
         if time.time() > deadline:
-            raise TimeoutError(f"{go} was not made within 120 s")
+            raise TimeoutError(f"{go} was not made within {go_wait_s} s")
         time.sleep(0.05)
     return steps
