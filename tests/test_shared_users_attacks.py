@@ -45,10 +45,15 @@ WORKER = textwrap.dedent('''
         return "done"
 ''')
 
-LAUNCH = ("import os, sys; sys.stdin = open(os.devnull); import nbddp; "
-          "r = nbddp.spawn_train('attackw.py:held', {ready!r}, {go!r}, {steps}, {early}, {export}, {profile}, "
-          "nprocs=1, runs_dir='runs', "
-          "name={name!r}, echo=False{extra}); print('RESULT', r.value); print('METRICS', r.metrics)")
+# The kernel says when it has read the worker's first record (``early``): an attack "once the
+# kernel reads the run's records" waits for that (``<ready>.kernel``), whatever the machine's load.
+LAUNCH = ("import os, sys, time; sys.stdin = open(os.devnull); import nbddp\n"
+          "h = nbddp.spawn_train('attackw.py:held', {ready!r}, {go!r}, {steps}, {early}, {export}, {profile}, "
+          "nprocs=1, runs_dir='runs', name={name!r}, echo=False, block=False{extra})\n"
+          "while {early} and not h.metrics and h.running:\n"
+          "    time.sleep(0.05)\n"
+          "open({ready!r} + '.kernel', 'w').close()\n"
+          "r = h.wait(); print('RESULT', r.value); print('METRICS', r.metrics)")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,8 @@ def _ready(p, begun):
     """(process, run folder, the file that lets it go on) once the worker waits."""
     run, name = begun
     ready, go = str(p.root / f"ready-{name}"), str(p.root / f"go-{name}")
-    assert wait_for(lambda: os.path.exists(ready) or run.poll() is not None, 180), "the run did not start"
+    assert wait_for(lambda: (os.path.exists(ready) and os.path.exists(ready + ".kernel")) or run.poll() is not None,
+                    180), "the run did not start"
     assert run.poll() is None, run.communicate()[0]
     with open(ready) as f:
         return run, f.read(), go
