@@ -55,6 +55,20 @@ def test_a_rank_that_starts_late_does_not_resume_from_the_checkpoint_rank_0_is_s
     assert [v["w"].tolist() for v in result.values] == [[2.0, 2.0, 2.0]] * 2
 
 
+def test_a_rank_that_resumes_late_does_not_load_the_checkpoint_rank_0_is_already_replacing(runs_dir):
+    """On a resume, ``last.pt`` is on disk and loadable when the ranks start: rank 0 must not
+    replace it with its next save while another rank has still to load it (that rank would start
+    a step later, and its collectives no longer match rank 0's)."""
+    first = spawn_train(f"{RESUMABLE}:train", nprocs=2, kwargs={"stop_after": 2}, name="late-resume",
+                        runs_dir=runs_dir, echo=False)
+    assert first.value["start"] == 0
+    second = spawn_train(f"{RESUMABLE}:train", nprocs=2, kwargs={"late_rank": 1}, name="late-resume",
+                         resume=True, all_values=True, runs_dir=runs_dir, echo=False)
+    assert second.run_dir == first.run_dir
+    assert [v["start"] for v in second.values] == [3, 3]
+    assert [v["w"].tolist() for v in second.values] == [[6.0, 6.0, 6.0]] * 2
+
+
 def test_every_ranks_value_and_epoch_axis(runs_dir):
     result = spawn_train(f"{RESUMABLE}:epochs_only", nprocs=3, all_values=True, runs_dir=runs_dir, echo=False)
     assert result.values == [0, 1, 2] and result.value == 0

@@ -94,6 +94,10 @@ class Context:
         # and those its own saves completed on every rank. Rank 0 writes a checkpoint before the
         # others agree it is whole: a rank still starting must not take it for one to resume from.
         self._loadable = set(_checkpoints_on_disk(self.run_dir))
+        # A resumed run's checkpoints are loadable from the start, and rank 0's next save replaces
+        # them under the same name: its first save waits until every rank has reached it (and so
+        # has loaded what it resumes from), once per start of the ranks.
+        self._saved = False
         from .sharding import launch_strategy
 
         self.strategy = launch_strategy()
@@ -312,6 +316,9 @@ class Context:
         from .sharded_checkpoint import save as save_sharded, split_state
         from .sharding import gather_dtensors, has_dtensors
 
+        if not self._saved:
+            barrier()  # no rank still has to load what this save replaces
+            self._saved = True
         if isinstance(state, dict) and any(split_state(state)[:2]):
             path = save_sharded(self.run_dir, name, state, self.is_main)
             _note_checkpoint(self, path, state)
