@@ -379,13 +379,15 @@ class Context:
     def progress(self, **fields: Any) -> None:
         """Report live progress (epoch, step, total, loss...), shown by the notebook's panel.
 
-        Written at most 5 times a second, so calling it every step costs nothing.
+        Written at most 5 times a second, so calling it every step costs nothing; an epoch's last
+        step (``step == steps``) is always written, so that what the panel shows last is true.
         """
         self.heartbeat(fields.get("epoch"), fields.get("step"))
         if self._profiler is not None:
             self._profiler.reported(fields.get("step"))
         now = time.time()
-        if self.is_main and now - self._progress_written >= 0.2:
+        last = fields.get("step") is not None and fields.get("step") == fields.get("steps")
+        if self.is_main and (last or now - self._progress_written >= 0.2):
             self._progress_written = now
             if self._progress_file is None:
                 self._progress_file = ProgressWriter(self.run_dir)
