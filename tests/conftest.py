@@ -213,3 +213,26 @@ def execute(kc, code: str, timeout: float = 120.0):
         reply = kc.get_shell_msg(timeout=10)
         if reply["parent_header"].get("msg_id") == msg_id:
             return reply["content"], "".join(out)
+
+
+#: A user id that is not the test's: the owner of what ``give_away`` plants.
+OTHER_UID = 12345
+
+
+@pytest.fixture
+def give_away(monkeypatch):
+    """``give_away(path)`` makes ``path`` (a link itself, not its target) another user's.
+
+    As root, by ``chown``; otherwise nbddp's owner check is told so (no other user can be made).
+    """
+    from nbddp.contract import private
+
+    if os.getuid() == 0:
+        return lambda path: os.chown(path, OTHER_UID, OTHER_UID, follow_symlinks=False)
+    planted, real = set(), private.owner
+    monkeypatch.setattr(private, "owner", lambda st: OTHER_UID if (st.st_dev, st.st_ino) in planted else real(st))
+
+    def give(path):
+        st = os.lstat(path)
+        planted.add((st.st_dev, st.st_ino))
+    return give

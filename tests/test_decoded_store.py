@@ -19,7 +19,8 @@ from nbddp.contract import private
 from nbddp.tasks.classification import decoded_store as DS
 from nbddp.tasks.classification.tensor_data import TensorCache
 
-OTHER_UID = 12345
+from conftest import OTHER_UID  # give_away: the fixture, from conftest
+
 CPU = torch.device("cpu")
 
 
@@ -33,20 +34,6 @@ def store(tmp_path, monkeypatch):
     old = os.umask(0o002)
     yield home / "nbddp" / "decoded"
     os.umask(old)
-
-
-@pytest.fixture
-def give_away(monkeypatch):
-    """``give_away(path)`` makes ``path`` (a link itself, not its target) another user's."""
-    if os.getuid() == 0:
-        return lambda path: os.chown(path, OTHER_UID, OTHER_UID, follow_symlinks=False)
-    planted, real = set(), private.owner
-    monkeypatch.setattr(private, "owner", lambda st: OTHER_UID if (st.st_dev, st.st_ino) in planted else real(st))
-
-    def give(path):
-        st = os.lstat(path)
-        planted.add((st.st_dev, st.st_ino))
-    return give
 
 
 def photos(folder, n=12, seed=0, name="p"):

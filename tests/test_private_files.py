@@ -18,22 +18,7 @@ from nbddp.contract import private, rundir
 from nbddp.kernel.launch import _child_env, private_tmp
 from nbddp.rank.logs import open_private_log
 
-OTHER_UID = 12345
-
-
-@pytest.fixture
-def give_away(monkeypatch):
-    """``give_away(path)`` makes ``path`` (a link itself, not its target) another user's."""
-    if os.getuid() == 0:
-        return lambda path: os.chown(path, OTHER_UID, OTHER_UID, follow_symlinks=False)
-    planted, real = set(), private.owner
-    monkeypatch.setattr(private, "owner", lambda st: OTHER_UID if (st.st_dev, st.st_ino) in planted else real(st))
-
-    def give(path):
-        st = os.lstat(path)
-        planted.add((st.st_dev, st.st_ino))
-    return give
-
+from conftest import OTHER_UID  # give_away: the fixture, from conftest
 
 def mode(path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
