@@ -20,6 +20,7 @@ from nbddp.rank.logs import open_private_log
 
 from conftest import OTHER_UID  # give_away: the fixture, from conftest
 
+
 def mode(path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
