@@ -22,6 +22,10 @@ if command -v sinfo >/dev/null 2>&1 && answers && [ "$OURS" = "0" ]; then
   say "a SLURM cluster already answers (partitions: $(sinfo -h -o %P | tr '\n' ' ')): nothing to do"
   exit 0
 fi
+if [ -e /etc/slurm/slurm.conf ] && [ "$OURS" = "0" ]; then  # a site's, even one whose controller is down
+  say "skipped: /etc/slurm/slurm.conf was not made by this script, and is never touched (the SLURM tests will skip)"
+  exit 0
+fi
 if [ "${NBDDP_NO_SLURM_INSTALL:-0}" = "1" ]; then
   say "skipped: NBDDP_NO_SLURM_INSTALL=1 (the SLURM tests will skip)"
   exit 0
@@ -95,10 +99,20 @@ NodeName=$HOST CPUs=16 RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
 
-if [ "$OLD_CONF" != "$(cat "$CONF")" ] && pgrep -x slurmctld >/dev/null; then
+# Our cluster's daemons read the configuration at their start: a changed one restarts them (found by
+# the pid files this configuration names, else by name: the conf was ours, so are they).
+stop_daemon() {
+  local name=$1 pid
+  pid=$(cat "/run/$name.pid" 2>/dev/null || pgrep -x "$name" || true)
+  [ -n "$pid" ] || return 0
+  kill $pid 2>/dev/null || return 0
+  for _ in $(seq 1 40); do kill -0 $pid 2>/dev/null || return 0; sleep 0.5; done
+  kill -9 $pid 2>/dev/null || true
+}
+if [ "$OLD_CONF" != "$(cat "$CONF")" ] && { pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null; }; then
   say "the configuration changed: restarting slurmctld and slurmd"
-  pkill -x slurmctld; pkill -x slurmd
-  for _ in $(seq 1 20); do pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || break; sleep 0.5; done
+  stop_daemon slurmctld
+  stop_daemon slurmd
 fi
 pgrep -x munged >/dev/null || su -s /bin/sh munge -c "/usr/sbin/munged" 2>/dev/null || /usr/sbin/munged --force
 pgrep -x slurmctld >/dev/null || /usr/sbin/slurmctld
