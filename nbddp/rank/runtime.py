@@ -303,6 +303,14 @@ class Context:
         from ..contract.checkpoint import uninterrupted
 
         name = _checkpoint_name(name)
+        if not self._saved:
+            # Before anything is written, so outside the held Interrupt: on the CPU group, which
+            # fails at once when a peer has left (an Interrupt that reached it mid-step).
+            from .dist import cpu_group, is_dist
+
+            if is_dist():
+                dist.barrier(group=cpu_group())  # no rank still has to load what this save replaces
+            self._saved = True
         self._saving = True  # the heartbeat says so: the staged stop lets the write end before SIGTERM
         try:
             with uninterrupted(lambda: read_stop_request(self.run_dir) is not None):
@@ -316,9 +324,6 @@ class Context:
         from .sharded_checkpoint import save as save_sharded, split_state
         from .sharding import gather_dtensors, has_dtensors
 
-        if not self._saved:
-            barrier()  # no rank still has to load what this save replaces
-            self._saved = True
         if isinstance(state, dict) and any(split_state(state)[:2]):
             path = save_sharded(self.run_dir, name, state, self.is_main)
             _note_checkpoint(self, path, state)
