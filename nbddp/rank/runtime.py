@@ -385,13 +385,14 @@ class Context:
         """Report live progress (epoch, step, total, loss...), shown by the notebook's panel.
 
         Written at most 5 times a second, so calling it every step costs nothing; an epoch's last
-        step (``step == steps``) is always written, so that what the panel shows last is true.
+        step (``step`` equal to ``steps``, or to ``total`` as a worker may name it) is always written,
+        so that what the panel shows last is true.
         """
         self.heartbeat(fields.get("epoch"), fields.get("step"))
         if self._profiler is not None:
             self._profiler.reported(fields.get("step"))
         now = time.time()
-        last = fields.get("step") is not None and fields.get("step") == fields.get("steps")
+        last = fields.get("step") is not None and fields.get("step") == (fields.get("steps") or fields.get("total"))
         if self.is_main and (last or now - self._progress_written >= 0.2):
             self._progress_written = now
             if self._progress_file is None:
