@@ -17,7 +17,8 @@ whole folder again (2.35 s of a 9.6 s warm relaunch on one H100 for 3,670 JPEGs)
   link, and checked on its own descriptor (:func:`nbddp.contract.private.problem`: a regular file of
   the user's, one name, writable by no one else), and its header must name the same key and its
   length be exact. A file that is not the user's alone is not read, with a warning saying why; a
-  stale or truncated one silently. Either way the images are decoded and stored in its place.
+  stale or truncated one silently. Either way the images are decoded, and stored in its place
+  where there is room.
 - **Written atomically**: to a temporary name in the same folder (``O_EXCL``, 0600 whatever the
   umask), flushed, then renamed into place: a reader never sees half a file.
 - **Ranks of one launch decode once between them**: the first to take the key's lock
@@ -152,6 +153,8 @@ def fill(samples: Sequence[Tuple[str, int]], size: int, out: torch.Tensor, decod
                 first = True
             except BlockingIOError:  # another rank (or launch) is decoding these images
                 fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+                # Done: let the other waiters read beside this one, not one after another.
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
                 first = False
             if store.read():
                 return False
@@ -163,6 +166,8 @@ def fill(samples: Sequence[Tuple[str, int]], size: int, out: torch.Tensor, decod
                 return True
             decode(out)
             store.write()
+            # Now, not when the file closes: the decode's forked processes may still hold it open.
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
             return True
     finally:
         os.close(folder_fd)
@@ -218,7 +223,7 @@ class _Entry:
         if not self.warned:
             self.warned = True
             warnings.warn(f"{path} {why}, so the decoded images it may hold were not read: they are decoded "
-                          f"again and stored in its place (a private file of yours).", stacklevel=5)
+                          f"again, and stored in its place as a private file of yours where there is room.", stacklevel=5)
 
     def write(self) -> bool:
         """Store ``out`` under its key: a temporary file of the user's alone, flushed, renamed into place."""
