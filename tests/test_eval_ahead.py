@@ -118,3 +118,17 @@ def test_the_built_in_worker_reads_the_evaluation_batches_before_evaluating_and_
         dataset = next(line[1] for line in lines[begin + 1:end] if line[0] == "eval-begin")
         reads = [line[3] for line in lines[begin + 1:end] if line[0] == "item" and line[2] == dataset]
         assert count > 0 and Counter(reads) == {index: 2 for index in set(reads)} and len(set(reads)) == count
+
+
+def test_a_pass_that_cannot_begin_ahead_is_raised_by_the_evaluation_not_by_the_training_step():
+    class Broken:  # a loader whose processes cannot start (one died; no memory to fork)
+        def __iter__(self):
+            raise RuntimeError("DataLoader worker (pid 123) exited unexpectedly")
+
+        def __len__(self):
+            return 1
+
+    val = PassAhead(Broken())
+    val.start()  # called in a training step: its error is not that batch's
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        iter(val)

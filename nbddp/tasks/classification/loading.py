@@ -280,6 +280,10 @@ class PassAhead:
         draws its processes' base seed from it when it starts them, and a pass begun in the middle
         of an epoch would otherwise move the training's draws (dropout) after that step, where a
         run resumed after it (its processes started in another epoch) would not.
+
+        A pass that cannot begin (a loader process that died, no memory to fork) is left to the
+        evaluation: its own ``iter()`` begins one and raises there, as an evaluation's error, never
+        as the error of the training batch in whose step this was called.
         """
         import torch
 
@@ -287,6 +291,8 @@ class PassAhead:
             state = torch.get_rng_state()
             try:
                 self._pending = iter(self.loader)
+            except Exception:  # noqa: BLE001 - raised again, where it belongs, by the evaluation's iter()
+                self._pending = None
             finally:
                 torch.set_rng_state(state)
 
