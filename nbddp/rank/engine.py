@@ -531,6 +531,10 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
             return totals(True)
     if pending is not None:
         count(_settle(run, pending, "epoch end"))
+        # The last step's loss is on the host only now: the progress says it (the panel's last word).
+        elapsed = time.perf_counter() - t0
+        run.ctx.progress(epoch=epoch, step=steps, steps=total_steps, **shown,
+                         images_per_s=images / elapsed if elapsed > 0 else 0.0)
     return totals(False)
 
 

@@ -103,9 +103,12 @@ def store_key(samples: Sequence[Tuple[str, int]], size: int) -> Optional[str]:
     A file that cannot be stat'ed is left to the decoder, which names it in a ``DataError``.
     """
     import PIL
+    import PIL.features
     import torchvision
 
+    # The JPEG library's version too: two hosts sharing a home may build Pillow with another one.
     h = hashlib.sha256(json.dumps({"format": FORMAT, "size": int(size), "pil": PIL.__version__,
+                                   "jpeg": PIL.features.version("jpg"),
                                    "torchvision": torchvision.__version__}).encode())
     for path, label in samples:
         try:
