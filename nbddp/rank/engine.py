@@ -414,6 +414,12 @@ def _start_epoch(model, optimizer, device, epoch, ctx, scaler, amp_dtype, channe
                   accum_steps=accum_steps, label_smoothing=label_smoothing, checkpoint_due=checkpoint_due)
 
 
+def _progress(run: _Epoch, epoch: int, step: int, steps: int, shown: dict, images: int, t0: float) -> None:
+    """The epoch's progress after step ``step``: ``shown`` holds the latest loss the host has."""
+    elapsed = time.perf_counter() - t0
+    run.ctx.progress(epoch=epoch, step=step, steps=steps, **shown, images_per_s=images / elapsed if elapsed > 0 else 0.0)
+
+
 def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scaler=None,
                     amp_dtype: Optional[torch.dtype] = None, channels_last: bool = False,
                     on_step: Optional[Callable[[int, float], None]] = None,
@@ -509,9 +515,7 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
                                                                   pending, count)
         updates += group.syncs
         steps, images = steps + 1, images + batch_images * run.world
-        elapsed = time.perf_counter() - t0
-        run.ctx.progress(epoch=epoch, step=step + 1, steps=total_steps, **shown,
-                         images_per_s=images / elapsed if elapsed > 0 else 0.0)
+        _progress(run, epoch, step + 1, total_steps, shown, images, t0)
         if agreed.unreadable:
             count(_settle(run, pending, "read error"))  # the steps done are reported before leaving
             run.ctx.heartbeat(epoch=epoch, step=step + 1)  # the step whose batch failed
@@ -531,10 +535,7 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
             return totals(True)
     if pending is not None:
         count(_settle(run, pending, "epoch end"))
-        # The last step's loss is on the host only now: the progress says it (the panel's last word).
-        elapsed = time.perf_counter() - t0
-        run.ctx.progress(epoch=epoch, step=steps, steps=total_steps, **shown,
-                         images_per_s=images / elapsed if elapsed > 0 else 0.0)
+        _progress(run, epoch, steps, total_steps, shown, images, t0)  # with the last step's loss, read only now
     return totals(False)
 
 

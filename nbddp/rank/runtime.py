@@ -65,6 +65,36 @@ def _note_checkpoint(ctx: "Context", path: Path, state: Any) -> None:
                         step if isinstance(step, int) else ctx.step)
 
 
+def _look_for_stop(ctx: "Context") -> None:
+    """Read the stop request now; a rank that found one says so in its heartbeat (the launcher lets it finish)."""
+    ctx._stop_checked = time.time()
+    ctx._stop_reason = read_stop_request(ctx.run_dir)
+    if ctx._stop_reason is not None and ctx._beat is not None:
+        ctx._beat.beat()
+
+
+def _last_step(fields: dict) -> bool:
+    """A progress record of an epoch's last step: ``step`` equal to ``steps`` (or ``total``, as a worker may name it)."""
+    return fields.get("step") is not None and fields.get("step") == (fields.get("steps") or fields.get("total"))
+
+
+def _before_first_save(ctx: "Context") -> None:
+    """The first save of a start of the ranks waits until every rank has reached it.
+
+    A resumed run's checkpoints are loadable from the start, and rank 0's next save replaces them
+    under the same name: a rank that has still to load what it resumes from would load the new one
+    and start a step later. Before anything is written, so outside the held Interrupt, and on the
+    CPU group, which fails at once when a peer has left (an Interrupt that reached it mid-step).
+    """
+    if ctx._saved:
+        return
+    from .dist import cpu_group, is_dist
+
+    if is_dist():
+        dist.barrier(group=cpu_group())
+    ctx._saved = True
+
+
 class Context:
     """What a worker function receives as its first argument.
 
@@ -94,10 +124,7 @@ class Context:
         # and those its own saves completed on every rank. Rank 0 writes a checkpoint before the
         # others agree it is whole: a rank still starting must not take it for one to resume from.
         self._loadable = set(_checkpoints_on_disk(self.run_dir))
-        # A resumed run's checkpoints are loadable from the start, and rank 0's next save replaces
-        # them under the same name: its first save waits until every rank has reached it (and so
-        # has loaded what it resumes from), once per start of the ranks.
-        self._saved = False
+        self._saved = False  # a save of this start was made (_before_first_save)
         from .sharding import launch_strategy
 
         self.strategy = launch_strategy()
@@ -303,14 +330,7 @@ class Context:
         from ..contract.checkpoint import uninterrupted
 
         name = _checkpoint_name(name)
-        if not self._saved:
-            # Before anything is written, so outside the held Interrupt: on the CPU group, which
-            # fails at once when a peer has left (an Interrupt that reached it mid-step).
-            from .dist import cpu_group, is_dist
-
-            if is_dist():
-                dist.barrier(group=cpu_group())  # no rank still has to load what this save replaces
-            self._saved = True
+        _before_first_save(self)
         self._saving = True  # the heartbeat says so: the staged stop lets the write end before SIGTERM
         try:
             with uninterrupted(lambda: read_stop_request(self.run_dir) is not None):
@@ -385,15 +405,13 @@ class Context:
         """Report live progress (epoch, step, total, loss...), shown by the notebook's panel.
 
         Written at most 5 times a second, so calling it every step costs nothing; an epoch's last
-        step (``step`` equal to ``steps``, or to ``total`` as a worker may name it) is always written,
-        so that what the panel shows last is true.
+        step always (``step`` equal to ``steps``, or ``total``), so that the panel ends on the truth.
         """
         self.heartbeat(fields.get("epoch"), fields.get("step"))
         if self._profiler is not None:
             self._profiler.reported(fields.get("step"))
         now = time.time()
-        last = fields.get("step") is not None and fields.get("step") == (fields.get("steps") or fields.get("total"))
-        if self.is_main and (last or now - self._progress_written >= 0.2):
+        if self.is_main and (_last_step(fields) or now - self._progress_written >= 0.2):
             self._progress_written = now
             if self._progress_file is None:
                 self._progress_file = ProgressWriter(self.run_dir)
@@ -407,7 +425,7 @@ class Context:
         ``if nbddp.rank.dist.any_rank(ctx.should_stop()): break``.
         """
         if self._stop_reason is None and time.time() - self._stop_checked >= 0.2:
-            self._look_for_stop()
+            _look_for_stop(self)
         return self._stop_reason is not None
 
     def stop_reason(self) -> Optional[str]:
@@ -420,14 +438,8 @@ class Context:
         Looks afresh until a request came (use :meth:`should_stop` in a loop); local to this rank.
         """
         if self._stop_reason is None:
-            self._look_for_stop()
+            _look_for_stop(self)
         return self._stop_reason
-
-    def _look_for_stop(self) -> None:
-        self._stop_checked = time.time()
-        self._stop_reason = read_stop_request(self.run_dir)
-        if self._stop_reason is not None and self._beat is not None:
-            self._beat.beat()  # tells the launcher this rank obeys: it lets it finish
 
     def breakpoint(self, rank: int = 0) -> None:
         """Stop rank ``rank`` in ``pdb`` at the next line, with the prompt in the notebook; call it on every rank.
