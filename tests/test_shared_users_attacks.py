@@ -12,6 +12,7 @@ of the group may rename, replace or link anything.
 Each test plays the attack as it would go on the landed code, then checks that it holds.
 """
 
+import contextlib
 import os
 import textwrap
 
@@ -88,6 +89,18 @@ def _start(p, name: str, **how):
     return _ready(p, _begin(p, name, **how))
 
 
+@contextlib.contextmanager
+def _reaped(*runs):
+    """The victim's launches are ended when the block leaves, whatever it found."""
+    try:
+        yield
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
+
+
 def _finish(p, run, go: str) -> str:
     p.shell(p.attacker, f"touch {go}")
     out, _ = run.communicate(timeout=240)
@@ -99,7 +112,7 @@ def test_a_link_in_place_of_a_run_folder_never_makes_its_kernel_end_another_run(
     begun = _begin(p, "other", steps=1), _begin(p, "linked", steps=1)
     other, other_dir, other_go = _ready(p, begun[0])  # the victim's run in another kernel
     run, run_dir, go = _ready(p, begun[1])
-    try:
+    with _reaped(run, other):
         # Renaming in the group-writable runs folder needs no other right: the name now leads to the other run.
         p.shell(p.attacker, f"mv {run_dir} {run_dir}.away && ln -s {other_dir} {run_dir}")
         out = _finish(p, run, go)
@@ -110,11 +123,6 @@ def test_a_link_in_place_of_a_run_folder_never_makes_its_kernel_end_another_run(
         # Each run's records went into its own folder, and each kernel read its own run's.
         assert out.count("'loss'") == 1, f"the other run's result holds the first run's records\n{out}"
         assert len(open(os.path.join(run_dir + ".away", "metrics.jsonl")).read().splitlines()) == 1
-    finally:
-        for proc in (run, other):
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
 
 
 def test_a_link_planted_in_the_run_folder_never_takes_a_ranks_writes_into_your_files(project):
@@ -124,16 +132,12 @@ def test_a_link_planted_in_the_run_folder_never_takes_a_ranks_writes_into_your_f
     p.shell(p.victim, f"echo precious > {notes}; echo thesis > {thesis}; chmod 600 {notes} {thesis}")
     run, run_dir, go = _start(p, "planted", steps=6, profile=True,
                               extra=", profile={'wait': 1, 'warmup': 1, 'active': 2}")
-    try:
+    with _reaped(run):
         # Before the rank logs or profiles: links where it writes, to files of the victim's outside the run
         # (profile/ is the victim's, made under the umask as an older nbddp made it: the group writes in it).
         p.shell(p.attacker, f"cd {run_dir} && ln -s {notes} metrics.jsonl && "
                             f"ln -s {thesis} profile/rank0.pt.trace.json.gz")
         out = _finish(p, run, go)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
     assert notes.read_bytes() == b"precious\n", "the rank appended its ctx.log records to a file of the victim's"
     assert thesis.read_bytes() == b"thesis\n", "the rank replaced a file of the victim's with its profile"
     assert "RESULT done" in out, out
@@ -151,7 +155,7 @@ def test_a_group_member_cannot_put_records_in_a_runs_metrics(project):
     run, run_dir, go = _start(p, "records", steps=2, early=True)
     metrics = os.path.join(run_dir, "metrics.jsonl")
     forged = '{"step": 99, "loss": -1.0, "forged": 1}'
-    try:
+    with _reaped(run):
         # Written into in place, where the file lets her: it is the victim's, never writable by the group.
         p.shell(p.attacker, f"echo '{forged}' >> {metrics}", check=False)
         # Replaced by a file of hers once the kernel reads it (her record past where it read up to): it
@@ -159,10 +163,6 @@ def test_a_group_member_cannot_put_records_in_a_runs_metrics(project):
         p.shell(p.attacker, f"mv {metrics} {metrics}.away && head -c 4096 /dev/zero | tr '\\0' ' ' > {metrics} && "
                             f"printf '\\n%s\\n' '{forged}' >> {metrics} && chmod 666 {metrics}")
         out = _finish(p, run, go)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
     assert "RESULT done" in out, out
     assert "forged" not in out, f"the attacker's record reached the victim's result\n{out}"
     assert "METRICS [{" in out and out.count("'loss'") == 3, out  # the worker's own three records
@@ -175,14 +175,10 @@ def test_a_link_planted_in_the_export_never_sends_your_files_to_the_tracker(proj
     secret = home / "secret.txt"
     p.shell(p.victim, f"echo SECRET-NOTES > {secret}; chmod 644 {secret}")
     run, run_dir, go = _start(p, "tracked", export=True, extra=", trackers=['mlflow']")
-    try:
+    with _reaped(run):
         # The export folder is the victim's, and the group's to write (umask 002): a link among its files.
         p.shell(p.attacker, f"ln -s {secret} {run_dir}/export/notes.txt")
         out = _finish(p, run, go)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
     assert "RESULT done" in out, out
     # MLflow's artifacts are kept in the runs folder, which the group may read.
     found = p.shell(p.attacker, "grep -r -l SECRET-NOTES runs/mlartifacts", check=False).stdout
