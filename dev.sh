@@ -5,7 +5,8 @@
 # and, for the documentation site (mkdocs.yml, docs/):
 #   bash dev.sh docs          build it into site/, strictly (a broken link or docstring fails)
 #   bash dev.sh screenshots   retake docs/images/ in a real JupyterLab (tests/test_browser.py)
-# Needs only python3 (3.10+). The set-up is skipped when requirements-dev.txt is unchanged.
+# Needs only python3: 3.10.9+, not 3.11.0 (pyproject.toml's requires-python; PYTHON=python3.12 picks
+# another). The set-up is skipped when requirements-dev.txt is unchanged.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -18,6 +19,12 @@ setup() {
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return
   fi
+  # The range of pyproject.toml, said before pip says "No matching distribution" for something else.
+  if ! "$PY" -c 'import sys; v = sys.version_info[:3]; sys.exit(not (v >= (3, 10, 9) and v != (3, 11, 0)))'; then
+    echo "dev.sh: $("$PY" -V 2>&1) is not supported: nbddp needs Python 3.10.9+ (not 3.11.0)." >&2
+    echo "        Run it with another interpreter, e.g. PYTHON=python3.12 bash dev.sh ${1:-setup}" >&2
+    exit 2
+  fi
   echo "== setting up $VENV (first time: a few minutes)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q -r requirements-dev.txt
@@ -29,13 +36,13 @@ setup() {
 
 case "${1:-}" in
   train)
-    setup
+    setup "$1"
     shift
     exec "$VENV/bin/python" -m nbddp train --data-path data/digits --model resnet34 --image-size 32 \
       --epochs 6 --batch-size 32 --lr 0.01 --crop-scale 0.5 --no-hflip --nprocs 2 --name digits "$@"
     ;;
   test)
-    setup
+    setup "$1"
     shift
     # Chromium for tests/test_browser.py (Debian package); never fails, says why it skipped.
     bash scripts/install_browser.sh
@@ -48,20 +55,24 @@ case "${1:-}" in
     exec "$VENV/bin/python" -m pytest -n "${NBDDP_TEST_PROCS:-2}" --dist loadfile tests notebooks --nbmake "$@"
     ;;
   docs)
-    setup
+    setup "$1"
     shift
+    if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:3] < (3, 11, 5))'; then
+      echo "dev.sh docs: the site's tools (pymdown-extensions) need Python 3.11.5+; run it with PYTHON=python3.12" >&2
+      exit 2
+    fi
     export NO_MKDOCS_2_WARNING=1  # the theme's notice about its successor, printed on every build
     exec "$VENV/bin/python" -m mkdocs build --strict "$@"
     ;;
   screenshots)
-    setup
+    setup "$1"
     shift
     bash scripts/install_browser.sh
     # The browser test copies the pictures the docs show into docs/images/ once it has passed.
     NBDDP_SCREENSHOTS=docs/images exec "$VENV/bin/python" -m pytest tests/test_browser.py -p no:cacheprovider "$@"
     ;;
   setup)
-    setup
+    setup "$1"
     ;;
   *)
     echo "usage: bash dev.sh train|test|docs|screenshots|setup [extra arguments]" >&2

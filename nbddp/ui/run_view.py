@@ -271,11 +271,18 @@ class RunView:
     def _on_metrics(self) -> None:
         handle = self.handle
         metrics = list(handle.metrics) if handle is not None else []  # appended before the event
-        with self._lock:  # redrawn at most every CHART_EVERY_S: a worker may log every step
-            if self._chart_timer is None:
-                self._chart_timer = threading.Timer(max(0.0, self._chart_next - time.monotonic()), self._redraw_chart)
-                self._chart_timer.daemon = True
-                self._chart_timer.start()
+        if not self._worker:
+            # The built-in worker's record is a finished epoch: the chart is drawn with it before the status
+            # line says "epoch N done", so the two never disagree (a throttled redraw showed empty charts
+            # under "epoch 1/2 done"). One record an epoch: nothing to throttle.
+            self._redraw_chart()
+        else:
+            with self._lock:  # redrawn at most every CHART_EVERY_S: a worker may log every step
+                if self._chart_timer is None:
+                    self._chart_timer = threading.Timer(max(0.0, self._chart_next - time.monotonic()),
+                                                        self._redraw_chart)
+                    self._chart_timer.daemon = True
+                    self._chart_timer.start()
         if self._worker:
             if metrics and handle is not None and not handle.progress:
                 self._on_progress(metrics[-1])  # a worker that only logs: its records move the bar

@@ -1,0 +1,83 @@
+"""The dev set-up resolves on every Python nbddp supports, and the set-up states one range.
+
+``requirements-dev.txt`` pins exact versions; a pin that exists only for newer Pythons (numpy 2.3+
+needs 3.11, pymdown-extensions 13 needs 3.11.5) broke ``bash dev.sh train`` on Ubuntu 22.04's 3.10 and
+Debian 12's 3.11.2. So pip's own resolver (``pip install --dry-run``) runs the file with every
+interpreter this machine has, side by side: the next pin that leaves one out fails here, naming it.
+pip evaluates the file's environment markers with the interpreter it is given (``pip --python``), so
+no interpreter needs pip of its own.
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+#: The one statement of the supported range; environment.yml, README.md and dev.sh repeat it.
+REQUIRES = ">=3.10.9,!=3.11.0"
+#: pip's words when the registry could not be reached at all (then nothing was resolved).
+OFFLINE = re.compile(r"NewConnectionError|Failed to establish a new connection|Temporary failure in name resolution")
+
+
+def _supported(version):
+    return version >= (3, 10, 9) and version != (3, 11, 0)
+
+
+def _interpreters():
+    """Every CPython 3.x on this machine, one per full version: PATH, the system's, pyenv's."""
+    names = {shutil.which(f"python3.{minor}") for minor in range(10, 16)} | {sys.executable}
+    names |= set(glob.glob("/usr/bin/python3.[0-9]*")) | set(glob.glob("/usr/local/bin/python3.[0-9]*"))
+    pyenv = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    names |= set(glob.glob(os.path.join(pyenv, "versions", "3.*", "bin", "python3")))
+    found = {}
+    for name in sorted(n for n in names if n and re.search(r"python3(\.\d+)?$", n) and os.access(n, os.X_OK)):
+        try:
+            said = subprocess.run([name, "-c", "import sys; print(*sys.version_info[:3])"],
+                                  capture_output=True, text=True, timeout=30).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if len(said) == 3:
+            found.setdefault(tuple(map(int, said)), name)
+    return found
+
+
+def test_one_python_range_everywhere():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'requires-python = "{REQUIRES}"' in pyproject
+    assert "Programming Language :: Python :: 3.10" in pyproject
+    assert "Programming Language :: Python :: 3.13" in pyproject
+    assert f"python{REQUIRES}" in (ROOT / "environment.yml").read_text().replace(" ", "")
+    assert "Python 3.10.9+ (not 3.11.0)" in (ROOT / "README.md").read_text()
+    dev = (ROOT / "dev.sh").read_text()
+    assert "(3, 10, 9)" in dev and "(3, 11, 0)" in dev, "dev.sh checks the interpreter before it sets up"
+
+
+def test_dev_setup_resolves_on_every_supported_python(tmp_path):
+    found = {v: p for v, p in _interpreters().items() if _supported(v)}
+    if len(found) < 2:
+        pytest.skip(f"only {len(found)} supported Python on this machine: nothing to compare")
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    runs = {}
+    for version, python in found.items():
+        log = open(tmp_path / ("pip-%d.%d.%d.log" % version), "w+")
+        runs[version] = (log, subprocess.Popen(
+            [sys.executable, "-m", "pip", "--python", python, "install", "--dry-run", "--ignore-installed",
+             "--quiet", "-r", str(ROOT / "requirements-dev.txt")],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path))
+    failed = {}
+    for version, (log, proc) in runs.items():
+        proc.wait(timeout=540)
+        log.seek(0)
+        said = [line for line in log.read().splitlines() if not line.startswith("WARNING: Location")]
+        if proc.returncode != 0:
+            if OFFLINE.search("\n".join(said)):
+                pytest.skip("the package registry cannot be reached from here")
+            failed["%d.%d.%d" % version] = "\n".join(said[-4:])
+    assert not failed, "requirements-dev.txt does not resolve on: " + "\n\n".join(
+        f"Python {v} ({found[tuple(map(int, v.split('.')))]}):\n{why}" for v, why in failed.items())
