@@ -120,6 +120,9 @@ SIDES = {
     "kernel.interrupt": "kernel",
     "kernel.refusals": "kernel",
     "kernel.slurm": "kernel", "kernel.slurm_group": "kernel", "kernel.slurm_attach": "kernel",
+    "kernel.interactive": "kernel", "kernel.interactive.group": "kernel", "kernel.interactive.members": "kernel",
+    "kernel.interactive.cell": "kernel", "kernel.interactive.magics": "kernel",
+    "contract.channel": "contract", "rank.interactive": "rank",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel", "ui.cluster": "kernel",
@@ -185,6 +188,7 @@ _EXPORTS = {
     "RunAbandoned": "contract.errors",
     "Retryable": "contract.errors",
     "StudyError": "kernel.study_file",
+    "start_ranks": "kernel.interactive.group",
 }
 
 __all__ = [name for name in _EXPORTS if name not in ("show_predictions", "plot_confusion_matrix")]
@@ -309,6 +313,13 @@ def _install_moved_finder() -> None:
     # another checkout) must not answer for a name that moved.
     if not any(type(f).__name__ == "_MovedFinder" for f in sys.meta_path):
         sys.meta_path.insert(0, _MovedFinder())
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext nbddp``: registers ``%%ranks`` (a cell on a live group of ranks, :func:`start_ranks`)."""
+    from .kernel.interactive.magics import register
+
+    register(ipython)
 
 
 def __dir__():
