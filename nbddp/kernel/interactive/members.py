@@ -106,6 +106,9 @@ class Members:
             except BaseException:
                 self.close()
                 raise
+            finally:  # every rank is in (or the start failed): nothing listens any more, nor has a name
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     # -- the start -----------------------------------------------------------------------------
     def _accept(self, listener: socket.socket, timeout_s: float, came: list) -> None:
