@@ -17,6 +17,7 @@ from ...contract.channel import ENTRY
 from ...contract.errors import ConfigError, NbddpError
 from ..handle import interrupts_held
 from ..launch import _check_launch_args, _prepare_run_dir, _resolve_gpus
+from ..forkserver import start_method
 from ..ranks import Launches
 from .cell import Echoes, outcome
 from .members import Members, RanksInterrupted, release_state
@@ -244,7 +245,7 @@ def start_ranks(nprocs: Optional[int] = None, gpus: Union[str, Sequence[int], No
                           runs_dir=runs_dir, timeout_s=timeout_s)
         run_dir = _prepare_run_dir(plan, plan.world)
         leases.note(str(run_dir))
-        launcher = Launches(plan, run_dir, threads_per_proc, "forkserver", env, False, 0)
+        launcher = Launches(plan, run_dir, threads_per_proc, start_method("forkserver"), env, False, 0)
         group = Ranks(name, launcher, leases, start_timeout_s=plan.timeout + 30)
     except BaseException:
         leases.release()
@@ -288,7 +289,7 @@ def _register_magics() -> None:
     if shell is not None:
         from .magics import register
 
-        register(shell)
+        register(shell, current)
 
 
 atexit.register(stop_all)

@@ -10,7 +10,7 @@ Kernel side.
 from __future__ import annotations
 
 import shlex
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from ...contract.errors import ConfigError
 
@@ -40,26 +40,24 @@ def parse_line(line: str) -> Tuple[Optional[List[int]], Optional[str]]:
     return ranks, group
 
 
-def ranks_cell(line: str, cell: str, shell=None) -> None:
-    """What ``%%ranks line`` does with ``cell``."""
-    from .group import current
-
+def ranks_cell(line: str, cell: str, shell, find_group: Callable) -> None:
+    """What ``%%ranks line`` does with ``cell``; ``find_group(name or None)`` gives the group."""
     ranks, group = parse_line(line)
     count = getattr(shell, "execution_count", None)
     label = f"Cell In[{count}]" if count is not None else None
-    current(group).run(cell, ranks=ranks, label=label)
+    find_group(group).run(cell, ranks=ranks, label=label)
 
 
 _registered: set = set()
 
 
-def register(shell) -> None:
-    """Register ``%%ranks`` in ``shell`` (once per shell)."""
+def register(shell, find_group: Callable) -> None:
+    """Register ``%%ranks`` in ``shell`` (once per shell); ``find_group`` as :func:`ranks_cell` takes it."""
     if id(shell) in _registered:
         return
 
     def ranks(line, cell):
-        return ranks_cell(line, cell, shell)
+        return ranks_cell(line, cell, shell, find_group)
 
     ranks.__doc__ = f"Run the cell on the ranks of a group started with nbddp.start_ranks: {USAGE}."
     shell.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
