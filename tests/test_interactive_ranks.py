@@ -82,6 +82,30 @@ def test_pull_and_push(group):
     assert reply["status"] == "error" and "not defined on rank 0" in reply["evalue"]
 
 
+def test_bad_input_is_refused_in_the_kernel_before_any_rank_runs(group):
+    km, kc, _ = group
+    reply, out = execute(kc, "%%ranks\nprint('never')\nx = (")
+    assert reply["ename"] == "SyntaxError" and "[rank" not in out
+    reply, out = execute(kc, "%%ranks 5\n1")
+    assert reply["ename"] == "ConfigError" and "ranks 0 to 1" in reply["evalue"]
+    reply, out = execute(kc, "%%ranks --group other\n1")
+    assert reply["ename"] == "NbddpError" and "no group named 'other'" in reply["evalue"]
+    reply, out = execute(kc, "import threading; r.push(lock=threading.Lock())")
+    assert reply["ename"] == "ConfigError" and "push(lock)" in reply["evalue"]
+
+
+def test_the_magic_line():
+    from nbddp.contract.errors import ConfigError
+    from nbddp.kernel.interactive.magics import parse_line
+
+    assert parse_line("") == (None, None)
+    assert parse_line("1") == ([1], None)
+    assert parse_line("0,2 --group big") == ([0, 2], "big")
+    assert parse_line("--group=big all") == (None, "big")
+    with pytest.raises(ConfigError, match="not understood"):
+        parse_line("rank1")
+
+
 def test_an_error_on_one_rank_is_shown_once_and_the_group_stays(group):
     km, kc, _ = group
     reply, out = execute(kc, "%%ranks\nprint('before', rank)\nif rank == 1:\n    raise ValueError('boom')\n"

@@ -20,7 +20,7 @@ import sys
 from typing import Dict, List, Optional
 
 from ...contract import channel, rundir
-from ...contract.errors import NbddpError, WorkerError
+from ...contract.errors import WorkerError
 from ..output import CellEcho, OutputTail
 from ..stacks import collect
 from .members import Members, RanksInterrupted, Reply

@@ -145,7 +145,8 @@ class Ranks:
                                f"(%%ranks {','.join(str(r) for r in range(self.world_size) if r not in members.gone)})")
         busy = [r for r in targets if r in members.busy]
         if busy:
-            raise NbddpError(f"ranks {busy} are still in an earlier cell that Interrupt could not end (waiting in a "
+            which = f"rank {busy[0]} is" if len(busy) == 1 else f"ranks {', '.join(map(str, busy))} are"
+            raise NbddpError(f"{which} still in an earlier cell that Interrupt could not end (waiting in a "
                              "collective, say): r.restart() starts the group anew (its state is lost)")
         return members, targets
 

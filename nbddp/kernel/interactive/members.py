@@ -38,10 +38,10 @@ EXIT_GRACE_S, TERM_GRACE_S = 3.0, 2.0
 
 
 def how_it_ended(end: RankEnd) -> str:
-    """``"killed by SIGKILL (out of memory?)"``, ``"exit code 3"``."""
+    """``"killed by SIGKILL, possibly out of memory"``, ``"killed by SIGTERM"``, ``"exit code 3"``."""
     name = signal_name(end.exitcode)
     if name == "SIGKILL":
-        return "killed by SIGKILL (possibly out of memory)"
+        return "killed by SIGKILL, possibly out of memory"
     return f"killed by {name}" if name else f"exit code {end.exitcode}"
 
 
@@ -183,14 +183,18 @@ class Members:
             if not ready:
                 return
             for s in ready:
-                r = socks[s]
-                try:
-                    message = channel.receive(s)
-                except (EOFError, OSError):
-                    self._lost(r)
-                    continue
-                if message[0] == channel.DONE and self.busy.get(r) == message[1]:
-                    del self.busy[r]
+                self._next(socks[s], s)
+
+    def _next(self, rank: int, sock: socket.socket) -> Optional[tuple]:
+        """The rank's next message (a busy rank's late answer frees it); None when its channel closed."""
+        try:
+            message = channel.receive(sock)
+        except (EOFError, OSError):
+            self._lost(rank)
+            return None
+        if message[0] == channel.DONE and self.busy.get(rank) == message[1]:
+            del self.busy[rank]
+        return message
 
     def _lost(self, rank: int) -> None:
         """Rank ``rank``'s end of the channel closed: its process is ending; wait a moment to say how."""
@@ -223,15 +227,11 @@ class Members:
             ready, _, _ = select.select(list(socks), [], [], 0.05)
             for s in ready:
                 r = socks[s]
-                try:
-                    message = channel.receive(s)
-                except (EOFError, OSError):
-                    self._lost(r)
+                message = self._next(r, s)
+                if message is None:
                     pending.discard(r)
                     continue
-                if message[1] != request:
-                    if message[0] == channel.DONE and self.busy.get(r) == message[1]:
-                        del self.busy[r]
+                if message[1] != request:  # an earlier request's late answer
                     continue
                 if message[0] == channel.BEGIN and on_begin is not None:
                     on_begin(r, message[2])
