@@ -3,6 +3,7 @@ used cell after cell as a person uses it (errors, Interrupts, a killed rank, a s
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -69,6 +70,15 @@ def test_cells_keep_state_show_each_ranks_output_and_last_value(group):
     # The run folder keeps every cell and its output, per rank.
     log = (run_dir / "logs" / "rank1.log").read_text()
     assert "print('only', rank)" in log and "only 1" in log
+
+
+def test_one_ranks_bar_is_drawn_in_place_and_every_ranks_lines_arrive(group):
+    km, kc, _ = group
+    out = ok(kc, "%%ranks\nimport time\nfor i in range(4):\n    print(f'step {i}', end='\\r', flush=True)\n"
+                 "    time.sleep(0.3)\nprint('end', rank)")
+    assert "[rank0] end 0" in out and "[rank1] end 1" in out
+    drawn = set(re.findall(r"\r\[rank(\d)\] step", out))
+    assert len(drawn) <= 1, out  # two bars would overwrite each other's line
 
 
 def test_pull_and_push(group):
@@ -175,6 +185,14 @@ def test_stop_leaves_nothing_and_spawn_train_works_beside_a_group(group):
     reply, out = execute(kc, "%%ranks\n1")
     assert reply["status"] == "error" and "start one with" in reply["evalue"]
     ok(kc, "r = nbddp.start_ranks(nprocs=2, runs_dir='runs')")  # the module's later tests get a group
+
+
+def test_a_kernel_restart_ends_the_group(group):
+    km, kc, _ = group  # the module's last use of its kernel
+    pids = json.loads(ok(kc, "import json; print(json.dumps(r.pids))").strip().splitlines()[-1])
+    assert all(survivors([p]) for p in pids)
+    km.restart_kernel(now=False)  # Jupyter's Restart: a shutdown request, then a new kernel
+    assert wait_for(lambda: not survivors(pids), timeout=10), survivors(pids)
 
 
 def test_a_killed_kernel_leaves_no_rank(tmp_path):

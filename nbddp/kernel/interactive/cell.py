@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 from ...contract import channel, rundir
 from ...contract.errors import WorkerError
-from ..output import CellEcho, OutputTail
+from ..output import UPDATE, CellEcho, OutputTail, rewrites_in_place
 from ..stacks import collect
 from .members import Members, RanksInterrupted, Reply
 
@@ -42,35 +42,62 @@ class RankCellError(WorkerError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class _Stream:
+    """Where one rank's echo writes: the cell's stdout, below another rank's bar left mid-line."""
+
+    def __init__(self, echoes: "Echoes", rank: int):
+        self.echoes, self.rank = echoes, rank
+
+    def write(self, text: str) -> None:
+        self.echoes.before_write(self.rank)
+        sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
 class Echoes:
-    """Every rank's echo of one cell (see the module docstring)."""
+    """Every rank's echo of one cell (see the module docstring).
+
+    A cell's last line is the only one a stream can rewrite, so one rank's ``\\r`` bar is drawn in
+    place at a time: the first rank that draws one, until its bar ends with a line (tqdm's last
+    state); the other ranks' bar updates meanwhile are left to their logs, and their last states
+    arrive as lines. Another rank's output written while the bar is open goes below it.
+    """
 
     def __init__(self, run_dir):
         self.run_dir = run_dir
         self.tails: Dict[int, OutputTail] = {}
         self.echoes: Dict[int, CellEcho] = {}
-        self._bar: Optional[CellEcho] = None  # the echo whose \r bar is the cell's last line
+        self._bar_rank: Optional[int] = None  # the rank whose bar is drawn in place
+        self._last: Optional[int] = None  # the rank that wrote last
 
     def begin(self, rank: int, offset: int) -> None:
         log = rundir.rank_log(self.run_dir, rank)
         self.tails[rank] = OutputTail(log, start=offset)
-        self.echoes[rank] = CellEcho(f"[rank{rank}] ", log=log)
+        self.echoes[rank] = CellEcho(f"[rank{rank}] ", log=log, out=_Stream(self, rank),
+                                     in_place=rewrites_in_place(sys.stdout))
+
+    def before_write(self, rank: int) -> None:
+        last = self.echoes.get(self._last) if self._last is not None else None
+        if last is not None and self._last != rank and last.open_update:
+            sys.stdout.write("\n")  # the other rank's bar stays as it was, on its own line
+            last.open_update = False
+        self._last = rank
 
     def poll(self, final: bool = False) -> None:
-        for rank, tail in self.tails.items():
-            echo = self.echoes[rank]
-            pieces = tail.rest() if final else tail.read()
-            if not pieces and not final:
-                echo.flush()
-                continue
-            if self._bar is not None and self._bar is not echo and self._bar.open_update:
-                sys.stdout.write("\n")  # another rank's bar stays as it was, on its own line
-                self._bar.open_update = False
-            for kind, text in pieces:
+        order = sorted(self.tails, key=lambda r: (r != self._bar_rank, r))  # the bar's rank first: it may end it
+        for rank in order:
+            tail, echo = self.tails[rank], self.echoes[rank]
+            for kind, text in (tail.rest() if final else tail.read()):
+                if kind == UPDATE and self._bar_rank not in (None, rank):
+                    continue  # another rank's bar is drawn: this one's states stay in its log
                 echo.show(kind, text)
+                if kind == UPDATE:
+                    self._bar_rank = rank
+                elif self._bar_rank == rank:
+                    self._bar_rank = None  # its bar ended with a line
             echo.close() if final else echo.flush()
-            if echo.open_update:
-                self._bar = echo
 
 
 def outcome(members: Members, ranks: List[int], replies: Dict[int, Reply], label: str) -> Optional[BaseException]:
