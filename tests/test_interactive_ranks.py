@@ -89,7 +89,8 @@ def test_pull_and_push(group):
     out = ok(kc, "%%ranks\nprint('z', globals().get('z'), w.item())")
     assert "[rank0] z None 1.0" in out and "[rank1] z 41 1.0" in out
     reply, out = execute(kc, "r.pull('nothing_here')")
-    assert reply["status"] == "error" and "not defined on rank 0" in reply["evalue"]
+    assert reply["ename"] == "NbddpError" and "not defined on rank 0" in reply["evalue"]
+    assert "traceback" not in reply["evalue"]
 
 
 def test_bad_input_is_refused_in_the_kernel_before_any_rank_runs(group):

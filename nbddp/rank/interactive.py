@@ -32,7 +32,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from ..contract import channel
+from ..contract import channel, targets
 
 class _Interrupts:
     """SIGINT as ``KeyboardInterrupt`` while a cell's code runs, dropped otherwise."""
@@ -144,6 +144,7 @@ def _push(sock, request: int, data: bytes, namespace: dict) -> None:
 def serve(ctx, channel_path: str) -> None:
     """Answer the kernel's requests until it says ``exit`` or its end of the channel closes."""
     sock = channel.connect(channel_path)
+    targets.from_source_in_user_folders()  # a module of yours that a cell imports: as it is on disk now
     namespace = _namespace(ctx)
     interrupts = _Interrupts()
     signal.signal(signal.SIGINT, interrupts.handler)

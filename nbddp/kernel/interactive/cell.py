@@ -100,8 +100,10 @@ class Echoes:
             echo.close() if final else echo.flush()
 
 
-def outcome(members: Members, ranks: List[int], replies: Dict[int, Reply], label: str) -> Optional[BaseException]:
-    """The exception that ends the cell, or None; see the module docstring."""
+def outcome(members: Members, ranks: List[int], replies: Dict[int, Reply], label: str,
+            cell: bool = True) -> Optional[BaseException]:
+    """The exception that ends the cell, or None; see the module docstring. ``cell=False`` (a pull, a
+    push): the ranks' own errors are the caller's to say (no traceback was printed)."""
     stuck = [r for r in ranks if r not in replies and r not in members.gone]
     gone = {r: members.gone[r] for r in ranks if r in members.gone and r not in replies}
     interrupted = [r for r, rep in replies.items() if rep.status == channel.INTERRUPTED]
@@ -125,7 +127,7 @@ def outcome(members: Members, ranks: List[int], replies: Dict[int, Reply], label
         return RanksInterrupted(f"{label} interrupted on {_ranks(interrupted)} (KeyboardInterrupt in its code); "
                                    "the group and its state are kept", run_dir=members.run_dir)
     errors = {r: f"{rep.error_type}: {rep.error_line}" for r, rep in sorted(replies.items())
-              if rep.status == channel.ERROR}
+              if rep.status == channel.ERROR and cell}
     if errors:
         first = min(errors)
         return RankCellError(

@@ -12,7 +12,7 @@ import threading
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from ...contract import plans, rundir
+from ...contract import channel, plans, rundir
 from ...contract.channel import ENTRY
 from ...contract.errors import ConfigError, NbddpError
 from ..handle import interrupts_held
@@ -81,7 +81,7 @@ class Ranks:
         label = label or f"ranks-cell-{request}"
         echoes = Echoes(self.run_dir)
         with interrupts_held() as came:
-            members.send(targets, ("run", request, source, label))
+            members.send(targets, (channel.OP_RUN, request, source, label))
             replies = members.wait(targets, request, on_begin=echoes.begin, on_poll=echoes.poll, came=came)
         echoes.poll(final=True)
         error = outcome(members, targets, replies, label)
@@ -96,7 +96,7 @@ class Ranks:
         """
         if not isinstance(name, str) or not name.isidentifier():
             raise ConfigError(f"pull({name!r}): give the name of a variable of the ranks, as a string")
-        replies, targets = self._ask(ranks, lambda request: ("pull", request, name), f"pull({name!r})")
+        replies, targets = self._ask(ranks, lambda request: (channel.OP_PULL, request, name), f"pull({name!r})")
         return [pickle.loads(replies[r].data) for r in targets]
 
     def push(self, ranks: Optional[Sequence[int]] = None, **values: Any) -> None:
@@ -112,7 +112,7 @@ class Ranks:
         except Exception as exc:  # noqa: BLE001 - said with the names
             raise ConfigError(f"push({', '.join(values)}): cannot be sent to the ranks ({exc}); push plain "
                               "values, tensors, or objects of classes defined in a file") from exc
-        self._ask(ranks, lambda request: ("push", request, data), f"push({', '.join(values)})")
+        self._ask(ranks, lambda request: (channel.OP_PUSH, request, data), f"push({', '.join(values)})")
 
     def _ask(self, ranks, message, what: str):
         members, targets = self._ready(ranks)
@@ -120,10 +120,10 @@ class Ranks:
         with interrupts_held() as came:
             members.send(targets, message(request))
             replies = members.wait(targets, request, came=came)
-        error = outcome(members, targets, replies, what)
+        error = outcome(members, targets, replies, what, cell=False)
         if error is not None:
             raise error
-        failed = {r: rep for r, rep in replies.items() if rep.status != "ok"}
+        failed = {r: rep for r, rep in replies.items() if rep.status != channel.OK}
         if failed:
             raise NbddpError(f"{what}: " + "; ".join(f"rank {r}: {rep.error_type}: {rep.error_line}"
                                                      for r, rep in sorted(failed.items())))
