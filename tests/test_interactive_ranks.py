@@ -205,3 +205,15 @@ def test_a_killed_kernel_leaves_no_rank(tmp_path):
         assert all(survivors([p]) for p in pids)
         os.kill(kernel_pid(km), signal.SIGKILL)
         assert wait_for(lambda: not survivors(pids), timeout=10), survivors(pids)
+
+
+def test_a_rank_that_fails_to_start_is_named_and_nothing_is_left(tmp_path):
+    import nbddp
+    from conftest import fault_env
+    from nbddp.contract.errors import WorkerError
+
+    with pytest.raises(WorkerError, match="rank 1") as info:
+        nbddp.start_ranks(nprocs=2, runs_dir=str(tmp_path / "runs"), env=fault_env("start:1:raise"))
+    record = json.loads((info.value.run_dir / ".nbddp" / "launch.json").read_text())
+    assert wait_for(lambda: not survivors(record["pids"]), timeout=10), survivors(record["pids"])
+    assert not os.path.exists(record["tmp_dir"])  # the private folder, its channel socket in it, removed
