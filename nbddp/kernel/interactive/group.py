@@ -42,7 +42,7 @@ class Ranks:
         self.name, self._launcher, self._leases = name, launcher, leases
         self.world_size, self.run_dir = launcher.world, launcher.run_dir
         self._start_timeout_s = start_timeout_s
-        self._starts = 0
+        self._starts, self._released = 0, False
         self._members: Optional[Members] = None
         self._members = Members(launcher, 0, start_timeout_s)
 
@@ -169,10 +169,12 @@ class Ranks:
         leases. The run folder keeps the logs. Twice is harmless."""
         with interrupts_held():
             members, self._members = self._members, None
-            if members is not None:
-                try:
+            try:
+                if members is not None:
                     members.close()
-                finally:
+            finally:
+                if not self._released:  # also after a restart that failed to start
+                    self._released = True
                     self._leases.release()
                     release_state(self.run_dir)
             with _lock:
@@ -213,7 +215,7 @@ def start_ranks(nprocs: Optional[int] = None, gpus: Union[str, Sequence[int], No
     registers them too). The group ends with :meth:`Ranks.stop`, the kernel's end, or its death.
 
     Args:
-        nprocs: CPU processes (gloo).
+        nprocs: CPU processes (gloo); 2 when neither ``nprocs`` nor ``gpus`` is given.
         gpus: GPU ids (``[0, 1]``) or ``"idle"``: one rank per GPU (NCCL), leased as ``spawn_train`` leases.
         name: the group's name (``%%ranks --group NAME``) and its run folder's; default ``"ranks"``.
         runs_dir: where its run folder goes (default ``runs``).
@@ -241,6 +243,7 @@ def start_ranks(nprocs: Optional[int] = None, gpus: Union[str, Sequence[int], No
     if old is not None:
         old.stop()  # a second start under one name replaces the first (a notebook run again from the top)
     _, ids, leases = _resolve_gpus(ENTRY, gpus)
+    run_dir = None
     try:
         plan = plans.plan(ENTRY, kwargs={"channel_path": ""}, nprocs=nprocs, gpus=ids, name=name,
                           runs_dir=runs_dir, timeout_s=timeout_s)
@@ -250,6 +253,8 @@ def start_ranks(nprocs: Optional[int] = None, gpus: Union[str, Sequence[int], No
         group = Ranks(name, launcher, leases, start_timeout_s=plan.timeout + 30)
     except BaseException:
         leases.release()
+        if run_dir is not None:
+            release_state(run_dir)  # the state folder the run folder's preparation holds open
         raise
     with _lock:
         _groups[name] = group
