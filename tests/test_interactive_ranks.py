@@ -6,10 +6,11 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, execute, kernel_pid, real_kernel, survivors, wait_for
+from conftest import ROOT, execute, fault_env, kernel_pid, real_kernel, survivors, wait_for
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
@@ -173,6 +174,21 @@ def test_a_killed_rank_is_named_and_restart_brings_the_group_back(group):
     assert "[rank1] 1" in ok(kc, "%%ranks\nrank")
 
 
+def test_a_rank_that_fails_to_start_is_named_and_nothing_is_left(group):
+    km, kc, _ = group
+    out = ok(kc, "import json\n"
+                 "try:\n"
+                 f"    nbddp.start_ranks(nprocs=2, name='bad', runs_dir='runs', env={fault_env('start:1:raise')!r})\n"
+                 "except nbddp.WorkerError as exc:\n"
+                 "    print(json.dumps([str(exc), str(exc.run_dir)]))")
+    message, run_dir = json.loads(out.strip().splitlines()[0])
+    assert "rank 1 raised RuntimeError: injected fault on rank 1" in message
+    assert "[rank0] the first group is still up" in ok(kc, "%%ranks\nprint('the first group is still up')")
+    record = json.loads((Path(run_dir) / ".nbddp" / "launch.json").read_text())
+    assert wait_for(lambda: not survivors(record["pids"]), timeout=10), survivors(record["pids"])
+    assert not os.path.exists(record["tmp_dir"])  # the private folder, its channel socket in it, removed
+
+
 def test_stop_leaves_nothing_and_spawn_train_works_beside_a_group(group):
     km, kc, run_dir = group
     out = ok(kc, "import json\n"
@@ -206,14 +222,3 @@ def test_a_killed_kernel_leaves_no_rank(tmp_path):
         os.kill(kernel_pid(km), signal.SIGKILL)
         assert wait_for(lambda: not survivors(pids), timeout=10), survivors(pids)
 
-
-def test_a_rank_that_fails_to_start_is_named_and_nothing_is_left(tmp_path):
-    import nbddp
-    from conftest import fault_env
-    from nbddp.contract.errors import WorkerError
-
-    with pytest.raises(WorkerError, match="rank 1") as info:
-        nbddp.start_ranks(nprocs=2, runs_dir=str(tmp_path / "runs"), env=fault_env("start:1:raise"))
-    record = json.loads((info.value.run_dir / ".nbddp" / "launch.json").read_text())
-    assert wait_for(lambda: not survivors(record["pids"]), timeout=10), survivors(record["pids"])
-    assert not os.path.exists(record["tmp_dir"])  # the private folder, its channel socket in it, removed
