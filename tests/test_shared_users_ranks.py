@@ -15,7 +15,7 @@ HOOK = textwrap.dedent('''
 
     def setup(rank):
         if rank == 1:  # the kernel's socket listens meanwhile: the attacker's window
-            time.sleep(6)
+            time.sleep(3)
 ''')
 
 VICTIM = ("import nbddp\n"
