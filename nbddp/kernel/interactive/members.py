@@ -115,10 +115,12 @@ class Members:
         """Take one connection per rank, from the rank's own process; a rank that fails first is named."""
         deadline = time.monotonic() + timeout_s
         listener.settimeout(0.1)
-        while len(self.socks) < self.world_size:
-            if came:
+        while True:
+            if came:  # an Interrupt during the start, however late in it, is never lost
                 raise RanksInterrupted(f"interrupted while the group's ranks started: they were ended, nothing is "
                                        f"left running; the run folder is {self.run_dir}", run_dir=self.run_dir)
+            if len(self.socks) == self.world_size:
+                return
             self.group.see_exits(time.time(), by_launcher=False)
             if self.group.ends:
                 raise build_worker_error(self.run_dir, self.group.ends, self.world_size)
@@ -142,7 +144,8 @@ class Members:
         except (EOFError, OSError, ValueError):
             conn.close()
             return
-        if kind != channel.HELLO or not isinstance(rank, int) or pid != who[0] or self.group.pids[rank] != pid:
+        if (kind != channel.HELLO or not isinstance(rank, int) or not 0 <= rank < self.world_size or pid != who[0]
+                or self.group.pids[rank] != pid or rank in self.socks):
             conn.close()
             return
         conn.settimeout(None)
