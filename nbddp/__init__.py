@@ -40,6 +40,7 @@ contract  ``contract.plans``                    every launch's plan (``LaunchPla
 contract  ``contract.checkpoint``               atomic save, weights-only load, export files
 contract  ``contract.debugging``                the files a rank's debugger and the notebook talk through
 contract  ``contract.observe``                  ``profile=`` and ``trackers=`` checked; the profile record, the tracker ids
+contract  ``contract.channel``                  the command channel of ``%%ranks``: a private Unix socket, its messages
 kernel    ``kernel.launch``                     ``spawn_train``: plan, run folder, store, environment, start
 kernel    ``kernel.rendezvous``                 where the ranks meet: a private FileStore, or a TCP store for env://
 kernel    ``kernel.forkserver``                 the warm server workers fork from; pre-warmed in a kernel
@@ -60,6 +61,7 @@ kernel    ``kernel.profiles``                   ``result.profile``: the ranks' p
 kernel    ``kernel.sweep``, ``kernel.slots``,   ``nbddp.sweep``: Optuna trials on every free GPU or CPU slot; the study
           ``kernel.study``, ``kernel.trials``   in SQLite in the runs folder; one trial's launch, pruning and end
 kernel    ``kernel.study_file``                 a sweep's study file, the user's alone: checked by descriptor, re-checked per connection
+kernel    ``kernel.interactive``                ``start_ranks`` and ``%%ranks``: a live group of ranks, its cells, pull and push
 kernel    ``ui``                                ``TrainingPanel``, charts, TensorBoard, a sweep's live table
 rank      ``rank.runtime``                      a rank's entry: ``Context``, heartbeats, error records
 rank      ``rank.process``                      what makes a process a rank: parent-death signal, own group, subreaper, forks
@@ -78,6 +80,7 @@ rank      ``rank.readback``                     the one way a step's device valu
 rank      ``rank.sync_bn``                      SyncBatchNorm that works on CPU (gloo) as on GPUs
 rank      ``rank.profiling``                    torch.profiler on the worker's steps: traces and a per-rank record
 rank      ``rank.trackers``                     rank 0's MLflow / W&B thread: metrics, settings, weights
+rank      ``rank.interactive``                  a rank of ``%%ranks``: the loop that runs cells in one namespace
 task      ``tasks.classification.planning``     the built-in worker's preflight and plan (run in the kernel)
 task      ``tasks.classification.worker``       ``train(ctx, cfg)``: the built-in worker (run in each rank)
 task      ``tasks.classification.pipelines``    its data in a rank: the split, and the loaders of the pil, decode, tensor pipelines
@@ -120,6 +123,9 @@ SIDES = {
     "kernel.interrupt": "kernel",
     "kernel.refusals": "kernel",
     "kernel.slurm": "kernel", "kernel.slurm_group": "kernel", "kernel.slurm_attach": "kernel",
+    "kernel.interactive": "kernel", "kernel.interactive.group": "kernel", "kernel.interactive.members": "kernel",
+    "kernel.interactive.cell": "kernel", "kernel.interactive.magics": "kernel",
+    "contract.channel": "contract", "rank.interactive": "rank",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel", "ui.cluster": "kernel",
@@ -185,6 +191,7 @@ _EXPORTS = {
     "RunAbandoned": "contract.errors",
     "Retryable": "contract.errors",
     "StudyError": "kernel.study_file",
+    "start_ranks": "kernel.interactive.group",
 }
 
 __all__ = [name for name in _EXPORTS if name not in ("show_predictions", "plot_confusion_matrix")]
@@ -309,6 +316,14 @@ def _install_moved_finder() -> None:
     # another checkout) must not answer for a name that moved.
     if not any(type(f).__name__ == "_MovedFinder" for f in sys.meta_path):
         sys.meta_path.insert(0, _MovedFinder())
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext nbddp``: registers ``%%ranks`` (a cell on a live group of ranks, :func:`start_ranks`)."""
+    from .kernel.interactive.group import current
+    from .kernel.interactive.magics import register
+
+    register(ipython, current)
 
 
 def __dir__():
