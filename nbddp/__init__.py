@@ -54,6 +54,9 @@ kernel    ``kernel.report``                     a failed run's root-cause rank a
 kernel    ``kernel.rank_text``                  what a failed rank left, as its error says it: once, only what is known
 kernel    ``kernel.debugger``                   a rank's pdb prompt in the cell (``input()``), or skipped headless
 kernel    ``kernel.procs``                      ``cleanup`` of an earlier launch's workers, proven by marker
+kernel    ``kernel.supervisor``                 a detached run's own owner (``detach=True``): outlives the kernel
+kernel    ``kernel.owners``,                    who owns a local run, asks and outcome for its followers, your live runs;
+          ``kernel.follow``                     ``attach`` and ``runs()``: follow a run another process owns
 kernel    ``kernel.export``,                    weights out of a run folder; prediction in the kernel
           ``kernel.inference``
 kernel    ``kernel.profiles``                   ``result.profile``: the ranks' profiles side by side, who waits for whom
@@ -120,6 +123,7 @@ SIDES = {
     "kernel.interrupt": "kernel",
     "kernel.refusals": "kernel",
     "kernel.slurm": "kernel", "kernel.slurm_group": "kernel", "kernel.slurm_attach": "kernel",
+    "kernel.supervisor": "kernel", "kernel.owners": "kernel", "kernel.follow": "kernel",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel", "ui.cluster": "kernel",
@@ -159,7 +163,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "spawn_train": "kernel.launch",
     "Slurm": "kernel.slurm",
-    "attach": "kernel.slurm_attach",
+    "attach": "kernel.follow",
+    "runs": "kernel.follow",
     "sweep": "kernel.sweep",
     "TrainConfig": "contract.config",
     "TrainResult": "kernel.handle",

@@ -1,0 +1,118 @@
+"""Runs that outlive their kernel by choice (``spawn_train(..., detach=True)``), followed from others.
+
+Real kernels (jupyter_client) killed by SIGKILL mid-run. One detached run serves the kernel-level
+assertions: it goes on after its kernel's SIGKILL, a second kernel lists it, attaches, sees its
+output move, stops it and gets the worker's value, and nothing of it is left. The restart under
+``max_restarts`` and a supervisor's SIGKILL are launched from the test process itself (the
+supervisor is the same whoever starts it). That the default still dies with its kernel is
+``test_kernel.py::test_workers_die_with_the_kernel``.
+"""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from conftest import ROOT, WORKERS, execute, fault_env, kernel_pid, real_kernel, survivors, wait_for
+from nbddp.contract import statedir
+from nbddp.kernel import owners
+
+TARGET = str(WORKERS / "detached.py") + ":until_stopped"
+
+
+def _owner(run_dir):
+    return json.loads(statedir.read(run_dir, owners.OWNER))
+
+
+def _step(run_dir):
+    progress = statedir.read_json(run_dir, "progress.json") or {}
+    return progress.get("step") or 0
+
+
+@pytest.fixture(scope="module")
+def orphaned_run(tmp_path_factory):
+    """A detached 2-rank run whose kernel was SIGKILLed: ``(run_dir, supervisor pid, rank pids, folder)``."""
+    folder = tmp_path_factory.mktemp("detached")
+    runs = folder / "runs"
+    with real_kernel(folder) as (km, kc):
+        reply, out = execute(kc, f"import sys; sys.path.insert(0, {str(ROOT)!r}); import nbddp\n"
+                                 f"h = nbddp.spawn_train({TARGET!r}, nprocs=2, runs_dir={str(runs)!r}, detach=True, "
+                                 "block=False, echo=False)\nprint('RUN', h.run_dir)")
+        assert reply["status"] == "ok", out
+        run_dir = next(runs.iterdir())
+        supervisor = _owner(run_dir)["pid"]
+        try:
+            assert wait_for(lambda: _step(run_dir) >= 5, timeout=60), out
+            pids = json.loads(statedir.read(run_dir, "launch.json"))["pids"]
+            os.kill(kernel_pid(km), signal.SIGKILL)  # the OOM killer's way
+        except BaseException:
+            _end(supervisor)
+            raise
+    yield run_dir, supervisor, pids, folder
+    _end(supervisor)  # a failed test leaves nothing behind either (its ranks die with it)
+
+
+def _end(pid):
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_detached_run_goes_on_after_its_kernel_is_killed(orphaned_run):
+    run_dir, supervisor, pids, _ = orphaned_run
+    owner = _owner(run_dir)
+    assert owner["detached"] and owner["pid"] == supervisor
+    step = _step(run_dir)
+    assert wait_for(lambda: _step(run_dir) >= step + 10, timeout=60), "the run stopped with its kernel"
+    assert survivors([supervisor, *pids]).keys() == {supervisor, *pids}
+    assert os.getsid(supervisor) == supervisor or os.getsid(supervisor) != os.getsid(os.getpid())
+
+
+def test_another_kernel_lists_follows_stops_it_and_gets_the_value(orphaned_run):
+    run_dir, supervisor, pids, folder = orphaned_run
+    with real_kernel(folder) as (km, kc):
+        reply, out = execute(kc, f"import sys; sys.path.insert(0, {str(ROOT)!r}); import nbddp\n"
+                                 "listed = nbddp.runs()\n"
+                                 "print('LISTED', [str(r.run_dir) for r in listed], listed._repr_html_()[:7])\n"
+                                 f"h = nbddp.attach({str(run_dir)!r})\n"
+                                 "import time; s0 = h.progress.get('step', 0); time.sleep(1.5)\n"
+                                 "print('MOVED', h.progress.get('step', 0) > s0)")
+        assert reply["status"] == "ok", out
+        assert str(run_dir) in out.split("LISTED", 1)[1].splitlines()[0] and "<table>" in out, out
+        assert re.search(r"\[rank0\] step \d+", out), out  # the last lines, then live output
+        assert "MOVED True" in out, out
+        reply, out = execute(kc, "h.stop(); r = h.wait(); print('VALUE', r.stopped, r.value)")
+        assert reply["status"] == "ok", out
+        assert "VALUE True {'steps':" in out and "'stopped': True}" in out, out
+    assert wait_for(lambda: survivors([supervisor, *pids]) == {}, timeout=30), survivors([supervisor, *pids])
+    assert all(str(run_dir) != e["run_dir"] for e in owners.registered())
+
+
+def test_a_rank_killed_in_a_detached_run_restarts_under_max_restarts(tmp_path):
+    import nbddp
+
+    handle = nbddp.spawn_train(TARGET, nprocs=2, kwargs={"steps": 30}, runs_dir=tmp_path, detach=True, block=False,
+                               echo=False, max_restarts=1, restart_backoff_s=0.1, env=fault_env("run:1:sigkill"))
+    supervisor = _owner(handle.run_dir)["pid"]
+    result = handle.wait(timeout=180)
+    assert result.value == {"steps": 30, "stopped": False}
+    assert len(result.restarts) == 1 and "rank 1" in result.restarts[0].cause
+    assert wait_for(lambda: survivors([supervisor]) == {}, timeout=30)
+
+
+def test_a_supervisor_killed_takes_its_ranks_with_it(tmp_path):
+    import nbddp
+    from nbddp.contract.errors import RunAbandoned
+
+    handle = nbddp.spawn_train(TARGET, nprocs=2, runs_dir=tmp_path, detach=True, block=False, echo=False)
+    supervisor = _owner(handle.run_dir)["pid"]
+    assert wait_for(lambda: _step(handle.run_dir) >= 2, timeout=60) or _end(supervisor)
+    pids = json.loads(statedir.read(handle.run_dir, "launch.json"))["pids"]
+    os.kill(supervisor, signal.SIGKILL)
+    assert wait_for(lambda: survivors([supervisor, *pids]) == {}, timeout=30), survivors([supervisor, *pids])
+    with pytest.raises(RunAbandoned, match="ended without saying how the run ended"):
+        handle.wait(timeout=30)
+    assert all(str(handle.run_dir) != e["run_dir"] for e in owners.registered())
