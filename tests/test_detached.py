@@ -97,8 +97,9 @@ def test_a_rank_killed_in_a_detached_run_restarts_under_max_restarts(tmp_path):
     handle = nbddp.spawn_train(TARGET, nprocs=2, kwargs={"steps": 30}, runs_dir=tmp_path, detach=True, block=False,
                                echo=False, max_restarts=1, restart_backoff_s=0.1, env=fault_env("run:1:sigkill"))
     supervisor = _owner(handle.run_dir)["pid"]
+    panel = nbddp.TrainingPanel.attach(handle.run_dir)  # the panel follows it too, beside the handle
     result = handle.wait(timeout=180)
-    assert result.value == {"steps": 30, "stopped": False}
+    assert panel.wait(timeout=60).value == result.value == {"steps": 30, "stopped": False}
     assert len(result.restarts) == 1 and "rank 1" in result.restarts[0].cause
     assert wait_for(lambda: survivors([supervisor]) == {}, timeout=30)
 
