@@ -4,7 +4,7 @@ Real kernels (jupyter_client) killed by SIGKILL mid-run. One detached run serves
 assertions: it goes on after its kernel's SIGKILL, a second kernel lists it, attaches, sees its
 output move, stops it and gets the worker's value, and nothing of it is left. The restart under
 ``max_restarts`` and a supervisor's SIGKILL are launched from the test process itself (the
-supervisor is the same whoever starts it). That the default still dies with its kernel is
+supervisor is the same whoever starts it); another local user's view is played by two real users. That the default still dies with its kernel is
 ``test_kernel.py::test_workers_die_with_the_kernel``.
 """
 
@@ -19,6 +19,7 @@ import pytest
 
 from conftest import ROOT, WORKERS, execute, fault_env, kernel_pid, real_kernel, survivors, wait_for
 from nbddp.contract import statedir
+from shared_users import shared_project  # noqa: F401  (the fixture)
 from nbddp.kernel import owners
 
 TARGET = str(WORKERS / "detached.py") + ":until_stopped"
@@ -117,3 +118,35 @@ def test_a_supervisor_killed_takes_its_ranks_with_it(tmp_path):
     with pytest.raises(RunAbandoned, match="ended without saying how the run ended"):
         handle.wait(timeout=30)
     assert all(str(handle.run_dir) != e["run_dir"] for e in owners.registered())
+
+
+def test_another_user_lists_none_of_your_runs_and_cannot_follow_them(shared_project):  # noqa: F811
+    """Two real users of one group on a group-writable project folder: the victim's detached run is in
+    her own list, not the attacker's; the attacker can neither attach nor stop it, and a run folder she
+    plants in the shared runs folder is listed to no one. The victim's ``python -m nbddp stop`` ends it."""
+    p = shared_project
+    worker = str(p.source / "tests" / "workers" / "detached.py") + ":until_stopped"
+    started = p.run(p.victim, "import nbddp; h = nbddp.spawn_train(" + repr(worker) + ", nprocs=1, runs_dir='runs', "
+                    "detach=True, block=False, echo=False); print('RUN', h.run_dir)", timeout=300)
+    run_dir = started.stdout.split("RUN ", 1)[1].split()[0]
+    supervisor = None
+    try:
+        listing = "import nbddp; print('LISTED', [str(r.run_dir) for r in nbddp.runs()])"
+        planted = "import json, os; os.makedirs('runs/planted/.nbddp'); " \
+                  "json.dump({'pid': os.getppid(), 'detached': True}, open('runs/planted/.nbddp/owner.json', 'w'))"
+        p.run(p.attacker, planted)
+        mine = p.run(p.victim, listing).stdout
+        assert f"LISTED [{run_dir!r}]" in mine, mine
+        supervisor = json.loads(p.run(p.victim, f"print(open({run_dir + '/.nbddp/owner.json'!r}).read())").stdout)["pid"]
+        assert "LISTED []" in p.run(p.attacker, listing).stdout
+        for command in ("attach", "stop"):
+            refused = p.run(p.attacker, f"import sys; from nbddp.cli import main; sys.exit(main([{command!r}, "
+                                        f"{run_dir!r}]))", check=False)
+            assert refused.returncode != 0 and "Permission" in refused.stderr + refused.stdout, refused
+        assert survivors([supervisor]).keys() == {supervisor}
+        stopped = p.run(p.victim, f"import sys; from nbddp.cli import main; sys.exit(main(['stop', {run_dir!r}]))")
+        assert "stopped; result: {'steps':" in stopped.stdout, stopped.stdout
+        assert wait_for(lambda: survivors([supervisor]) == {}, timeout=30)
+    finally:
+        if supervisor is not None:
+            _end(supervisor)
