@@ -54,7 +54,8 @@ kernel    ``kernel.report``                     a failed run's root-cause rank a
 kernel    ``kernel.rank_text``                  what a failed rank left, as its error says it: once, only what is known
 kernel    ``kernel.debugger``                   a rank's pdb prompt in the cell (``input()``), or skipped headless
 kernel    ``kernel.procs``                      ``cleanup`` of an earlier launch's workers, proven by marker
-kernel    ``kernel.supervisor``                 a detached run's own owner (``detach=True``): outlives the kernel
+kernel    ``kernel.detach``,                    ``detach=True``: a run handed to a supervisor of its own, which owns it
+          ``kernel.supervisor``                 as a kernel would and outlives the kernel
 kernel    ``kernel.owners``,                    who owns a local run, asks and outcome for its followers, your live runs;
           ``kernel.follow``                     ``attach`` and ``runs()``: follow a run another process owns
 kernel    ``kernel.export``,                    weights out of a run folder; prediction in the kernel
@@ -123,7 +124,7 @@ SIDES = {
     "kernel.interrupt": "kernel",
     "kernel.refusals": "kernel",
     "kernel.slurm": "kernel", "kernel.slurm_group": "kernel", "kernel.slurm_attach": "kernel",
-    "kernel.supervisor": "kernel", "kernel.owners": "kernel", "kernel.follow": "kernel",
+    "kernel.detach": "kernel", "kernel.supervisor": "kernel", "kernel.owners": "kernel", "kernel.follow": "kernel",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel", "ui.cluster": "kernel",

@@ -303,8 +303,8 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
                  log_starts=rundir.log_sizes(run_dir, world), debug=debug_mode(debug),
                  show_logs=plan.config is None,  # the built-in worker prints its epoch records itself
                  records_before=lines_in(rundir.metrics_path(run_dir)))
-    if detach:  # a supervisor of its own starts and owns the ranks (nbddp.kernel.supervisor)
-        from .supervisor import start_detached
+    if detach:  # a supervisor of its own starts and owns the ranks (nbddp.kernel.detach)
+        from .detach import start_detached
 
         try:
             return start_detached(launcher, leases, restarts, watch, on_event, block)
