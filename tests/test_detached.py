@@ -150,3 +150,30 @@ def test_another_user_lists_none_of_your_runs_and_cannot_follow_them(shared_proj
     finally:
         if supervisor is not None:
             _end(supervisor)
+
+
+def test_a_gpu_lease_handed_to_the_supervisor_names_it_and_ends_with_it(tmp_path, monkeypatch):
+    """The kernel's lease is taken over by the supervisor (same claim, same ticket): held while it
+    lives, whatever happens to the kernel; free once it is gone, however it ends."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from nbddp.contract import leases
+
+    monkeypatch.setenv(leases.LEASES_ENV, str(tmp_path / "leases"))
+    gpu = SimpleNamespace(index=0, uuid="GPU-detached-test")
+    lease = leases.try_lease(gpu.index, gpu.uuid, run="runs/r")
+    code = ("import json, sys, time; from nbddp.contract.leases import adopt; "
+            "print('ADOPTED', adopt(json.loads(sys.argv[1])) is not None, flush=True); time.sleep(120)")
+    child = subprocess.Popen([sys.executable, "-c", code, json.dumps(lease.handoff())], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "ADOPTED True"
+        lease.forget()  # the kernel lets go without removing the claim
+        assert f"pid {child.pid}" in leases.holders([gpu])[0]
+        assert leases.try_lease(gpu.index, gpu.uuid) is None  # still held for another launch
+    finally:
+        child.kill()
+        child.wait()
+    assert leases.holders([gpu]) == {}

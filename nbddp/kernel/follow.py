@@ -13,6 +13,7 @@ and ends with the outcome the owner kept (:func:`owners.outcome`).
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import signal
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..contract import statedir
-from ..contract.errors import ConfigError, RunAbandoned
+from ..contract.errors import ConfigError, NbddpError, RunAbandoned
 from ..contract.protocol import Heartbeat, LaunchSpec, read_heartbeats, read_progress
 from ..contract import rundir
 from . import owners
@@ -63,24 +64,38 @@ class FollowedGroup:
         self.started_at = float(started) if isinstance(started, (int, float)) else time.time()
         self.procs = self.server = self.tmp_dir = self.store = self.not_before = None
         self.closed = False
+        # The owner is this very process (a kernel following its own run): its state folder stays its own.
+        self.owner_here = record.get("pid") == os.getpid() and not record.get("detached")
         self._outcome: Any = None
         self._has_outcome = False
 
     # -- the owner ---------------------------------------------------------------------------
     def _look(self) -> bool:
-        """True once the run has ended: the owner kept its outcome, or the owner is gone without one."""
+        """True once the run has ended: the owner kept its outcome, or ended (or is gone) without one."""
         if not self._has_outcome:
             try:
                 self._has_outcome, self._outcome = owners.outcome(self.run_dir)
             except Exception as exc:  # noqa: BLE001 - a record not the user's, or one that cannot be read
                 self._has_outcome, self._outcome = True, exc
-        return self._has_outcome or not owners.owner_alive(self.owner)
+        if self._has_outcome or not owners.owner_alive(self.owner):
+            return True
+        with contextlib.suppress(OSError):
+            self.owner = owners.owner_record(self.run_dir) or self.owner  # "ended" once the owner is done
+        return bool(self.owner.get("ended"))
+
+    @property
+    def ended(self) -> bool:
+        """The run has ended (its outcome kept or not), or its owner is gone."""
+        return self._look()
 
     def outcome(self) -> Any:
         """The run's result or error, as its owner saw it."""
         if self._has_outcome:
             return self._outcome
         who = "supervisor" if self.owner.get("detached") else "kernel"
+        if self.owner.get("ended"):
+            return NbddpError(f"the run in {self.run_dir} ended before it was followed, and its {who} kept no "
+                              f"result for followers; what it wrote is in the run folder (metrics.jsonl, logs/)")
         return RunAbandoned(
             f"the {who} that owned the run in {self.run_dir} (pid {self.owner.get('pid')}) ended without saying how "
             f"the run ended (killed?); its ranks ended with it. Its logs are in {rundir.logs_dir(self.run_dir)}; "
@@ -202,10 +217,11 @@ def attach(run_dir: Union[str, "os.PathLike[str]"], block: bool = False, echo: b
 
         return attach_job(run, block=block, echo=echo, on_event=on_event, grace_s=grace_s)
     group = FollowedGroup(run, record)
-    if not owners.owner_alive(record) and not group._look():
-        raise ConfigError(f"attach({str(run_dir)!r}): the run ended with the kernel that started it (pid "
-                          f"{record.get('pid')}); launch with spawn_train(..., detach=True) for a run that outlives "
-                          f"its kernel. Its logs are in {rundir.logs_dir(run)}.")
+    if group.ended and not group._has_outcome:
+        how = ("ended, and kept no result for followers" if group.owner.get("ended") else
+               f"ended with the kernel that started it (pid {record.get('pid')}); launch with "
+               "spawn_train(..., detach=True) for a run that outlives its kernel")
+        raise ConfigError(f"attach({str(run_dir)!r}): the run {how}. Its logs are in {rundir.logs_dir(run)}.")
     return follow(group, block=block, echo=echo, on_event=on_event,
                   log_start=_tail_start(rundir.rank_log(run, 0), TAIL_LINES))
 

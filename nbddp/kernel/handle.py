@@ -508,7 +508,8 @@ class RunHandle:
             self._release()
             if self._owner is not None:
                 self._owner.end(self._outcome)
-            statedir.release(self.run_dir)
+            if not getattr(self._ranks, "owner_here", False):  # a kernel following its own run keeps it
+                statedir.release(self.run_dir)
             self._done.set()
         self._emit("end", self._outcome)
 
@@ -720,6 +721,7 @@ class RunHandle:
             rundir.update_launch_record(self.run_dir, ended=time.time())
         if self._owner is not None:
             self._owner.end(outcome)  # kept for the run's followers, and the run off the user's live list
-        statedir.release(self.run_dir, warn=True)  # the state folder held open since the launch
+        if not getattr(self._ranks, "owner_here", False):  # a kernel following its own run keeps it
+            statedir.release(self.run_dir, warn=True)  # the state folder held open since the launch
         self._done.set()
         self._emit("end", outcome)

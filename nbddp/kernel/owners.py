@@ -103,7 +103,9 @@ class Ownership:
                 if self.detached or state.exists(FOLLOWED):
                     state.write(OUTCOME, _pickled(outcome))
                 state.unlink(ASK)
-        except OSError:
+                record = json.loads(state.read(OWNER))
+                state.write(OWNER, json.dumps({**record, "ended": time.time()}).encode())
+        except (OSError, ValueError):
             pass
         _unregister(self._entry)
         self._entry = None
