@@ -2,9 +2,9 @@
 
 Real kernels (jupyter_client) killed by SIGKILL mid-run. One detached run serves the kernel-level
 assertions: it goes on after its kernel's SIGKILL, a second kernel lists it, attaches, sees its
-output move, stops it and gets the worker's value, and nothing of it is left. The restart under
-``max_restarts`` and a supervisor's SIGKILL are launched from the test process itself (the
-supervisor is the same whoever starts it); another local user's view is played by two real users. That the default still dies with its kernel is
+output move, stops it and gets the worker's value, and nothing of it is left. Another serves the
+restart under ``max_restarts`` and then a supervisor's SIGKILL, launched from the test process
+itself (the supervisor is the same whoever starts it); another local user's view is played by two real users. That the default still dies with its kernel is
 ``test_kernel.py::test_workers_die_with_the_kernel``.
 """
 
@@ -92,32 +92,35 @@ def test_another_kernel_lists_follows_stops_it_and_gets_the_value(orphaned_run):
     assert all(str(run_dir) != e["run_dir"] for e in owners.registered())
 
 
-def test_a_rank_killed_in_a_detached_run_restarts_under_max_restarts(tmp_path):
-    import nbddp
-
-    handle = nbddp.spawn_train(TARGET, nprocs=2, kwargs={"steps": 30}, runs_dir=tmp_path, detach=True, block=False,
-                               echo=False, max_restarts=1, restart_backoff_s=0.1, env=fault_env("run:1:sigkill"))
-    supervisor = _owner(handle.run_dir)["pid"]
-    panel = nbddp.TrainingPanel.attach(handle.run_dir)  # the panel follows it too, beside the handle
-    result = handle.wait(timeout=180)
-    assert panel.wait(timeout=60).value == result.value == {"steps": 30, "stopped": False}
-    assert len(result.restarts) == 1 and "rank 1" in result.restarts[0].cause
-    assert wait_for(lambda: survivors([supervisor]) == {}, timeout=30)
-
-
-def test_a_supervisor_killed_takes_its_ranks_with_it(tmp_path):
+def test_a_rank_killed_restarts_under_max_restarts_and_a_killed_supervisor_takes_its_ranks(tmp_path):
+    """One detached run: rank 1 is SIGKILLed, the supervisor restarts the run (``max_restarts=1``);
+    then the supervisor itself is SIGKILLed, and its ranks go with it. The panel follows it too."""
     import nbddp
     from nbddp.contract.errors import RunAbandoned
 
-    handle = nbddp.spawn_train(TARGET, nprocs=2, runs_dir=tmp_path, detach=True, block=False, echo=False)
-    supervisor = _owner(handle.run_dir)["pid"]
-    assert wait_for(lambda: _step(handle.run_dir) >= 2, timeout=60) or _end(supervisor)
-    pids = json.loads(statedir.read(handle.run_dir, "launch.json"))["pids"]
+    handle = nbddp.spawn_train(TARGET, nprocs=2, runs_dir=tmp_path, detach=True, block=False, echo=False,
+                               max_restarts=1, restart_backoff_s=0.1, env=fault_env("run:1:sigkill"))
+    run_dir = handle.run_dir
+    supervisor = _owner(run_dir)["pid"]
+    try:
+        panel = nbddp.TrainingPanel.attach(run_dir)  # the panel follows it too, beside the handle
+        restarted = lambda: json.loads(statedir.read(run_dir, "launch.json")).get("restarts")  # noqa: E731
+        assert wait_for(lambda: restarted() and _step(run_dir) >= 3, timeout=120), statedir.read(run_dir, "launch.json")
+        cause = restarted()[0]["cause"]
+        assert len(restarted()) == 1 and "rank 1" in cause and "SIGKILL" in cause, cause
+        assert panel.handle.running and panel.handle.progress.get("step", 0) >= 1
+        pids = json.loads(statedir.read(run_dir, "launch.json"))["pids"]
+        assert survivors(pids).keys() == set(pids)
+    except BaseException:
+        _end(supervisor)
+        raise
     os.kill(supervisor, signal.SIGKILL)
     assert wait_for(lambda: survivors([supervisor, *pids]) == {}, timeout=30), survivors([supervisor, *pids])
     with pytest.raises(RunAbandoned, match="ended without saying how the run ended"):
         handle.wait(timeout=30)
-    assert all(str(handle.run_dir) != e["run_dir"] for e in owners.registered())
+    with pytest.raises(RunAbandoned):
+        panel.wait(timeout=30)
+    assert all(str(run_dir) != e["run_dir"] for e in owners.registered())
 
 
 def test_another_user_lists_none_of_your_runs_and_cannot_follow_them(shared_project):  # noqa: F811

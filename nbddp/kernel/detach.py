@@ -76,7 +76,7 @@ def start_detached(launches: Any, leases: Leases, restarts: Dict[str, Any], watc
     data = pickle.dumps(job)
     log = open_private_file(supervisor_log(run_dir), rundir.RUN_LOGS)
     try:
-        boot = subprocess.Popen([sys.executable, "-c", _BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        boot = subprocess.Popen([sys.executable, "-c", _BOOT, launches.start_method], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=log, start_new_session=True, close_fds=True)
     finally:
         os.close(log)

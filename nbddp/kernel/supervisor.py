@@ -61,6 +61,10 @@ def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # a stop of the supervisor is a Stop of the run
         signal.signal(sig, lambda signum, frame: stop.append(signum))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if sys.argv[1:] == ["forkserver"]:
+        from .forkserver import prewarm
+
+        prewarm()  # the server imports torch while this process does (the launch's unpickling imports it)
     try:
         job = pickle.loads(sys.stdin.buffer.read())
         handle = _start_run(job)
