@@ -140,6 +140,8 @@ def test_another_user_lists_none_of_your_runs_and_cannot_follow_them(shared_proj
         p.run(p.attacker, planted)
         mine = p.run(p.victim, listing).stdout
         assert f"LISTED [{run_dir!r}]" in mine, mine
+        table = p.run(p.victim, "from nbddp.cli import main; main(['runs'])").stdout
+        assert run_dir in table and "running (detached)" in table, table
         supervisor = json.loads(p.run(p.victim, f"print(open({run_dir + '/.nbddp/owner.json'!r}).read())").stdout)["pid"]
         assert "LISTED []" in p.run(p.attacker, listing).stdout
         for command in ("attach", "stop"):
