@@ -85,11 +85,29 @@ def test_another_kernel_lists_follows_stops_it_and_gets_the_value(orphaned_run):
         assert str(run_dir) in out.split("LISTED", 1)[1].splitlines()[0] and "<table>" in out, out
         assert re.search(r"\[rank0\] step \d+", out), out  # the last lines, then live output
         assert "MOVED True" in out, out
+        assert _interrupted_wait(km, kc) == "StoppedWaiting"  # an Interrupt ends the wait, not the run
+        step = _step(run_dir)
+        assert wait_for(lambda: _step(run_dir) >= step + 5, timeout=30)
         reply, out = execute(kc, "h.stop(); r = h.wait(); print('VALUE', r.stopped, r.value)")
         assert reply["status"] == "ok", out
         assert "VALUE True {'steps':" in out and "'stopped': True}" in out, out
     assert wait_for(lambda: survivors([supervisor, *pids]) == {}, timeout=30), survivors([supervisor, *pids])
     assert all(str(run_dir) != e["run_dir"] for e in owners.registered())
+
+
+def _interrupted_wait(km, kc) -> str:
+    """Run ``h.wait()`` in a cell, interrupt it once it waits; the error's name."""
+    msg_id = kc.execute("print('WAITING', flush=True); h.wait()")
+    while True:
+        msg = kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and "WAITING" in msg["content"].get("text", ""):
+            break
+    time.sleep(0.3)
+    km.interrupt_kernel()
+    while True:
+        reply = kc.get_shell_msg(timeout=60)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"].get("ename")
 
 
 def test_a_rank_killed_restarts_under_max_restarts_and_a_killed_supervisor_takes_its_ranks(tmp_path):

@@ -542,7 +542,7 @@ class RunHandle:
                 if deadline is not None and time.time() > deadline:
                     break
         if came and getattr(self._ranks, "followed", False):  # a followed run is its owner's: it goes on
-            raise KeyboardInterrupt(f"stopped waiting; the run in {self.run_dir} goes on (handle.stop() ends it)")
+            raise interrupt.StoppedWaiting(f"stopped waiting; the run in {self.run_dir} goes on (handle.stop() ends it)")
         if came:
             self.end_interrupted()  # an Interrupt while waiting on a background run stops it too
 
