@@ -80,11 +80,12 @@ def test_another_kernel_lists_follows_stops_it_and_gets_the_value(orphaned_run):
                                  "print('LISTED', [str(r.run_dir) for r in listed], listed._repr_html_()[:7])\n"
                                  f"h = nbddp.attach({str(run_dir)!r})\n"
                                  "import time; s0 = h.progress.get('step', 0); time.sleep(1.5)\n"
-                                 "print('MOVED', h.progress.get('step', 0) > s0)")
+                                 "print('MOVED', h.progress.get('step', 0) > s0)\n"
+                                 "print('STACKS', sorted(h.stacks()))")
         assert reply["status"] == "ok", out
         assert str(run_dir) in out.split("LISTED", 1)[1].splitlines()[0] and "<table>" in out, out
         assert re.search(r"\[rank0\] step \d+", out), out  # the last lines, then live output
-        assert "MOVED True" in out, out
+        assert "MOVED True" in out and "STACKS [0, 1]" in out, out  # every rank answers for its stack
         assert _interrupted_wait(km, kc) == "StoppedWaiting"  # an Interrupt ends the wait, not the run
         step = _step(run_dir)
         assert wait_for(lambda: _step(run_dir) >= step + 5, timeout=30)
@@ -116,8 +117,10 @@ def test_a_rank_killed_restarts_under_max_restarts_and_a_killed_supervisor_takes
     import nbddp
     from nbddp.contract.errors import RunAbandoned
 
+    notices = []
     handle = nbddp.spawn_train(TARGET, nprocs=2, runs_dir=tmp_path, detach=True, block=False, echo=False,
-                               max_restarts=1, restart_backoff_s=0.1, env=fault_env("run:1:sigkill"))
+                               max_restarts=1, restart_backoff_s=0.1, env=fault_env("run:1:sigkill"),
+                               on_event=lambda kind, payload: notices.append(payload) if kind == "notice" else None)
     run_dir = handle.run_dir
     supervisor = _owner(run_dir)["pid"]
     try:
@@ -127,6 +130,7 @@ def test_a_rank_killed_restarts_under_max_restarts_and_a_killed_supervisor_takes
         cause = restarted()[0]["cause"]
         assert len(restarted()) == 1 and "rank 1" in cause and "SIGKILL" in cause, cause
         assert panel.handle.running and panel.handle.progress.get("step", 0) >= 1
+        assert wait_for(lambda: any("restarted (1): rank 1" in n for n in notices), timeout=10), notices
         pids = json.loads(statedir.read(run_dir, "launch.json"))["pids"]
         assert survivors(pids).keys() == set(pids)
     except BaseException:

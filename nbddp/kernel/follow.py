@@ -25,6 +25,7 @@ from ..contract import statedir
 from ..contract.errors import ConfigError, NbddpError, RunAbandoned
 from ..contract.protocol import Heartbeat, LaunchSpec, read_heartbeats, read_progress
 from ..contract import rundir
+from ..contract.system import is_same_process
 from . import owners
 from .report import RankEnd
 
@@ -68,6 +69,9 @@ class FollowedGroup:
         self.owner_here = record.get("pid") == os.getpid() and not record.get("detached")
         self._outcome: Any = None
         self._has_outcome = False
+        self.notify: Optional[Callable[[str], None]] = None  # the handle's notice line (set by follow())
+        self._restarts = len(launch.get("restarts") or [])  # the owner's restarts seen so far
+        self._asked_restarts = 0.0
 
     # -- the owner ---------------------------------------------------------------------------
     def _look(self) -> bool:
@@ -109,7 +113,19 @@ class FollowedGroup:
     def running(self) -> List[int]:
         return [r for r in range(self.world_size) if r not in self.ends]
 
+    def _see_restarts(self, now: float) -> None:
+        """Say each restart the owner made (it keeps them in the launch record), once a second at most."""
+        if now - self._asked_restarts < 1.0:
+            return
+        self._asked_restarts = now
+        restarts = rundir.read_launch_record(self.run_dir).get("restarts") or []
+        for restart in restarts[self._restarts:]:
+            if self.notify is not None and isinstance(restart, dict):
+                self.notify(f"nbddp: the run restarted ({restart.get('number')}): {restart.get('cause')}")
+        self._restarts = max(self._restarts, len(restarts))
+
     def see_exits(self, now: float, by_launcher: bool) -> None:
+        self._see_restarts(now)
         if self.running() and self._look():
             code = 0 if self._has_outcome else -signal.SIGKILL
             for rank in self.running():
@@ -140,7 +156,12 @@ class FollowedGroup:
                 if (b.beat_time or 0.0) >= self.started_at}
 
     def answering(self) -> Dict[int, int]:
-        return {}
+        """``{rank: pid}`` of the ranks that can answer for their stack (``handle.stacks()``): the owner's
+        launch record names them, each checked to be that very process (pid and start time)."""
+        launch = rundir.read_launch_record(self.run_dir)
+        pids, starts, beats = launch.get("pids") or [], launch.get("start_times") or [], self.beats()
+        return {r: pid for r, (pid, start) in enumerate(zip(pids, starts))
+                if r in beats and r in self.running() and isinstance(pid, int) and is_same_process(pid, start)}
 
     def error_files(self) -> List[Optional[str]]:
         return []
@@ -234,6 +255,7 @@ def follow(group: FollowedGroup, block: bool = False, echo: bool = True,
 
     owners.follow_marker(group.run_dir)
     handle = RunHandle(group, echo=echo, grace_s=1.0, log_starts={0: log_start}, debug="follow")
+    group.notify = handle._notice
     if on_event is not None:
         handle.subscribe(on_event)
     if notice:
