@@ -21,6 +21,7 @@ from conftest import ROOT, WORKERS, execute, fault_env, kernel_pid, real_kernel,
 from nbddp.contract import statedir
 from shared_users import shared_project  # noqa: F401  (the fixture)
 from nbddp.kernel import owners
+from nbddp.kernel.procs import live_workers, marked_processes
 
 TARGET = str(WORKERS / "detached.py") + ":until_stopped"
 
@@ -93,6 +94,7 @@ def test_another_kernel_lists_follows_stops_it_and_gets_the_value(orphaned_run):
         assert reply["status"] == "ok", out
         assert "VALUE True {'steps':" in out and "'stopped': True}" in out, out
     assert wait_for(lambda: survivors([supervisor, *pids]) == {}, timeout=30), survivors([supervisor, *pids])
+    assert live_workers(run_dir) == [] and marked_processes(run_dir) == {}  # nothing of the run is left
     assert all(str(run_dir) != e["run_dir"] for e in owners.registered())
 
 

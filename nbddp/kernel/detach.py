@@ -76,18 +76,21 @@ def start_detached(launches: Any, leases: Leases, restarts: Dict[str, Any], watc
     data = pickle.dumps(job)
     log = open_private_file(supervisor_log(run_dir), rundir.RUN_LOGS)
     try:
-        boot = subprocess.Popen([sys.executable, "-c", _BOOT, launches.start_method], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=log, start_new_session=True, close_fds=True)
+        boot = subprocess.Popen([sys.executable, "-c", _BOOT, launches.start_method], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=log, start_new_session=True, close_fds=True)
     finally:
         os.close(log)
     pid: Optional[int] = None
     with interrupts_held() as interrupted:
+        # Given up here (an Interrupt, an error), the pipe closes: a supervisor that then says its
+        # ranks started finds no one to tell, and ends the run (its "ok" cannot be written).
         try:
             boot.stdin.write(data)
             boot.stdin.close()
             boot.wait()  # the first process exits at once; the supervisor is its child, now init's
-            pid = int(_answer(boot.stdout, run_dir, lambda: bool(interrupted)).split()[1])
-            answer = _answer(boot.stdout, run_dir, lambda: bool(interrupted))
+            answers = _Answers(boot.stdout, run_dir, lambda: bool(interrupted))
+            pid = int(answers.line().split()[1])
+            answer = answers.line()
         except BaseException:
             _end_supervisor(pid)
             boot.stdout.close()
@@ -107,24 +110,31 @@ def start_detached(launches: Any, leases: Leases, restarts: Dict[str, Any], watc
     return handle.wait() if block else handle
 
 
-def _answer(stream, run_dir: Path, interrupted: Callable[[], bool]) -> str:
-    """The supervisor's next line; its log's end in the error when it died without one."""
-    deadline = time.time() + START_TIMEOUT_S
-    line = b""
-    while not line.endswith(b"\n"):
-        if interrupted():
-            raise KeyboardInterrupt
-        if time.time() > deadline:
-            raise NbddpError(f"the supervisor of the detached run in {run_dir} did not start its workers within "
-                             f"{START_TIMEOUT_S:.0f} s; see {supervisor_log(run_dir)}")
-        ready, _, _ = select.select([stream], [], [], 0.1)
-        if ready:
-            chunk = os.read(stream.fileno(), 1 << 16)
-            if not chunk:
-                raise NbddpError(f"the supervisor of the detached run in {run_dir} ended before its workers "
-                                 f"started:\n{_log_tail(run_dir)}")
-            line += chunk
-    return line.decode("utf-8", "replace").strip()
+class _Answers:
+    """The supervisor's lines on its standard output, read as they come (an Interrupt ends the wait)."""
+
+    def __init__(self, stream, run_dir: Path, interrupted: Callable[[], bool]):
+        self.stream, self.run_dir, self.interrupted = stream, run_dir, interrupted
+        self.deadline = time.time() + START_TIMEOUT_S
+        self.buffer = b""
+
+    def line(self) -> str:
+        """The next line; its log's end in the error when the supervisor died without one."""
+        while b"\n" not in self.buffer:
+            if self.interrupted():
+                raise KeyboardInterrupt
+            if time.time() > self.deadline:
+                raise NbddpError(f"the supervisor of the detached run in {self.run_dir} did not start its workers "
+                                 f"within {START_TIMEOUT_S:.0f} s; see {supervisor_log(self.run_dir)}")
+            ready, _, _ = select.select([self.stream], [], [], 0.1)
+            if ready:
+                chunk = os.read(self.stream.fileno(), 1 << 16)
+                if not chunk:
+                    raise NbddpError(f"the supervisor of the detached run in {self.run_dir} ended before its "
+                                     f"workers started:\n{_log_tail(self.run_dir)}")
+                self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode("utf-8", "replace").strip()
 
 
 def _log_tail(run_dir: Path, lines: int = 20) -> str:

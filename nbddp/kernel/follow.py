@@ -273,8 +273,15 @@ class RunInfo:
     """One of your live runs on this server, as :func:`runs` lists it; ``attach()`` follows it.
 
     Attributes:
-        name, run_dir, state ("running", "stopping"), epoch, step, gpus, started (epoch seconds),
-        detached (owned by a supervisor, not a kernel), pid (its owner's).
+        name: the run's name (its folder's without the time).
+        run_dir: the run folder.
+        state: ``"running"``, or ``"stopping"`` while a Stop is on its way to its owner.
+        epoch: rank 0's last reported epoch (``ctx.progress``), else None.
+        step: rank 0's last reported step, else None.
+        gpus: the GPUs it runs on (``[]``: CPU processes).
+        started: when it started (seconds since the epoch).
+        detached: owned by a supervisor of its own, not a kernel.
+        pid: its owner's process id.
     """
 
     def __init__(self, run_dir: Path, record: dict, progress: dict, stopping: bool):

@@ -56,7 +56,10 @@ def main() -> int:
     """The supervisor: start the run handed over on stdin, answer on stdout, own the run to its end."""
     answer = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # its prints go to its log from here on; a dead kernel's pipe must not end it
-    answer.write(f"pid {os.getpid()} {start_time(os.getpid())}\n".encode())
+    try:
+        answer.write(f"pid {os.getpid()} {start_time(os.getpid())}\n".encode())
+    except OSError:  # the kernel has given up already
+        return 1
     stop: List[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):  # a stop of the supervisor is a Stop of the run
         signal.signal(sig, lambda signum, frame: stop.append(signum))
@@ -72,9 +75,12 @@ def main() -> int:
         with contextlib.suppress(OSError):
             answer.write(f"error {_exception_hex(exc)}\n".encode())
         return 1
-    with contextlib.suppress(OSError):
+    try:
         answer.write(b"ok\n")
         answer.close()
+    except OSError:  # the kernel gave up on the start (an Interrupt, or it died): the run is no one's
+        handle.end_now()
+        return 1
     with contextlib.suppress(OSError):
         fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(fd, 0)
