@@ -162,11 +162,12 @@ def test_another_user_lists_none_of_your_runs_and_cannot_follow_them(shared_proj
         planted = "import json, os; os.makedirs('runs/planted/.nbddp'); " \
                   "json.dump({'pid': os.getppid(), 'detached': True}, open('runs/planted/.nbddp/owner.json', 'w'))"
         p.run(p.attacker, planted)
-        mine = p.run(p.victim, listing).stdout
+        mine = p.run(p.victim, listing + f"; print('OWNER', open({run_dir + '/.nbddp/owner.json'!r}).read()); "
+                     "from nbddp.cli import main; main(['runs'])").stdout
+        supervisor = json.loads(mine.split("OWNER ", 1)[1].splitlines()[0])["pid"]
         assert f"LISTED [{run_dir!r}]" in mine, mine
-        table = p.run(p.victim, "from nbddp.cli import main; main(['runs'])").stdout
+        table = mine.split("OWNER ", 1)[1]
         assert run_dir in table and "running (detached)" in table, table
-        supervisor = json.loads(p.run(p.victim, f"print(open({run_dir + '/.nbddp/owner.json'!r}).read())").stdout)["pid"]
         assert "LISTED []" in p.run(p.attacker, listing).stdout
         for command in ("attach", "stop"):
             refused = p.run(p.attacker, f"import sys; from nbddp.cli import main; sys.exit(main([{command!r}, "
