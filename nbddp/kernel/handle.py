@@ -387,6 +387,12 @@ class RunHandle:
     def running(self) -> bool:
         return not self._done.is_set()
 
+    @property
+    def followed(self) -> bool:
+        """True when another process owns the run (a detached run's supervisor, another kernel) and this
+        handle follows it (``nbddp.attach``): its Stop is asked of the owner, an Interrupt ends only a wait."""
+        return bool(getattr(self._ranks, "followed", False))
+
     def stacks(self, timeout: float = 3.0) -> Stacks:
         """Where every running rank is now: each one's Python stacks (all threads), read from the ranks.
 
@@ -541,7 +547,7 @@ class RunHandle:
                     time.sleep(0.05)
                 if deadline is not None and time.time() > deadline:
                     break
-        if came and getattr(self._ranks, "followed", False):  # a followed run is its owner's: it goes on
+        if came and self.followed:  # a followed run is its owner's: it goes on
             raise interrupt.StoppedWaiting(f"stopped waiting; the run in {self.run_dir} goes on (handle.stop() ends it)")
         if came:
             self.end_interrupted()  # an Interrupt while waiting on a background run stops it too

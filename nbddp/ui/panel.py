@@ -256,7 +256,8 @@ class TrainingPanel:
         """Block until the current run has ended and been shown; return its result or raise its error.
 
         An Interrupt (Jupyter's stop button, Ctrl-C) while waiting stops the run, waits until
-        every worker is gone, and raises :class:`TrainingInterrupted`.
+        every worker is gone, and raises :class:`TrainingInterrupted`; for a run the panel follows
+        (kept running if the kernel stops, or attached) it ends the wait only.
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the run goes on).
@@ -270,6 +271,11 @@ class TrainingPanel:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"the run is still going after {timeout} s: {handle.run_dir}")
         except KeyboardInterrupt:
+            if handle.followed:  # another process owns the run (detached): the wait ends, the run goes on
+                from ..kernel.interrupt import StoppedWaiting
+
+                raise StoppedWaiting(f"stopped waiting; the run in {handle.run_dir} goes on (the Stop button "
+                                     "ends it)") from None
             # The monitor thread owns the processes: ask it for the staged shutdown, wait for it.
             handle.stop(wait=False)
             self._view._ended.wait()
