@@ -207,3 +207,16 @@ def test_a_gpu_lease_handed_to_the_supervisor_names_it_and_ends_with_it(tmp_path
         child.kill()
         child.wait()
     assert leases.holders([gpu]) == {}
+
+
+def test_the_panel_s_box_launches_detached(no_gpu):
+    """"keep running if the kernel stops" adds ``detach=True`` to the panel's launch, for a worker and a config."""
+    import nbddp
+
+    panel = nbddp.TrainingPanel(TARGET, nprocs=1)
+    assert "detach" not in panel._launch_args()[1]
+    panel.keep_running_checkbox.value = True
+    assert panel._launch_args()[1]["detach"] is True
+    config = nbddp.TrainingPanel(nbddp.TrainConfig(data_path=str(ROOT / "data" / "digits"), nprocs=1))
+    config.keep_running_checkbox.value = True
+    assert config._launch_args()[1]["detach"] is True

@@ -34,8 +34,9 @@ LOG_NAME = "supervisor.log"
 START_TIMEOUT_S = 600.0
 
 # The supervisor's first lines. The launching folder is dropped from sys.path before anything is
-# imported (`-c` puts it first), so a file there never shadows the standard library or nbddp; then
-# it forks and the first process exits, so the supervisor is no child of the kernel.
+# imported (`-c` puts it first), so a file there never shadows the standard library or nbddp (to be
+# replaced by the one function that starts all of nbddp's processes with a safe import path, once
+# there is one); then it forks and the first process exits, so the supervisor is no child of the kernel.
 _BOOT = ("import os, sys\n"
          "del sys.path[0]\n"
          "if os.fork():\n"
