@@ -275,7 +275,7 @@ class RunInfo:
     Attributes:
         name: the run's name (its folder's without the time).
         run_dir: the run folder.
-        state: ``"running"``, or ``"stopping"`` while a Stop is on its way to its owner.
+        state: ``"running"``, or ``"stopping"`` once a Stop was asked (its ranks may be saving).
         epoch: rank 0's last reported epoch (``ctx.progress``), else None.
         step: rank 0's last reported step, else None.
         gpus: the GPUs it runs on (``[]``: CPU processes).
@@ -364,7 +364,8 @@ def runs() -> RunList:
         if record is None or (record.get("pid"), record.get("start")) != (entry.get("pid"), entry.get("start")):
             continue
         progress = read_progress(run)
-        out.append(RunInfo(run, record, progress.fields if progress is not None else {}, owners.asked_stop(run)))
+        stopping = bool(record.get("stopping")) or owners.asked_stop(run)
+        out.append(RunInfo(run, record, progress.fields if progress is not None else {}, stopping))
     return out
 
 

@@ -651,6 +651,8 @@ class RunHandle:
             self._ranks.ask_stop(reason)
             return
         write_stop_request(self.run_dir, reason)  # before any signal: ranks that obey may finish
+        if self._owner is not None:
+            self._owner.stopping(reason)  # for nbddp.runs()
         self._shutdown = Shutdown(reason, time.time(), self.grace_s, self.stop_timeout_s, kill=self._ranks.signal,
                                   finishing=self._finishing, writing=self._writing)
 

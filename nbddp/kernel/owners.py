@@ -96,6 +96,18 @@ class Ownership:
         reason = ask.get("reason") if isinstance(ask, dict) else None
         return reason if reason in ASKS else None
 
+    def stopping(self, reason: str) -> None:
+        """Say in the owner record that the run is being stopped (``nbddp.runs()`` shows it)."""
+        self._note(stopping=reason)
+
+    def _note(self, **fields: Any) -> None:
+        try:
+            with statedir.opened(self.run_dir) as state:
+                record = json.loads(state.read(OWNER))
+                state.write(OWNER, json.dumps({**record, **fields}).encode())
+        except (OSError, ValueError):
+            pass
+
     def end(self, outcome: Any) -> None:
         """The run has ended: its outcome kept for its followers (a detached run's always), its entry removed."""
         try:
@@ -103,10 +115,9 @@ class Ownership:
                 if self.detached or state.exists(FOLLOWED):
                     state.write(OUTCOME, _pickled(outcome))
                 state.unlink(ASK)
-                record = json.loads(state.read(OWNER))
-                state.write(OWNER, json.dumps({**record, "ended": time.time()}).encode())
-        except (OSError, ValueError):
+        except OSError:
             pass
+        self._note(ended=time.time())
         _unregister(self._entry)
         self._entry = None
 
