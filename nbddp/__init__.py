@@ -55,6 +55,10 @@ kernel    ``kernel.report``                     a failed run's root-cause rank a
 kernel    ``kernel.rank_text``                  what a failed rank left, as its error says it: once, only what is known
 kernel    ``kernel.debugger``                   a rank's pdb prompt in the cell (``input()``), or skipped headless
 kernel    ``kernel.procs``                      ``cleanup`` of an earlier launch's workers, proven by marker
+kernel    ``kernel.detach``,                    ``detach=True``: a run handed to a supervisor of its own, which owns it
+          ``kernel.supervisor``                 as a kernel would and outlives the kernel
+kernel    ``kernel.owners``,                    who owns a local run, asks and outcome for its followers, your live runs;
+          ``kernel.follow``                     ``attach`` and ``runs()``: follow a run another process owns
 kernel    ``kernel.export``,                    weights out of a run folder; prediction in the kernel
           ``kernel.inference``
 kernel    ``kernel.profiles``                   ``result.profile``: the ranks' profiles side by side, who waits for whom
@@ -126,6 +130,7 @@ SIDES = {
     "kernel.interactive": "kernel", "kernel.interactive.group": "kernel", "kernel.interactive.members": "kernel",
     "kernel.interactive.cell": "kernel", "kernel.interactive.magics": "kernel",
     "contract.channel": "contract", "rank.interactive": "rank",
+    "kernel.detach": "kernel", "kernel.supervisor": "kernel", "kernel.owners": "kernel", "kernel.follow": "kernel",
     "ui": "kernel", "ui.panel": "kernel", "ui.charts": "kernel", "ui.tensorboard": "kernel",
     "ui.devices": "kernel", "ui.form": "kernel", "ui.layout": "kernel", "ui.run_view": "kernel",
     "ui.worker_form": "kernel", "ui.sweep_view": "kernel", "ui.cluster": "kernel",
@@ -165,7 +170,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "spawn_train": "kernel.launch",
     "Slurm": "kernel.slurm",
-    "attach": "kernel.slurm_attach",
+    "attach": "kernel.follow",
+    "runs": "kernel.follow",
     "sweep": "kernel.sweep",
     "TrainConfig": "contract.config",
     "TrainResult": "kernel.handle",

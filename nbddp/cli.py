@@ -5,6 +5,9 @@
     python -m nbddp run --nprocs 2 examples/linear_regression.py:train
     python -m nbddp run --nprocs 2 train.py 10 5 --batch_size 32    (a torchrun script, unchanged)
     python -m nbddp gpus
+    python -m nbddp runs                  (your live runs on this server)
+    python -m nbddp attach RUN_DIR        (follow one: its output, then its value)
+    python -m nbddp stop RUN_DIR
 
 Every ``TrainConfig`` field is a flag (``--batch-size``, ``--sync-bn``/``--no-sync-bn``...);
 flags override the fields of ``--config``.
@@ -212,6 +215,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="profile every rank (torch.profiler): alone, or a JSON object of settings, e.g. "
                        """'{"wait": 5, "active": 3}'; prints the ranks side by side at the end""")
     sub.add_parser("gpus", help="list the GPUs (without initialising CUDA)")
+    sub.add_parser("runs", help="your live runs on this server (detached, or another kernel's)")
+    for name, what in (("attach", "follow a run: its last lines, its live output, then its value (Ctrl-C stops "
+                                  "following, not the run)"),
+                       ("stop", "stop a run (as its Stop button: it may save and return) and wait for its end")):
+        sub.add_parser(name, help=what).add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
     return parser
 
 
@@ -230,7 +238,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if getattr(ns, "strategy", None) and ns.command == "run":  # ctx.strategy of a rank of torchrun/srun
                 os.environ[STRATEGY_ENV] = ns.strategy
             return _under_launcher(ns, launcher)  # a rank: the worker side only
-        return {"gpus": _list_gpus, "run": _run, "train": _train}[ns.command](ns)
+        return {"gpus": _list_gpus, "run": _run, "train": _train, "runs": _runs, "attach": _attach,
+                "stop": _stop}[ns.command](ns)
     except NbddpError as exc:
         print(f"nbddp: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -245,6 +254,43 @@ def _list_gpus(ns: argparse.Namespace) -> int:
     gpus = list_gpus()
     print("\n".join(g.label() for g in gpus) or gpu_setup_problem()
           or "no GPU found: training runs on CPU processes")
+    return 0
+
+
+def _runs(ns: argparse.Namespace) -> int:
+    """``python -m nbddp runs``."""
+    from .kernel.follow import runs
+
+    listed = runs()
+    print(listed.table() if listed else "no live runs of yours on this server")
+    return 0
+
+
+def _attach(ns: argparse.Namespace) -> int:
+    """``python -m nbddp attach RUN_DIR``: follow the run to its end; Ctrl-C stops following only."""
+    from .kernel.follow import attach
+
+    handle = attach(ns.run_dir)
+    try:
+        result = handle.wait()
+    except KeyboardInterrupt:
+        print(f"\nstopped following; the run goes on (python -m nbddp stop {ns.run_dir} ends it)", file=sys.stderr)
+        return 130
+    print(f"result: {result.value!r}" + (" (stopped)" if result.stopped else "") + f"\nrun folder: {result.run_dir}")
+    return 0
+
+
+def _stop(ns: argparse.Namespace) -> int:
+    """``python -m nbddp stop RUN_DIR``."""
+    from .kernel.follow import attach
+
+    handle = attach(ns.run_dir, echo=False)
+    handle.stop(wait=True)
+    outcome = handle.outcome
+    if isinstance(outcome, BaseException):
+        print(f"the run ended: {type(outcome).__name__}: {outcome}")
+        return 1
+    print(f"stopped; result: {outcome.value!r}\nrun folder: {outcome.run_dir}")
     return 0
 
 

@@ -324,6 +324,37 @@ class Lease:
         os.close(self._folder)
         self._folder = None
 
+    def handoff(self) -> dict:
+        """What another process of the user's needs to hold this lease on (:func:`adopt`)."""
+        return {"index": self.index, "name": self.name, "info": dict(self._info)}
+
+    def forget(self) -> None:
+        """Stop holding the lease here without removing its claim: another process adopted it."""
+        if self._folder is not None:
+            os.close(self._folder)
+            self._folder = None
+
+
+def adopt(handoff: dict) -> Optional[Lease]:
+    """Hold a lease another process of the user's took (a detached run's supervisor takes over its
+    kernel's): the claim, same ticket, rewritten to name this process. None when it cannot be."""
+    shared, _ = _shared_folder(create=False)
+    if shared is None:
+        return None
+    try:
+        folder, _ = _my_folder(shared)
+    finally:
+        os.close(shared)
+    if folder is None:
+        return None
+    info = dict(handoff["info"], pid=os.getpid(), start=_my_start())
+    try:
+        _write_claim(folder, handoff["name"], info, replace=True)
+    except OSError:
+        os.close(folder)
+        return None
+    return Lease(int(handoff["index"]), folder, handoff["name"], info)
+
 
 class Attempt(NamedTuple):
     """What leasing one GPU gave: the lease; or who holds the GPU; or why leases cannot be used."""
@@ -428,6 +459,13 @@ class Leases:
         for lease in self.leases:
             lease.release()
 
+    def handoff(self) -> List[dict]:
+        return [lease.handoff() for lease in self.leases]
+
+    def forget(self) -> None:
+        for lease in self.leases:
+            lease.forget()
+
 
 # ------------------------------------------------------------------------------ listing
 def holders(gpus: Sequence) -> Dict[int, str]:
@@ -475,4 +513,4 @@ def describe(info: dict) -> str:
 
 
 __all__ = ["LEASES_ENV", "DEFAULT_LEASES_DIR", "CHOOSING_S", "Lease", "Leases", "Attempt", "Claim", "attempt",
-           "try_lease", "holders", "describe", "leases_dir", "lease_key", "unusable_reason"]
+           "try_lease", "adopt", "holders", "describe", "leases_dir", "lease_key", "unusable_reason"]

@@ -271,6 +271,8 @@ def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted
     """The outcome of a run whose ranks have all ended: its result, its error, or how it was stopped."""
     seconds = time.time() - self.started_at
     reason = self._shutdown.reason if self._shutdown else None
+    if hasattr(self._ranks, "outcome"):  # a followed run: its owner's outcome (nbddp.kernel.follow)
+        return self._ranks.outcome()
     all_ok = all(e.exitcode == 0 for e in self._ends.values())
     if error is not None or reason == "failure" or (not all_ok and reason is None):
         outcome: Union[TrainResult, BaseException] = error or _worker_error(self)
@@ -365,6 +367,7 @@ class RunHandle:
         self.debug_mode = debug
         self._relay = PromptRelay(self.run_dir, self.world_size)
         self._debug_told = ""  # the last "waiting at a breakpoint" line said
+        self._owner = None  # the run's owner records, for its followers (nbddp.kernel.owners.Ownership)
 
     # -- public ----------------------------------------------------------------------
     @property
@@ -383,6 +386,12 @@ class RunHandle:
     @property
     def running(self) -> bool:
         return not self._done.is_set()
+
+    @property
+    def followed(self) -> bool:
+        """True when another process owns the run (a detached run's supervisor, another kernel) and this
+        handle follows it (``nbddp.attach``): its Stop is asked of the owner, an Interrupt ends only a wait."""
+        return bool(getattr(self._ranks, "followed", False))
 
     def stacks(self, timeout: float = 3.0) -> Stacks:
         """Where every running rank is now: each one's Python stacks (all threads), read from the ranks.
@@ -503,7 +512,10 @@ class RunHandle:
                 "still exists and is writable, then launch again.", run_dir=self.run_dir)
             self._outcome.__cause__ = exc
             self._release()
-            statedir.release(self.run_dir)
+            if self._owner is not None:
+                self._owner.end(self._outcome)
+            if not getattr(self._ranks, "owner_here", False):  # a kernel following its own run keeps it
+                statedir.release(self.run_dir)
             self._done.set()
         self._emit("end", self._outcome)
 
@@ -530,11 +542,13 @@ class RunHandle:
                     except Exception as exc:  # noqa: BLE001 - never return with workers left running
                         self._abandon(exc)
                         return
-                    if self.debug_mode != "skip" and not self._done.is_set() and self._relay.waiting():
+                    if self.debug_mode in ("prompt", "stop") and not self._done.is_set() and self._relay.waiting():
                         serve_prompts(self, interrupted=came)  # a rank at a breakpoint: its prompt in this cell
                     time.sleep(0.05)
                 if deadline is not None and time.time() > deadline:
                     break
+        if came and self.followed:  # a followed run is its owner's: it goes on
+            raise interrupt.StoppedWaiting(f"stopped waiting; the run in {self.run_dir} goes on (handle.stop() ends it)")
         if came:
             self.end_interrupted()  # an Interrupt while waiting on a background run stops it too
 
@@ -600,6 +614,12 @@ class RunHandle:
                 return
             self._read_streams()
             now = time.time()
+            asked = self._owner.asked(now) if self._owner is not None else None
+            if asked == "kill":  # asked by a follower (nbddp.kernel.owners), as a second Interrupt here
+                self.end_now()
+                return
+            if asked is not None:
+                self._begin_shutdown(asked)
             if self._restart_at is None and self._shutdown is None:
                 watch_breakpoints(self)
             if self._restart_at is not None:  # between two launches: no process runs
@@ -627,7 +647,12 @@ class RunHandle:
     def _begin_shutdown(self, reason: str) -> None:
         if self._shutdown is not None or self._done.is_set():
             return
+        if hasattr(self._ranks, "ask_stop"):  # a followed run: its owner stops it (nbddp.kernel.follow)
+            self._ranks.ask_stop(reason)
+            return
         write_stop_request(self.run_dir, reason)  # before any signal: ranks that obey may finish
+        if self._owner is not None:
+            self._owner.stopping(reason)  # for nbddp.runs()
         self._shutdown = Shutdown(reason, time.time(), self.grace_s, self.stop_timeout_s, kill=self._ranks.signal,
                                   finishing=self._finishing, writing=self._writing)
 
@@ -699,8 +724,12 @@ class RunHandle:
         self._outcome = outcome = _outcome_of(self, error, not_restarted)
         self._restart_at = None
         self._release()  # the GPUs' leases given back
-        clear_stop_request(self.run_dir)
-        rundir.update_launch_record(self.run_dir, ended=time.time())
-        statedir.release(self.run_dir, warn=True)  # the state folder held open since the launch
+        if not getattr(self._ranks, "followed", False):  # the owner's records (a follower only reads them)
+            clear_stop_request(self.run_dir)
+            rundir.update_launch_record(self.run_dir, ended=time.time())
+        if self._owner is not None:
+            self._owner.end(outcome)  # kept for the run's followers, and the run off the user's live list
+        if not getattr(self._ranks, "owner_here", False):  # a kernel following its own run keeps it
+            statedir.release(self.run_dir, warn=True)  # the state folder held open since the launch
         self._done.set()
         self._emit("end", outcome)

@@ -37,13 +37,18 @@ from .report import ranks_alike
 from .stacks import Stacks
 
 
+class StoppedWaiting(KeyboardInterrupt):
+    """An Interrupt ended a cell's wait on a run another process owns (a detached run's supervisor,
+    another kernel): the run goes on; ``handle.stop()`` ends it."""
+
+
 @contextlib.contextmanager
 def before_start(what: str = "preparing the launch") -> Iterator[None]:
     """An Interrupt in the body (no worker started yet) becomes a ``TrainingInterrupted`` that says so."""
     try:
         yield
     except KeyboardInterrupt as exc:
-        if isinstance(exc, TrainingInterrupted):
+        if isinstance(exc, (TrainingInterrupted, StoppedWaiting)):
             raise
         raise TrainingInterrupted.before_start(what) from None
 

@@ -31,6 +31,7 @@ from .ranks import private_tmp  # noqa: F401 - the name tests and tools knew
 from .ranks import ranks_env as _child_env  # noqa: F401 - the name tests and tools knew
 from .restarts import RestartPolicy, check_policy as check_restart_policy
 from ..contract.leases import LEASES_ENV, Leases, attempt
+from .owners import Ownership
 from .procs import live_workers
 from ..contract.protocol import LaunchSpec
 from .rendezvous import Rendezvous
@@ -85,6 +86,7 @@ def spawn_train(
     trackers: Optional[Sequence[str]] = None,
     strategy: Optional[str] = None,
     cluster: Any = None,
+    detach: bool = False,
 ) -> Union[TrainResult, RunHandle]:
     """Run a DDP worker function in one process per GPU (nccl) or ``nprocs`` CPU processes (gloo).
 
@@ -188,6 +190,13 @@ def spawn_train(
             job (``nodes`` x ``gpus_per_node`` GPU ranks, or ``nodes`` x ``nprocs`` CPU ranks), followed
             here through the run folder as a local run is (:mod:`nbddp.kernel.slurm`). ``runs_dir`` must
             be on a file system the nodes share.
+        detach: the run goes on if this kernel stops (killed, restarted, shut down): a supervisor of its
+            own starts and owns the ranks, with the same staged stop, restarts, hang detection, reaping and
+            leases, and this kernel follows it through the run folder (:mod:`nbddp.kernel.supervisor`). An
+            Interrupt while a cell waits on it ends the wait, not the run; ``handle.stop()`` ends the run.
+            ``nbddp.runs()`` lists it and ``nbddp.attach(run_dir)`` follows it again, from any kernel of
+            yours. Breakpoints in its ranks are skipped (no one could answer). Without it (the default),
+            a kernel that stops ends its runs within seconds, so nothing is left holding GPUs.
 
     Returns:
         A ``TrainResult`` (``block=True``) or a ``RunHandle`` (``block=False``).
@@ -219,6 +228,11 @@ def spawn_train(
         raise ConfigError(f"start_method={start_method!r}: use 'spawn' or 'forkserver' (fork breaks once the "
                           "kernel has used CUDA, so it is not offered)")
     start_method = _forkserver_start_method(start_method)  # spawn where the forkserver is unsafe
+    if detach is not True and detach is not False:
+        raise ConfigError(f"detach={detach!r}: use True (the run outlives this kernel) or False")
+    if detach and cluster is not None:
+        raise ConfigError("detach=True with cluster=: a SLURM job outlives the kernel already; "
+                          "nbddp.attach(run_dir) follows it again")
     if cluster is not None:  # refused here, before anything is queued (nbddp.kernel.slurm)
         from .slurm import cluster_ranks
 
@@ -233,7 +247,7 @@ def spawn_train(
                        on_event=on_event, start_method=start_method, env=env, resume=resume,
                        all_values=all_values, call=call, argv=argv, debug=debug,
                        restarts=dict(max_restarts=max_restarts, oom=oom, backoff_s=restart_backoff_s),
-                       observe=dict(profile=profile, trackers=trackers), cluster=cluster)
+                       observe=dict(profile=profile, trackers=trackers), cluster=cluster, detach=detach)
     except BaseException:
         leases.release()  # the handle releases them at the run's end; twice is harmless
         raise
@@ -268,7 +282,7 @@ def _with_strategy(target: Any, strategy: Optional[str], env: Optional[Dict[str,
 def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, kwargs, args, block, name,
             runs_dir, timeout_s, threads_per_proc, grace_s, stall_timeout_s, stop_timeout_s, echo, on_event,
             start_method, env, resume, all_values, call, argv, restarts, debug, observe,
-            cluster=None) -> Union[TrainResult, RunHandle]:
+            cluster=None, detach=False) -> Union[TrainResult, RunHandle]:
     """:func:`spawn_train` once its GPUs are resolved and leased."""
     plan = plans.plan(target, args, kwargs, nprocs=nprocs, gpus=gpus, name=name, runs_dir=runs_dir,
                       timeout_s=timeout_s, resume=resume, call=call, argv=argv)
@@ -280,20 +294,28 @@ def _launch(target: Any, gpus: Optional[List[int]], leases: Leases, *, nprocs, k
     leases.note(str(run_dir))
     launcher = Launches(plan, run_dir, threads_per_proc, start_method, {**debug_env(debug), **(env or {})},
                         all_values, restarts["max_restarts"], observed)
+    if stall_timeout_s is None:
+        # NCCL's watchdog aborts the ranks that wait longer than timeout_s, which would leave
+        # only their SIGABRTs to read; nbddp names the hung rank well before that.
+        stall_timeout_s = 0.75 * launcher.timeout if backend == "nccl" else launcher.timeout
+    # Echo only what this launch writes: a resumed run appends to its rank logs.
+    watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s,
+                 log_starts=rundir.log_sizes(run_dir, world), debug=debug_mode(debug),
+                 show_logs=plan.config is None,  # the built-in worker prints its epoch records itself
+                 records_before=lines_in(rundir.metrics_path(run_dir)))
+    if detach:  # a supervisor of its own starts and owns the ranks (nbddp.kernel.detach)
+        from .detach import start_detached
+
+        try:
+            return start_detached(launcher, leases, restarts, watch, on_event, block)
+        except BaseException:
+            statedir.release(run_dir)
+            raise
     spec, meet, child_env, tmp_dir = launcher.prepare(restart=0)
     try:
         if start_method == "forkserver":
             _prepare_forkserver()
-        if stall_timeout_s is None:
-            # NCCL's watchdog aborts the ranks that wait longer than timeout_s, which would leave
-            # only their SIGABRTs to read; nbddp names the hung rank well before that.
-            stall_timeout_s = 0.75 * spec.timeout_s if backend == "nccl" else spec.timeout_s
-        # Echo only what this launch writes: a resumed run appends to its rank logs.
-        watch = dict(echo=echo, grace_s=grace_s, stall_timeout_s=stall_timeout_s, stop_timeout_s=stop_timeout_s,
-                     log_starts=rundir.log_sizes(run_dir, spec.world_size),
-                     restarts=RestartPolicy(launcher=launcher, **restarts), debug=debug_mode(debug),
-                     show_logs=plan.config is None,  # the built-in worker prints its epoch records itself
-                     records_before=lines_in(rundir.metrics_path(run_dir)))
+        watch["restarts"] = RestartPolicy(launcher=launcher, **restarts)
         if cluster is not None:  # a SLURM job starts the ranks (nbddp.kernel.slurm_group)
             from .slurm_group import start_job
 
@@ -416,8 +438,9 @@ def _prepare_run_dir(plan: LaunchPlan, world: int) -> Path:
 
 def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[str, Optional[str]], launches: Launches,
            tmp_dir: str, watch: dict, on_event: Optional[Callable[[str, Any], None]],
-           block: bool) -> Union[TrainResult, RunHandle]:
-    """Start the workers and hand them to a RunHandle; wait for the end when ``block``."""
+           block: bool, detached: bool = False) -> Union[TrainResult, RunHandle]:
+    """Start the workers and hand them to a RunHandle; wait for the end when ``block``
+    (``detached``: this process is a detached run's supervisor, :mod:`nbddp.kernel.supervisor`)."""
     # From the first worker on, an Interrupt must not leave a process nobody knows of (a cold
     # start waits seconds for the forkserver): it is held back until the handle owns the
     # processes and the launch record names them, then handled like any other.
@@ -436,6 +459,8 @@ def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[s
                 parent_pid=os.getpid(), store=meet.kind, port=spec.store_port, store_path=spec.store_path,
                 host=socket.gethostname(),
                 started=handle.started_at, tmp_dir=tmp_dir)  # for cleanup, should the kernel die first
+            # Who owns the run, for nbddp.runs() and attach() (nbddp.kernel.owners).
+            handle._owner = Ownership.announce(handle, detached=detached, name=launches.plan.name)
         except BaseException:
             ranks.kill_started()
             remove_private_tmp(tmp_dir)

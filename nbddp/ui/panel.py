@@ -120,11 +120,16 @@ class TrainingPanel:
         self._view = RunView(self._worker is not None, lambda: self._set_busy(False), plan)
         self._view.train_button.on_click(self._on_train)
         self._view.stop_button.on_click(lambda _b: self.stop())
+        # spawn_train(detach=True): a supervisor of its own owns the run (nbddp.kernel.supervisor)
+        self.keep_running_checkbox = W.Checkbox(
+            value=False, description="keep running if the kernel stops", indent=False,
+            tooltip="the run goes on if this kernel dies or restarts; nbddp.attach(run_dir) or "
+                    "TrainingPanel.attach(run_dir) follows it again, nbddp.runs() lists it")
         title = "nbddp · DistributedDataParallel training"
         if self._worker is not None:
             title += f" · <code>{html.escape(self._label)}</code>"
         self.widget = W.VBox([W.HTML(f"<b style='font-size:1.1em'>{title}</b>"), self._devices.box,
-                              self._cluster.cluster_box,
+                              self._cluster.cluster_box, self.keep_running_checkbox,
                               *self._form.parts, *self._view.parts],
                              layout=W.Layout(width="100%", max_width="1000px", padding="8px",
                                              border="1px solid var(--jp-border-color2, #ddd)"))
@@ -155,6 +160,43 @@ class TrainingPanel:
     def chart_keys(self) -> list:
         """The logged keys the worker chart draws (after a redraw)."""
         return self._view.chart_keys
+
+    @classmethod
+    def attach(cls, run_dir: Any) -> "TrainingPanel":
+        """A panel that follows a run from its folder (``nbddp.attach``): a detached run after a kernel
+        restart, another kernel's, or a view the browser lost. Its Stop ends the run; ``wait()`` gives
+        its result. The form shows the run's own settings where the folder says them (its config).
+
+        Example:
+            >>> TrainingPanel.attach("runs/20260101-120000-mnist")
+        """
+        from pathlib import Path
+
+        from ..contract import rundir
+        from ..contract.config import read_config_file
+        from ..kernel.follow import attach
+
+        handle = attach(run_dir, echo=False)
+        config = None
+        if (Path(run_dir) / rundir.CONFIG).is_file():
+            try:
+                config = TrainConfig.from_dict(read_config_file(str(Path(run_dir) / rundir.CONFIG)))
+            except Exception:  # noqa: BLE001 - the form is a view of the run: the default one will do
+                config = None
+        panel = None
+        for target in ([config] if config is not None else []) + [handle.spec.target]:
+            try:
+                panel = cls(target)
+                break
+            except Exception:  # noqa: BLE001 - a target the form cannot read (a notebook cell's function)
+                continue
+        panel = panel if panel is not None else cls()
+        where = f"GPUs {', '.join(map(str, handle.spec.gpus))}" if handle.spec.gpus else \
+            f"{handle.world_size} CPU process{'es' if handle.world_size > 1 else ''}"
+        panel._view.starting(where, handle.spec.backend, checking=False)
+        panel._set_busy(True)
+        panel._view.follow(handle, where)
+        return panel
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
@@ -214,7 +256,8 @@ class TrainingPanel:
         """Block until the current run has ended and been shown; return its result or raise its error.
 
         An Interrupt (Jupyter's stop button, Ctrl-C) while waiting stops the run, waits until
-        every worker is gone, and raises :class:`TrainingInterrupted`.
+        every worker is gone, and raises :class:`TrainingInterrupted`; for a run the panel follows
+        (kept running if the kernel stops, or attached) it ends the wait only.
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the run goes on).
@@ -228,6 +271,11 @@ class TrainingPanel:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"the run is still going after {timeout} s: {handle.run_dir}")
         except KeyboardInterrupt:
+            if handle.followed:  # another process owns the run (detached): the wait ends, the run goes on
+                from ..kernel.interrupt import StoppedWaiting
+
+                raise StoppedWaiting(f"stopped waiting; the run in {handle.run_dir} goes on (the Stop button "
+                                     "ends it)") from None
             # The monitor thread owns the processes: ask it for the staged shutdown, wait for it.
             handle.stop(wait=False)
             self._view._ended.wait()
@@ -286,7 +334,7 @@ class TrainingPanel:
             if cluster is not None:  # a node's GPUs (or CPU processes) are SLURM's to give
                 cfg = cfg.replace(gpus=(), nprocs=len(cfg.gpus) or cfg.nprocs)
                 return cfg, dict(self._observe, cluster=cluster), (), cfg.nprocs
-            return cfg, dict(self._observe), tuple(cfg.gpus), cfg.nprocs
+            return cfg, dict(self._observe, **self._detach()), tuple(cfg.gpus), cfg.nprocs
         kwargs = self.worker_kwargs
         gpus, nprocs = self._devices.chosen()
         self._view.plan = planned(kwargs)
@@ -296,10 +344,15 @@ class TrainingPanel:
             launch.update(cluster=cluster, nprocs=len(gpus) or nprocs)
             return self._worker, launch, (), launch["nprocs"]
         launch.update(gpus=list(gpus)) if gpus else launch.update(nprocs=nprocs)
+        launch.update(self._detach())
         return self._worker, launch, gpus, nprocs
+
+    def _detach(self) -> dict:
+        return {"detach": True} if self.keep_running_checkbox.value else {}
 
     def _set_busy(self, busy: bool) -> None:
         """Lock (or unlock) the devices and the form while a run goes on; Train and Stop follow."""
+        self.keep_running_checkbox.disabled = busy
         self._devices.set_busy(busy)
         self._cluster.set_busy(busy)
         self._form.set_busy(busy)
