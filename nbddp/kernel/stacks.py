@@ -35,6 +35,11 @@ from ..contract.protocol import STACK_SIGNAL
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.+)", line (?P<line>\d+) in (?P<function>.+)$')
 
+#: The functions of torch (and nbddp's way to them) a rank is in while it meets the others.
+_MEETING = {"init_process_group", "rendezvous", "_store_based_barrier", "_create_c10d_store",
+            "_new_process_group_helper", "_create_gloo_process_group", "_env_rendezvous_handler",
+            "_tcp_rendezvous_handler", "_file_rendezvous_handler", "init_device_mesh"}
+
 # nbddp's own plumbing between the launcher and the worker: never "where the rank is".
 _PLUMBING = {"runtime.py", "calls.py", "heartbeat.py", "dist.py", "elastic.py", "cells.py", "protocol.py"}
 _NBDDP_DIR = str(Path(__file__).resolve().parent.parent)  # the package, every folder
@@ -106,6 +111,19 @@ class RankStack:
     threads: List[List[Frame]] = field(default_factory=list)
     text: str = ""
     raised: bool = False
+    state: Optional[str] = None  # its heartbeat's state when asked ("starting", "running"...), if read
+
+    @property
+    def meeting(self) -> bool:
+        """The rank is making its process group: it waits for the other ranks (the rendezvous)."""
+        return any(f.function in _MEETING and f.in_library for f in self.main)
+
+    @property
+    def before_code(self) -> bool:
+        """The rank has not reached the code it runs: nbddp's or Python's start of a process only."""
+        if self.code_frame is not None:
+            return False
+        return self.state == "starting" or not any(f.function in ("entry", "run_rank") for f in self.main)
 
     @property
     def main(self) -> List[Frame]:

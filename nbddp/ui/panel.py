@@ -229,7 +229,7 @@ class TrainingPanel:
                     raise TimeoutError(f"the run is still going after {timeout} s: {handle.run_dir}")
         except KeyboardInterrupt:
             # The monitor thread owns the processes: ask it for the staged shutdown, wait for it.
-            handle.stop(wait=False)
+            handle.stop(wait=False, reason="interrupt")
             self._view._ended.wait()
             if isinstance(handle.outcome, BaseException):
                 raise handle.outcome from None
