@@ -190,3 +190,27 @@ def test_a_failure_table_tells_heartbeat_from_progress(notebook):
     row = next(ln for ln in message.splitlines() if re.match(r"\s+0\s", ln))
     # Rank 0 was alive (beating every second) until nbddp ended it; its progress stopped seconds before.
     assert re.search(r"heartbeat [01] s ago", row) and re.search(r"progress [4-9] s ago", row), message
+
+
+def test_where_ranks_were_is_said_in_words_never_in_torchs_frames():
+    """The "where they were" line of an Interrupt: a rank meeting the others, one still starting, and
+    ranks whose stacks cannot be asked from the kernel (a SLURM job's) placed by their heartbeats."""
+    import sysconfig
+
+    from nbddp.contract.protocol import Heartbeat
+    from nbddp.kernel.interrupt import where_line
+    from nbddp.kernel.stacks import RankStack, Stacks, parse
+
+    torch_c10d = os.path.join(sysconfig.get_paths()["purelib"], "torch", "distributed", "distributed_c10d.py")
+    runtime = str(ROOT / "nbddp" / "rank" / "runtime.py")
+    meeting = (f'Current thread 0x1 (most recent call first):\n'
+               f'  File "{torch_c10d}", line 669 in _create_gloo_process_group\n'
+               f'  File "{torch_c10d}", line 1800 in init_process_group\n'
+               f'  File "{runtime}", line 631 in init_process_group\n  File "{runtime}", line 699 in run_rank\n'
+               f'  File "{runtime}", line 671 in entry\n')
+    forking = 'Current thread 0x1 (most recent call first):\n  File "<string>", line 1 in <module>\n'
+    stacks = Stacks({0: RankStack(0, parse(meeting)), 1: RankStack(1, parse(forking))})
+    assert where_line(stacks, 2) == "rank 0: meeting the other ranks (rendezvous) · rank 1: starting (its code had not begun)"
+    beats = {0: Heartbeat(0, state="running", step=12), 1: Heartbeat(1, state="running", step=12),
+             2: Heartbeat(2, state="starting")}
+    assert where_line(None, 3, beats) == "ranks 0-1: last reported step 12 · rank 2: starting (its code had not begun)"

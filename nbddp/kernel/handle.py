@@ -220,14 +220,14 @@ def _success(spec: LaunchSpec, metrics: List[dict], seconds: float, stopped: boo
 
 
 def _stopped(spec: LaunchSpec, reason: Optional[str], ends: Dict[int, RankEnd],
-             stacks: Optional[Stacks] = None) -> TrainingInterrupted:
+             stacks: Optional[Stacks] = None, beats: Optional[dict] = None) -> TrainingInterrupted:
     """A stopped run whose ranks did not all return: the notice an Interrupt gives (how, where, logs)."""
     run_dir = Path(spec.run_dir)
     what = "interrupted" if reason == "interrupt" else "stopped"
     records = read_error_records(run_dir, spec.world_size)
     request = "the interrupt" if reason == "interrupt" else "the stop request"
     return interrupt.interrupted(spec.world_size, run_dir, how_ranks_stopped(ends, records, request), stacks,
-                                 _newest_checkpoint(run_dir), what=what)
+                                 _newest_checkpoint(run_dir), what=what, beats=beats)
 
 
 def _forward_output(self: "RunHandle", final: bool = False) -> None:
@@ -273,6 +273,7 @@ def _look_before_interrupt(self: "RunHandle") -> None:
         b.state in ("finishing", "done") and not b.stopping for b in beats.values())
     pids = interrupt.ranks_to_ask(self._ranks.answering, len(self._ranks.running()))
     self._interrupt_stacks = collect_stacks(self.run_dir, pids, timeout=1.0) if pids else None
+    self._interrupt_beats = {r: b for r, b in beats.items() if r not in (self._interrupt_stacks or {})}
     if self._interrupt_stacks:
         for r, stack in self._interrupt_stacks.items():  # a rank still starting is said to be, not placed in nbddp
             stack.state = beats[r].state if r in beats else None
@@ -297,10 +298,10 @@ def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted
             return result
         how = how_ranks_stopped(self._ends, read_error_records(self.run_dir, self.world_size), "the interrupt")
         return interrupt.interrupted(self.world_size, self.run_dir, how, self._interrupt_stacks,
-                                     _newest_checkpoint(self.run_dir), result=result,
+                                     _newest_checkpoint(self.run_dir), result=result, beats=self._interrupt_beats,
                                      ended_first=result is not None and (self._ended_first or not any(
                                          b.stopping for b in self._ranks.beats().values())))  # none saw the request
-    return _stopped(self.spec, reason, self._ends, self._interrupt_stacks)
+    return _stopped(self.spec, reason, self._ends, self._interrupt_stacks, self._interrupt_beats)
 
 
 def _worker_error(self: "RunHandle") -> WorkerError:
@@ -358,6 +359,7 @@ class RunHandle:
         self._quiet = QuietWatch(stall_timeout_s or 0.0, ranks.started_at)
         self._failure_stacks: Optional[Stacks] = None  # where the live ranks were when a failure stopped them
         self._interrupt_stacks: Optional[Stacks] = None  # ... and when an Interrupt came
+        self._interrupt_beats: Dict[int, Any] = {}  # the heartbeats of ranks not asked for their stack then
         self._ended_first = False  # every rank had returned before the Interrupt reached it
         self.metrics: List[dict] = []
         self.progress: dict = {}

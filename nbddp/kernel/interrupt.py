@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 from ..contract import rundir
 from ..contract.conventions import makes_own_group
 from ..contract.errors import TrainingInterrupted, workers_were
-from ..contract.protocol import read_checkpoint_note
+from ..contract.protocol import read_checkpoint_note, where_words
 from .report import ranks_alike
 from .stacks import Stacks
 
@@ -121,18 +121,31 @@ def stopping_line(spec: Any, run_dir: Path, grace_s: float, by: str = "Interrupt
             f"interrupt {again}to end {'them' if spec.world_size != 1 else 'it'} at once")
 
 
-def where_line(stacks: Optional[Stacks], world_size: int = 0) -> str:
+def where_line(stacks: Optional[Stacks], world_size: int = 0, beats: Optional[Dict[int, Any]] = None) -> str:
     """``"ranks 0-1: w.py:5, train"``: each rank's innermost frame of its own code, ranks alike together;
     a function from a notebook cell as IPython names its line, ``"Cell In[4], line 5, train"``.
 
     Every one of the ``world_size`` ranks is named: one that was not asked (no heartbeat of this
-    start yet, or already ended) says so."""
-    if not stacks:
+    start yet, or already ended) says so. A rank whose stack cannot be asked from here (a SLURM job's,
+    on its node) is placed by its heartbeat (``beats``): what it last reported."""
+    stacks, beats = stacks or Stacks(), beats or {}
+    if not stacks and not beats:
         return ""
     places: Dict[str, list] = {}
-    for r in range(max(world_size, max(stacks) + 1)):
-        places.setdefault(_place(stacks.get(r)), []).append(r)
+    for r in range(max(world_size, max([*stacks, *beats]) + 1)):
+        place = _place(stacks[r]) if r in stacks else _reported(beats[r]) if r in beats else _place(None)
+        places.setdefault(place, []).append(r)
     return ranks_alike(places, " · ")
+
+
+def _reported(beat: Any) -> str:
+    """Where a rank was as its heartbeat says (its stack not asked): its state, the step it last reported."""
+    if beat.state == "starting":
+        return "starting (its code had not begun)"
+    if beat.state in ("finishing", "done"):
+        return "finishing (its code had returned)"
+    reported = where_words(beat.epoch, beat.step)
+    return f"last reported {reported}" if reported else "running (no step reported)"
 
 
 def _place(stack) -> str:
@@ -156,13 +169,14 @@ def _place(stack) -> str:
 
 def interrupted(world_size: int, run_dir: Path, how: str, stacks: Optional[Stacks],
                 checkpoint: Optional[str], result: Any = None, ended_first: bool = False,
-                what: str = "interrupted") -> TrainingInterrupted:
+                what: str = "interrupted", beats: Optional[Dict[int, Any]] = None) -> TrainingInterrupted:
     """The error an interrupted run raises once every worker is gone: a few lines, the detail in the logs.
 
     Args:
         what: ``"interrupted"`` (Jupyter's Interrupt, Ctrl-C) or ``"stopped"`` (Stop, ``handle.stop()``).
         how: how the ranks ended (:func:`nbddp.kernel.report.how_ranks_stopped`).
         stacks: where each rank was when the Interrupt came.
+        beats: the ranks' heartbeats then, for those whose stack was not asked (a SLURM job's).
         result: the run's ``TrainResult`` when every rank returned normally; kept as ``.result``.
         ended_first: every rank had returned before the Interrupt reached it.
     """
@@ -177,7 +191,7 @@ def interrupted(world_size: int, run_dir: Path, how: str, stacks: Optional[Stack
     lines = [head]
     if how and not ended_first:
         lines.append(f"  how: {how}")
-    where = where_line(stacks, world_size)
+    where = where_line(stacks, world_size, beats)
     if where and not ended_first:
         lines.append(f"  where they were: {where}")
     kept = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint was written"
