@@ -471,10 +471,10 @@ class RunHandle:
                 # As an Interrupt: where each rank is, before the request moves it, and the rest of
                 # rank 0's output (a KeyboardInterrupt's traceback among it) in its log, not the cell.
                 _look_before_interrupt(self)
+                told = reason == "stop" or self.echo  # a sweep stopping its trials has its own line
                 if self.echo:
                     self._echo.close()
                     self.echo = False
-                told = True
             self._begin_shutdown(reason)
         if told:
             by = "Interrupt" if reason == "interrupt" else "Stop"
