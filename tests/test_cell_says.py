@@ -56,6 +56,16 @@ if __name__ == "__main__":
     mp.spawn(work, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)
 """
 
+LATE = """\
+import os, time
+import torch.distributed as dist
+
+if int(os.environ["RANK"]) == 1:
+    time.sleep(120)  # rank 1 is late: rank 0 waits for it in its own rendezvous (C++)
+print("meeting", flush=True)
+dist.init_process_group("gloo")
+"""
+
 CELL_WORKERS = """\
 import pathlib, time
 
@@ -104,6 +114,7 @@ def notebook(tmp_path_factory):
     """A warm kernel in a project folder holding the script, with the cell's workers defined."""
     project = tmp_path_factory.mktemp("project")
     (project / "spawns.py").write_text(SPAWNS)
+    (project / "late.py").write_text(LATE)
     with real_kernel(project, env={**os.environ, "PYTHONPATH": str(ROOT)}) as (km, kc):
         reply, out = execute(kc, "import nbddp\n" + CELL_WORKERS)
         assert reply["status"] == "ok", out
@@ -125,7 +136,6 @@ def test_processes_a_script_started_fail_as_briefly_as_ranks(notebook):
     assert "line 18, in work" in message and "line 25, in fail" in message, message  # the user's frames
     log = re.search(r"log: (\S+spawned[01]\.log)", message)[1]
     assert "ValueError: boom-sp" in (project / log if not Path(log).is_absolute() else Path(log)).read_text()
-    print(cell)
 
     # A BaseException subclass of the code's own: named with its message, not "exit code 1".
     stream, error = _cell(kc, f"nbddp.spawn_train('spawns.py', argv=['{free_port()}', 'abort'], runs_dir='runs')")
@@ -179,6 +189,19 @@ def test_an_interrupt_while_the_ranks_meet_ends_them_and_says_so(notebook):
     assert "_create_gloo" not in where and "<string>" not in where and "distributed_c10d" not in where, where
     # Nothing of the user's ran: no grace to wait out (grace_s=30 would take a minute: SIGINT, then SIGTERM).
     assert took < 30, (took, error[1])
+
+    # A script meeting in its own rendezvous: its heartbeat thread beats on, but the code never took the
+    # KeyboardInterrupt (it waits in C++). It was waited for as "finishing" up to stop_timeout_s (300 s).
+    msg_id = kc.execute("nbddp.spawn_train('late.py', nprocs=2, runs_dir='runs', echo=False)")
+    assert wait_for(lambda: any("meeting" in p.read_text() for p in runs.glob("*-late/logs/rank0.log")), 120)
+    time.sleep(1)
+    t0 = time.time()
+    km.interrupt_kernel()
+    stream, error = _messages(kc, msg_id)
+    took = time.time() - t0
+    assert error is not None and error[0] == "TrainingInterrupted", (stream, error)
+    assert "rank 0: meeting the other ranks (rendezvous) at late.py:7, <module>" in error[1], error[1]
+    assert took < 30, (took, error[1])  # before: 303 s
 
 
 def test_a_failure_table_tells_heartbeat_from_progress(notebook):

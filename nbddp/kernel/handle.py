@@ -655,21 +655,29 @@ class RunHandle:
         write_stop_request(self.run_dir, reason)  # before any signal: ranks that obey may finish
         self._shutdown = Shutdown(reason, time.time(), self.grace_s, self.stop_timeout_s, kill=self._ranks.signal,
                                   finishing=self._finishing, writing=self._writing)
-        if reason != "failure" and self._none_in_code():
+        if reason == "failure":
+            return
+        waiting = self._not_in_code()
+        if waiting and waiting >= set(self._ranks.running()):
             self._shutdown.end_starting(time.time())
+        elif waiting and hasattr(self._ranks, "end_ranks"):
+            self._ranks.end_ranks(waiting)  # the others may finish; these have nothing to
 
-    def _none_in_code(self) -> bool:
-        """True while every running rank is still starting (importing, meeting the others): none has a
-        heartbeat past ``starting`` (it becomes ``running`` once the process group is made)."""
-        running = self._ranks.running()
+    def _not_in_code(self) -> set:
+        """The running ranks that have nothing of the user's to finish or save: still starting
+        (importing, meeting the others: a heartbeat not past ``starting``, which becomes ``running``
+        once nbddp made the process group), or found meeting the others when the stop came (code that
+        makes its own group, in C++ there: it would ignore a ``KeyboardInterrupt`` until the rendezvous
+        times out)."""
+        running, stacks = set(self._ranks.running()), self._interrupt_stacks or {}
+        meeting = {r for r in running if r in stacks and stacks[r].meeting}
         for _ in range(3):  # a heartbeat being rewritten reads as missing for a moment: look again
             beats = self._ranks.beats()
-            if any(beats[r].state != "starting" for r in running if r in beats):
-                return False
+            starting = {r for r in running if r not in beats or beats[r].state == "starting"}
             if all(r in beats for r in running):
                 break
             time.sleep(0.02)
-        return True
+        return starting | meeting
 
     def _finishing(self, now: float, since: float) -> bool:
         """True while the workers may still be finishing after the stop request (see :func:`ranks_finishing`)."""

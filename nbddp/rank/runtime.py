@@ -569,12 +569,17 @@ def _interrupt_on_stop(ctx: Context, beat: HeartbeatThread) -> None:
     a stop request raises ``KeyboardInterrupt`` in its main thread, between two statements (or
     out of a blocking system call), as Ctrl-C would; the launcher's SIGTERM and SIGKILL follow
     for code that catches it or waits in a collective."""
+    asked: list = []
+
     def raise_stop(signum, frame):
+        # Only now has the code acted on the request: the next heartbeat says so, and the launcher
+        # lets the rank finish. One waiting in C++ (its own rendezvous, a collective) never gets
+        # here: its heartbeat does not say "stopping", and SIGINT, then SIGTERM, follow.
+        ctx._stop_reason = asked[0] if asked else "interrupt"
         raise KeyboardInterrupt(f"nbddp: the notebook asked this run to stop ({ctx._stop_reason})")
 
     def on_stop(reason: str) -> None:
-        ctx._stop_reason = reason
-        beat.beat()  # the launcher sees this rank act on the request
+        asked.append(reason)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     signal.signal(signal.SIGINT, raise_stop)
