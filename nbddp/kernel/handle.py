@@ -671,9 +671,10 @@ class RunHandle:
         times out)."""
         running, stacks = set(self._ranks.running()), self._interrupt_stacks or {}
         meeting = {r for r in running if r in stacks and stacks[r].meeting}
+        in_code = {r for r in running if r in stacks and stacks[r].code_frame is not None} - meeting
         for _ in range(3):  # a heartbeat being rewritten reads as missing for a moment: look again
-            beats = self._ranks.beats()
-            starting = {r for r in running if r not in beats or beats[r].state == "starting"}
+            beats = self._ranks.beats()  # (one says "starting" up to a second after the code began)
+            starting = {r for r in running if r not in beats or beats[r].state == "starting"} - in_code
             if all(r in beats for r in running):
                 break
             time.sleep(0.02)
