@@ -116,5 +116,5 @@ def test_where_a_rank_was_says_only_what_it_reported(tmp_path):
             {"rank": r, "pid": 10 + r, "state": "running", "step": 7, "progress_time": now}))
     ends = {r: RankEnd(r, 10 + r, -signal.SIGKILL, now, False) for r in (0, 1)}
     text = str(build_worker_error(run, ends, 2, server_died="signal 9"))
-    assert "the launch server died (signal 9)" in text and "at step 7 ·" in text and "None" not in text
+    assert "the launch server died (signal 9)" in text and "after it reported step 7 ·" in text and "None" not in text
     assert "at step 7;" in Restart(1, "a cause", 0, None, 7).line(3)

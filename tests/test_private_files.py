@@ -37,6 +37,8 @@ def cache_home(tmp_path, monkeypatch):
     home = tmp_path / "cache"
     home.mkdir(mode=0o755)
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no default cache of the user's own there
+    monkeypatch.delenv("TRITON_HOME", raising=False)
     for var in private.COMPILE_CACHES:
         monkeypatch.delenv(var, raising=False)
     return home

@@ -40,3 +40,30 @@ def test_the_function_form_is_written_out_only_when_it_can_be_copied(tmp_path):
     assert "argument 1 (str) is too long" in function_form(str(script), main, ("x" * 300,), 2)
     assert "argument 1 (object) is not a plain value" in function_form(str(script), main, (object(),), 2)
     assert "does not fit" in function_form(str(script), main, (1, 2, 3, 4), 2)  # more than it takes
+
+
+def test_a_traceback_every_process_prints_alike_is_shown_once(tmp_path):
+    """The same code failing on every process: its traceback shown for the first, a line for the others
+    (whole in their logs); a different error, or the code's output around a traceback, shown as it is."""
+    tb = ('Traceback (most recent call last):\n  File "w.py", line 3, in work\n    fail()\n'
+          'ValueError: boom\n')
+    chained = ('Traceback (most recent call last):\n  File "w.py", line 9, in load\nKeyError: 3\n\n'
+               'During handling of the above exception, another exception occurred:\n\n' + tb)
+    logs = {label: tmp_path / f"spawned{i}.log" for i, label in enumerate(("rank0", "rank1", "rank2"))}
+    for log in logs.values():
+        log.write_bytes(b"")
+    shown = []
+    echo = LogEcho(shown.append)
+    echo._files = {label: _Followed(log) for label, log in logs.items()}
+    logs["rank0"].write_text("step 1\n" + tb[:60])  # a traceback cut by a read: held until its error line
+    echo.read()
+    assert "".join(shown) == "[rank0] step 1\n"
+    with open(logs["rank0"], "a") as f:
+        f.write(tb[60:] + "after\n")
+    logs["rank1"].write_text(chained)
+    logs["rank2"].write_text(tb.replace("boom", "other"))
+    echo.read()
+    text = "".join(shown)
+    assert text.count("ValueError: boom") == 1 and "[rank0] after\n" in text, text
+    assert "[rank1] the same error as rank0; its traceback is in logs/spawned1.log\n" in text, text
+    assert "KeyError" not in text and "[rank2] ValueError: other\n" in text, text

@@ -13,8 +13,9 @@ place (:func:`owner`), the seam a test uses to play another user without root.
   between it and a given top folder (the run folder) are the user's alone, checked on the
   descriptors it reads through.
 - :func:`compile_cache_env` is where torch.compile, Triton, C++ extensions and CUDA's JIT keep
-  the code they compile, in the user's cache folder (``$XDG_CACHE_HOME``, else ``~/.cache``) under
-  ``nbddp/compile``: not torch's default ``/tmp/torchinductor_<user>``, a name any user of a
+  the code they compile: the user's own default folders where they are private (what ``torchrun``
+  built there is used), else the user's cache folder (``$XDG_CACHE_HOME``, else ``~/.cache``) under
+  ``nbddp/compile``; never torch's default ``/tmp/torchinductor_<user>``, a name any user of a
   shared ``/tmp`` can create first and fill with pickles and shared objects that then run as you.
 
 Used on both sides (kernel and ranks): imports only the standard library.
@@ -337,19 +338,77 @@ def _set_by_user(var: str) -> bool:
     return not (value == default or value.startswith(default + os.sep))
 
 
-def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, str]:
+def user_default_caches() -> Dict[str, Path]:
+    """Where Triton, torch's C++ extensions, torch's NVRTC kernels and CUDA keep their caches when
+    their variable is not set: in the user's home or cache home, as ``python``/``torchrun`` use them.
+    (torch.compile's default, ``<temp>/torchinductor_<user>``, is in the shared temp folder: never.)"""
+    home = Path.home()
+    triton_home = os.environ.get("TRITON_HOME", "")
+    return {
+        "TRITON_CACHE_DIR": (Path(triton_home) if os.path.isabs(triton_home) else home) / ".triton" / "cache",
+        "TORCH_EXTENSIONS_DIR": cache_home() / "torch_extensions",  # torch adds py<ver>_<accelerator> below
+        "PYTORCH_KERNEL_CACHE_PATH": cache_home() / "torch" / "kernels",
+        "CUDA_CACHE_PATH": home / ".nv" / "ComputeCache",
+    }
+
+
+def _not_private(folder: Path) -> Optional[str]:
+    """Why ``folder`` is not a cache of the user's alone (checked on its descriptor, and its
+    ancestors), ``""`` when there is none yet, None when it is the user's alone."""
+    real = os.path.realpath(folder)  # a link of the user's own (a home on another disk) is followed
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        return str(exc)
+    try:
+        found = problem(os.fstat(fd), "folder")
+    finally:
+        os.close(fd)
+    try:
+        return f"{real} {found}" if found else _unsafe_ancestor(Path(real))
+    except OSError as exc:
+        return str(exc)
+
+
+def _users_own(wanted: Dict[str, str]) -> Dict[str, Optional[str]]:
+    """The caches of ``wanted`` whose default folder exists and is the user's alone: ``None`` for each
+    (the ranks use torch's default, and what ``torchrun`` built there: a DeepSpeed or ``cpp_extension``
+    build is not made twice), taken out of ``wanted``. One that is not private is said once, with why."""
+    own: Dict[str, Optional[str]] = {}
+    for var, default in user_default_caches().items():
+        if var not in wanted:
+            continue
+        why = _not_private(default)
+        if why is None:
+            own[var] = None
+            del wanted[var]
+        elif why:
+            warnings.warn(f"{default} is not used for the ranks' builds ({var}): {why}. They build in nbddp's "
+                          f"private cache instead, once more; if {default} is yours alone, `chmod -R go-w` it to "
+                          "share the builds.", stacklevel=4)
+    return own
+
+
+def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, Optional[str]]:
     """The compile caches' variables (:data:`COMPILE_CACHES`) for the ranks, those the user has not set.
 
-    They point into ``<cache home>/nbddp/compile``, a folder of the user's alone (0700, checked
-    on every launch, and so are its ancestors), shared between runs so compiles stay warm. A
-    cache folder that is not the user's or not private is moved aside (its contents may have been
-    planted) and made anew, with a warning. Where the user's cache folder cannot be made private
-    (an ancestor others may write), the caches go to ``fallback`` (the run's private temp folder:
-    private, but compiled again by every launch), with a warning saying why and what to do.
+    A cache whose default folder is the user's own and private (in the home, owned by them, not
+    writable by others: ``~/.cache/torch_extensions``, ``~/.triton/cache``; see
+    :func:`user_default_caches`) is used as ``torchrun`` uses it: its variable maps to ``None``
+    (unset for the ranks). The others point into ``<cache home>/nbddp/compile``, a folder of the
+    user's alone (0700, checked on every launch, and so are its ancestors), shared between runs so
+    compiles stay warm. A cache folder that is not the user's or not private is moved aside (its
+    contents may have been planted) and made anew, with a warning. Where the user's cache folder
+    cannot be made private (an ancestor others may write), the caches go to ``fallback`` (the
+    run's private temp folder: private, but compiled again by every launch), with a warning saying
+    why and what to do.
     """
     wanted = {var: sub for var, sub in COMPILE_CACHES.items() if not _set_by_user(var)}
+    own = _users_own(wanted)
     if not wanted:
-        return {}
+        return own
     what = "torch.compile's and Triton's caches (compiled code nbddp's ranks load)"
     root = cache_home() / "nbddp"
     try:
@@ -358,7 +417,7 @@ def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, str]:
         if unsafe is None:
             folder = private_folder(private_folder(root, what, replace=True, narrow=False) / "compile", what,
                                     replace=True, narrow=False)
-            return {var: str(folder / sub) for var, sub in wanted.items()}
+            return {**own, **{var: str(folder / sub) for var, sub in wanted.items()}}
     except OSError as exc:  # NotPrivate too: another user keeps replacing it
         unsafe = str(exc)
     if fallback is None:
@@ -367,7 +426,7 @@ def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, str]:
                   f"to the run's private temp folder instead. Make it private (`chmod go-w` the folder "
                   f"named) or set XDG_CACHE_HOME to a private folder of yours to keep compiles warm.",
                   stacklevel=3)
-    return {var: os.path.join(fallback, "compile", sub) for var, sub in wanted.items()}
+    return {**own, **{var: os.path.join(fallback, "compile", sub) for var, sub in wanted.items()}}
 
 
 __all__ = ["NotPrivate", "private_folder", "open_private_file", "read_private", "open_private_below", "compile_cache_env",

@@ -325,6 +325,9 @@ class ErrorRecord:
         secondary: a consequence of another rank's failure (its peer vanished, a timeout).
         root_rank: the rank the exception itself names as the cause (a NaN seen on another rank).
         retryable: a restart may heal it (``nbddp.rank.rank_errors.is_retryable``).
+        process: the rank is a launcher script and one of the processes it started failed
+            (:mod:`nbddp.rank.spawned`): ``{"name": "process 1 of 2 (work)", "log": "spawned1.log",
+            "pid": 123}``; ``type``, ``message`` and ``traceback`` are then that process's.
     """
 
     rank: int
@@ -338,6 +341,7 @@ class ErrorRecord:
     secondary: bool = False
     root_rank: Optional[int] = None
     retryable: bool = False
+    process: Optional[Dict[str, Any]] = None
 
     @classmethod
     def from_exception(cls, exc: BaseException, rank: int, formatted: str, secondary: bool,

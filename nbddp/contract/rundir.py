@@ -267,6 +267,11 @@ def error_record_path(run_dir: PathLike, rank: int) -> Path:
     return state_path(run_dir, f"error.rank{rank}.json")
 
 
+def spawned_error_path(run_dir: PathLike, index: int, group: int = 0) -> Path:
+    """What process ``index`` that a launcher script started raised (:mod:`nbddp.rank.spawned`), for the launcher."""
+    return state_path(run_dir, f"error.spawned{index}.json" if group == 0 else f"error.spawned{index}-{group}.json")
+
+
 def progress_path(run_dir: PathLike) -> Path:
     return state_path(run_dir, PROGRESS)
 
@@ -626,7 +631,7 @@ class RecordFile:
 #: records, errors, results, the stop request, the debugger's files, NCCL's flight-recorder dumps):
 #: removed unread when the run is launched again. The launch record, the last checkpoint's note
 #: and records that must last (tracker ids, the data record's digest) stay.
-_PER_LAUNCH = re.compile(r"(rank|tree-rank|error\.rank)\d+\.json|progress\.json|result(\.rank\d+)?\.pkl|stop"
+_PER_LAUNCH = re.compile(r"(rank|tree-rank|error\.rank)\d+\.json|error\.spawned\d+(-\d+)?\.json|progress\.json|result(\.rank\d+)?\.pkl|stop"
                          r"|debug\..*|cell-sources\.json|nccl_trace_rank_\d+")
 
 def read_launch_record(run_dir: PathLike, strict: bool = False) -> Dict[str, Any]:

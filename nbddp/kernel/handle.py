@@ -111,17 +111,25 @@ class TrainResult:
 
 
 @contextlib.contextmanager
-def interrupts_held():
+def interrupts_held(notice: Optional[str] = None):
     """Turn SIGINT (Jupyter's Interrupt, Ctrl-C) into a flag for the body; the list says if one came.
 
     Only the main thread can set signal handlers (and only it gets KeyboardInterrupt); elsewhere
-    the body runs as it is and the list stays empty.
+    the body runs as it is and the list stays empty. ``notice``: a line said at once when the first
+    one comes (the body may take seconds: a cold start of the ranks), so the Interrupt is seen.
     """
     came: list = []
     if threading.current_thread() is not threading.main_thread():
         yield came
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+
+    def hold(signum, frame):
+        if notice is not None and not came:
+            with contextlib.suppress(Exception):  # a write the handler cut into: the stop goes on unsaid
+                print(notice, file=sys.stderr, flush=True)
+        came.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
     try:
         yield came
     finally:
@@ -211,15 +219,15 @@ def _success(spec: LaunchSpec, metrics: List[dict], seconds: float, stopped: boo
                        all_values=values if spec.all_values else None, restarts=list(restarts))
 
 
-def _stopped(spec: LaunchSpec, reason: Optional[str], ends: Dict[int, RankEnd]) -> TrainingInterrupted:
-    """An interrupted cell always ends in an exception, even when the workers obeyed the
-    stop request and returned: the user asked the cell to stop."""
+def _stopped(spec: LaunchSpec, reason: Optional[str], ends: Dict[int, RankEnd],
+             stacks: Optional[Stacks] = None, beats: Optional[dict] = None) -> TrainingInterrupted:
+    """A stopped run whose ranks did not all return: the notice an Interrupt gives (how, where, logs)."""
     run_dir = Path(spec.run_dir)
     what = "interrupted" if reason == "interrupt" else "stopped"
     records = read_error_records(run_dir, spec.world_size)
     request = "the interrupt" if reason == "interrupt" else "the stop request"
-    return TrainingInterrupted.for_run(what, spec.world_size, run_dir, how=how_ranks_stopped(ends, records, request),
-                                       checkpoint=_newest_checkpoint(run_dir))
+    return interrupt.interrupted(spec.world_size, run_dir, how_ranks_stopped(ends, records, request), stacks,
+                                 _newest_checkpoint(run_dir), what=what, beats=beats)
 
 
 def _forward_output(self: "RunHandle", final: bool = False) -> None:
@@ -265,6 +273,10 @@ def _look_before_interrupt(self: "RunHandle") -> None:
         b.state in ("finishing", "done") and not b.stopping for b in beats.values())
     pids = interrupt.ranks_to_ask(self._ranks.answering, len(self._ranks.running()))
     self._interrupt_stacks = collect_stacks(self.run_dir, pids, timeout=1.0) if pids else None
+    self._interrupt_beats = {r: b for r, b in beats.items() if r not in (self._interrupt_stacks or {})}
+    if self._interrupt_stacks:
+        for r, stack in self._interrupt_stacks.items():  # a rank still starting is said to be, not placed in nbddp
+            stack.state = beats[r].state if r in beats else None
 
 
 def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted: str) -> Union[TrainResult, BaseException]:
@@ -288,10 +300,10 @@ def _outcome_of(self: "RunHandle", error: Optional[BaseException], not_restarted
             return result
         how = how_ranks_stopped(self._ends, read_error_records(self.run_dir, self.world_size), "the interrupt")
         return interrupt.interrupted(self.world_size, self.run_dir, how, self._interrupt_stacks,
-                                     _newest_checkpoint(self.run_dir), result=result,
+                                     _newest_checkpoint(self.run_dir), result=result, beats=self._interrupt_beats,
                                      ended_first=result is not None and (self._ended_first or not any(
                                          b.stopping for b in self._ranks.beats().values())))  # none saw the request
-    return _stopped(self.spec, reason, self._ends)
+    return _stopped(self.spec, reason, self._ends, self._interrupt_stacks, self._interrupt_beats)
 
 
 def _worker_error(self: "RunHandle") -> WorkerError:
@@ -349,6 +361,7 @@ class RunHandle:
         self._quiet = QuietWatch(stall_timeout_s or 0.0, ranks.started_at)
         self._failure_stacks: Optional[Stacks] = None  # where the live ranks were when a failure stopped them
         self._interrupt_stacks: Optional[Stacks] = None  # ... and when an Interrupt came
+        self._interrupt_beats: Dict[int, Any] = {}  # the heartbeats of ranks not asked for their stack then
         self._ended_first = False  # every rank had returned before the Interrupt reached it
         self.metrics: List[dict] = []
         self.progress: dict = {}
@@ -461,8 +474,20 @@ class RunHandle:
         """
         if reason not in ("stop", "pruned", "interrupt"):
             raise ValueError(f"reason={reason!r}: use 'stop', 'pruned' or 'interrupt'")
+        told = False
         with self._lock:
+            if self._shutdown is None and not self._done.is_set() and reason != "pruned":
+                # As an Interrupt: where each rank is, before the request moves it, and the rest of
+                # rank 0's output (a KeyboardInterrupt's traceback among it) in its log, not the cell.
+                _look_before_interrupt(self)
+                told = reason == "stop" or self.echo  # a sweep stopping its trials has its own line
+                if self.echo:
+                    self._echo.close()
+                    self.echo = False
             self._begin_shutdown(reason)
+        if told:
+            by = "Interrupt" if reason == "interrupt" else "Stop"
+            print(interrupt.stopping_line(self.spec, self.run_dir, self.grace_s, by=by), file=sys.stderr, flush=True)
         if wait:
             self._wait_done(timeout)
 
@@ -655,6 +680,30 @@ class RunHandle:
             self._owner.stopping(reason)  # for nbddp.runs()
         self._shutdown = Shutdown(reason, time.time(), self.grace_s, self.stop_timeout_s, kill=self._ranks.signal,
                                   finishing=self._finishing, writing=self._writing)
+        if reason == "failure":
+            return
+        waiting = self._not_in_code()
+        if waiting and waiting >= set(self._ranks.running()):
+            self._shutdown.end_starting(time.time())
+        elif waiting and hasattr(self._ranks, "end_ranks"):
+            self._ranks.end_ranks(waiting)  # the others may finish; these have nothing to
+
+    def _not_in_code(self) -> set:
+        """The running ranks that have nothing of the user's to finish or save: still starting
+        (importing, meeting the others: a heartbeat not past ``starting``, which becomes ``running``
+        once nbddp made the process group), or found meeting the others when the stop came (code that
+        makes its own group, in C++ there: it would ignore a ``KeyboardInterrupt`` until the rendezvous
+        times out)."""
+        running, stacks = set(self._ranks.running()), self._interrupt_stacks or {}
+        meeting = {r for r in running if r in stacks and stacks[r].meeting}
+        in_code = {r for r in running if r in stacks and stacks[r].code_frame is not None} - meeting
+        for _ in range(3):  # a heartbeat being rewritten reads as missing for a moment: look again
+            beats = self._ranks.beats()  # (one says "starting" up to a second after the code began)
+            starting = {r for r in running if r not in beats or beats[r].state == "starting"} - in_code
+            if all(r in beats for r in running):
+                break
+            time.sleep(0.02)
+        return starting | meeting
 
     def _finishing(self, now: float, since: float) -> bool:
         """True while the workers may still be finishing after the stop request (see :func:`ranks_finishing`)."""

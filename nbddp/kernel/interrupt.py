@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 from ..contract import rundir
 from ..contract.conventions import makes_own_group
 from ..contract.errors import TrainingInterrupted, workers_were
-from ..contract.protocol import read_checkpoint_note
+from ..contract.protocol import read_checkpoint_note, where_words
 from .report import ranks_alike
 from .stacks import Stacks
 
@@ -104,8 +104,8 @@ def checkpoints_through_nbddp(spec: Any, run_dir: Path) -> bool:
     return False
 
 
-def stopping_line(spec: Any, run_dir: Path, grace_s: float) -> str:
-    """The one line the cell shows when an Interrupt reaches a running launch.
+def stopping_line(spec: Any, run_dir: Path, grace_s: float, by: str = "Interrupt") -> str:
+    """The one line the cell shows when an Interrupt (``by``: or a ``"Stop"``) reaches a running launch.
 
     Only the built-in task is known to finish its step and checkpoint (it checks the request every
     step); a worker of your own may not check ``ctx.should_stop()``, so it is told what then
@@ -120,35 +120,68 @@ def stopping_line(spec: Any, run_dir: Path, grace_s: float) -> str:
         how = f"asked to stop; a KeyboardInterrupt in {grace_s:g} s for code that does not check ctx.should_stop()"
         if checkpoints_through_nbddp(spec, run_dir):
             how += ", once a checkpoint being written is whole"
-    return (f"nbddp: Interrupt: stopping the {spec.world_size} workers of {_short(run_dir)} ({how}); "
-            "interrupt again to end them at once")
+    workers = f"the {spec.world_size} workers" if spec.world_size != 1 else "the worker"
+    again = "again " if by == "Interrupt" else ""
+    return (f"nbddp: {by}: stopping {workers} of {_short(run_dir)} ({how}); "
+            f"interrupt {again}to end {'them' if spec.world_size != 1 else 'it'} at once")
 
 
-def where_line(stacks: Optional[Stacks], world_size: int = 0) -> str:
+def where_line(stacks: Optional[Stacks], world_size: int = 0, beats: Optional[Dict[int, Any]] = None) -> str:
     """``"ranks 0-1: w.py:5, train"``: each rank's innermost frame of its own code, ranks alike together;
     a function from a notebook cell as IPython names its line, ``"Cell In[4], line 5, train"``.
 
     Every one of the ``world_size`` ranks is named: one that was not asked (no heartbeat of this
-    start yet, or already ended) says so."""
-    if not stacks:
+    start yet, or already ended) says so. A rank whose stack cannot be asked from here (a SLURM job's,
+    on its node) is placed by its heartbeat (``beats``): what it last reported."""
+    stacks, beats = stacks or Stacks(), beats or {}
+    if not stacks and not beats:
         return ""
     places: Dict[str, list] = {}
-    for r in range(max(world_size, max(stacks) + 1)):
-        stack = stacks.get(r)
-        frame = (stack.code_frame or (stack.main[0] if stack.main else None)) if stack is not None else None
-        place = (f"{frame.place()}, {frame.function}" if frame else "did not answer" if stack is not None
-                 else "gave no stack (starting, or already ended)")
+    for r in range(max(world_size, max([*stacks, *beats]) + 1)):
+        place = _place(stacks[r]) if r in stacks else _reported(beats[r]) if r in beats else _place(None)
         places.setdefault(place, []).append(r)
     return ranks_alike(places, " · ")
 
 
+def _reported(beat: Any) -> str:
+    """Where a rank was as its heartbeat says (its stack not asked): its state, the step it last reported."""
+    if beat.state == "starting":
+        return "starting (its code had not begun)"
+    if beat.state in ("finishing", "done"):
+        return "finishing (its code had returned)"
+    reported = where_words(beat.epoch, beat.step)
+    return f"last reported {reported}" if reported else "running (no step reported)"
+
+
+def _place(stack) -> str:
+    """Where one rank was, in words: its code's line; meeting the others; starting; never torch's
+    or Python's own frames (``_create_gloo_process_group``, ``<string>:1``), which say nothing to its user."""
+    if stack is None:
+        return "gave no stack (starting, or already ended)"
+    if not stack.threads:
+        return "did not answer"
+    frame = stack.code_frame
+    if stack.meeting:
+        return "meeting the other ranks (rendezvous)" + (f" at {frame.place()}, {frame.function}" if frame else "")
+    if frame is not None:
+        return f"{frame.place()}, {frame.function}"
+    if stack.before_code:
+        return "starting (its code had not begun)"
+    if stack.state in ("finishing", "done"):
+        return "finishing (its code had returned)"
+    return f"{stack.main[0].place()}, {stack.main[0].function}" if stack.main else "has no Python frame"
+
+
 def interrupted(world_size: int, run_dir: Path, how: str, stacks: Optional[Stacks],
-                checkpoint: Optional[str], result: Any = None, ended_first: bool = False) -> TrainingInterrupted:
+                checkpoint: Optional[str], result: Any = None, ended_first: bool = False,
+                what: str = "interrupted", beats: Optional[Dict[int, Any]] = None) -> TrainingInterrupted:
     """The error an interrupted run raises once every worker is gone: a few lines, the detail in the logs.
 
     Args:
+        what: ``"interrupted"`` (Jupyter's Interrupt, Ctrl-C) or ``"stopped"`` (Stop, ``handle.stop()``).
         how: how the ranks ended (:func:`nbddp.kernel.report.how_ranks_stopped`).
         stacks: where each rank was when the Interrupt came.
+        beats: the ranks' heartbeats then, for those whose stack was not asked (a SLURM job's).
         result: the run's ``TrainResult`` when every rank returned normally; kept as ``.result``.
         ended_first: every rank had returned before the Interrupt reached it.
     """
@@ -159,11 +192,11 @@ def interrupted(world_size: int, run_dir: Path, how: str, stacks: Optional[Stack
         head = (f"training interrupted: all {world_size} workers stopped and returned. "
                 "Their result is kept: r = sys.last_value.result")
     else:
-        head = f"training interrupted: {workers_were(world_size)} stopped and reaped."
+        head = f"training {what}: {workers_were(world_size)} stopped and reaped."
     lines = [head]
     if how and not ended_first:
         lines.append(f"  how: {how}")
-    where = where_line(stacks, world_size)
+    where = where_line(stacks, world_size, beats)
     if where and not ended_first:
         lines.append(f"  where they were: {where}")
     kept = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint was written"

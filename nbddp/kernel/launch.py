@@ -444,7 +444,8 @@ def _start(spec: LaunchSpec, meet: Rendezvous, leases: Leases, child_env: Dict[s
     # From the first worker on, an Interrupt must not leave a process nobody knows of (a cold
     # start waits seconds for the forkserver): it is held back until the handle owns the
     # processes and the launch record names them, then handled like any other.
-    with interrupts_held() as interrupted:
+    with interrupts_held("nbddp: Interrupt: the workers are starting; they are stopped as soon as every one "
+                         "is known (a few seconds)") as interrupted:
         try:
             ranks = RankGroup.start(launches, spec, meet, child_env, tmp_dir)
         except (EOFError, OSError) as exc:  # the server's connection broke: it died

@@ -55,14 +55,15 @@ def output_before_failure(path: Path, rec: Optional[ErrorRecord], start: int = 0
 def where_known(rec, beat, reported: str = "", printed: bool = False):
     """Where the root-cause rank was, as far as it is known: the words, its epoch and its step.
 
-    Its epoch and step (from its record, else its heartbeat); else the progress it reported
+    The epoch and step it last reported (from its record, else its heartbeat: "after it reported
+    step 3", since code may report a step as it begins or once it is done); else the progress it reported
     (``reported``: rank 0's ``ctx.progress`` or ``ctx.log`` fields); else whether it had printed
     (``printed``). Never a guess: a script reports no step, and one that trained printed."""
     where_from = rec or beat
     epoch = where_from.epoch if where_from else None
     step = where_from.step if where_from else None
-    if epoch is not None or step is not None:
-        return f"at {where_words(epoch, step)}", epoch, step
+    if epoch is not None or step is not None:  # the last it reported: it may have finished that step
+        return f"after it reported {where_words(epoch, step)}", epoch, step
     if reported:
         return f"after it reported {reported}", epoch, step
     if printed:

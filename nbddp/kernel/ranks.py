@@ -344,6 +344,13 @@ class RankGroup:
                 continue
             interrupt.signal_rank(self.procs.processes[rank].pid, sig, kill_group_or_process)
 
+    def end_ranks(self, ranks) -> None:
+        """SIGTERM to these running ranks now (they have nothing to finish: still starting or meeting)."""
+        if self.closed:
+            return
+        for rank in set(ranks) & set(self.running()):
+            interrupt.signal_rank(self.procs.processes[rank].pid, signal.SIGTERM, kill_group_or_process)
+
     def reap(self) -> None:
         """Join every process (kill one still there); a rank not seen to end counts as ended by nbddp."""
         if self.closed:

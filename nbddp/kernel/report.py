@@ -151,7 +151,8 @@ def ranks_alike(by_what: Dict[str, list], sep: str) -> str:
 def _ended(rank: int, end: Optional[RankEnd], rec: Optional[ErrorRecord], beat: Optional[Heartbeat] = None) -> str:
     """How a rank's process ended, in a few words, for the ranks' table."""
     if rec is not None:
-        return rec.type + (" (after a peer)" if rec.secondary else "")
+        process = _process(rec)
+        return rec.type + (" (after a peer)" if rec.secondary else f" in {process[0].split(' of ')[0]}" if process else "")
     if end is None or end.exitcode is None:
         return "running"
     if left_unfinished(end, rec, beat):
@@ -162,14 +163,16 @@ def _ended(rank: int, end: Optional[RankEnd], rec: Optional[ErrorRecord], beat: 
 
 
 def _heartbeat_words(beat: Optional[Heartbeat], now: float) -> str:
-    """``"train, epoch 0, step 5, 3 s ago"`` (progress), or ``"none"``."""
+    """``"train, epoch 0, step 5, heartbeat 1 s ago, progress 56 s ago"``, or ``"none"``: when the rank
+    was last known alive and when it last moved are two things (a rank waiting for a hung one beats on)."""
     if beat is None:
         return "none"
     at = [beat.phase or "train"] + [f"{k} {v}" for k, v in (("epoch", beat.epoch), ("step", beat.step)) if v is not None]
     if beat.waiting:
         at.append("in a collective")
-    when = beat.progress_time or beat.beat_time
-    return ", ".join(at) + (f", {max(0.0, now - when):.0f} s ago" if when else "")
+    at += [f"{what} {max(0.0, now - when):.0f} s ago"
+           for what, when in (("heartbeat", beat.beat_time), ("progress", beat.progress_time)) if when]
+    return ", ".join(at)
 
 
 def ranks_table(run_dir: Path, ends: Dict[int, RankEnd], records: Dict[int, ErrorRecord],
@@ -195,6 +198,16 @@ def ranks_table(run_dir: Path, ends: Dict[int, RankEnd], records: Dict[int, Erro
     return "\n".join(parts)
 
 
+def _process(rec: Optional[ErrorRecord]) -> Optional[tuple]:
+    """``(name, log file name, pid)`` of the failed process a launcher script's record stands for
+    (:mod:`nbddp.rank.spawned`), or None. The log is a file name in the run's logs, nothing else."""
+    found = rec.process if rec is not None else None
+    if not isinstance(found, dict) or not isinstance(found.get("name"), str) or not isinstance(found.get("log"), str):
+        return None
+    pid = found.get("pid")
+    return found["name"], Path(found["log"]).name, pid if isinstance(pid, int) else None
+
+
 def _same_error(a: Optional[ErrorRecord], b: Optional[ErrorRecord]) -> bool:
     """Two ranks raised the same error (the same code ran on each)."""
     return a is not None and b is not None and (a.type, a.message) == (b.type, b.message)
@@ -210,6 +223,10 @@ def _headline(root: int, rec, end: Optional[RankEnd], beat, records, watchdog: f
         kind = "exit"
         headline = f"rank {root} exited with SystemExit({rec.message or 'None'})" + (
             f"; its last output:\n{said}" if said else "")
+    elif rec and not rec.secondary and _process(rec):  # a process a launcher script started itself
+        kind = "exception"
+        name = _process(rec)[0]
+        headline = f"{name} raised {rec.type}: {rec.message}" if rec.traceback else f"{name} {rec.message}"
     elif rec and not rec.secondary:
         kind = "exception"
         headline = f"rank {root} raised {rec.type}: {rec.message}"
@@ -307,12 +324,17 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     root = find_root_cause(ends, records, beats, watchdog, stacks)
     rec, end, beat = records.get(root), ends.get(root), beats.get(root)
     log_path = rundir.rank_log(run_dir, root)
+    process = _process(rec)
+    if process:  # the process a launcher script started that failed: its own log, its pid
+        log_path, starts = rundir.logs_dir(run_dir) / process[1], {**starts, root: 0}
     printed = output_before_failure(log_path, rec, starts.get(root, 0), lines=1)
     # A resumed or restarted launch's folder holds the progress of the launches before it: not used.
     reported = reported_progress(Path(run_dir), root) if not starts.get(root) else ""
     where, epoch, step = where_known(rec, beat, reported, bool(printed))
     sig = signal_name(end.exitcode) if end else None
     pid = end.pid if end else (beat.pid if beat else None)
+    if process and process[2] is not None:
+        pid = process[2]
 
     kind, headline = _headline(root, rec, end, beat, records, watchdog, server_died, log_path, starts.get(root, 0))
 
@@ -331,7 +353,8 @@ def build_worker_error(run_dir: Path, ends: Dict[int, RankEnd], world_size: int,
     if others:
         parts.append("Other ranks: " + "; ".join(others))
     if rec and rec.traceback:  # the rank's own output is in its log, and echoed for rank 0
-        parts.append(f"--- traceback of rank {root} (the error above; its whole output: {log_path.name}) ---\n"
+        parts.append(f"--- traceback of {process[0] if process else f'rank {root}'} (the error above; its whole output: "
+                     f"{log_path.name}) ---\n"
                      f"{shown_frames(rec)}")
     else:
         log_tail = tail(log_path, start=starts.get(root, 0))

@@ -100,6 +100,13 @@ class Shutdown:
             self._enter(Stage.KILL, now)
         return self.stage
 
+    def end_starting(self, now: float) -> None:
+        """No rank has reached the code yet (they import, or meet the others): there is nothing of the
+        user's to finish, save or clean up, and a rank waiting in the rendezvous (C++) would ignore a
+        ``KeyboardInterrupt`` for ``grace_s``. SIGTERM now, SIGKILL ``grace_s`` later."""
+        if self.stage is Stage.ASK:
+            self._enter(Stage.TERM, now)
+
     def kill_now(self, now: float) -> None:
         """No more grace (a second Interrupt): SIGKILL every rank now."""
         self._enter(Stage.KILL, now)

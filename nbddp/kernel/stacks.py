@@ -35,6 +35,14 @@ from ..contract.protocol import STACK_SIGNAL
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.+)", line (?P<line>\d+) in (?P<function>.+)$')
 
+#: The functions of torch (and nbddp's way to them) a rank is in while it meets the others.
+_MEETING = {"init_process_group", "rendezvous", "_store_based_barrier", "_create_c10d_store",
+            "_new_process_group_helper", "_create_gloo_process_group", "_env_rendezvous_handler",
+            "_tcp_rendezvous_handler", "_file_rendezvous_handler", "init_device_mesh"}
+
+#: torch.utils.cpp_extension's functions a rank is in while an extension is built.
+_BUILDING = {"_jit_compile", "_write_ninja_file_and_build_library", "_run_ninja_build", "_build_extension_module"}
+
 # nbddp's own plumbing between the launcher and the worker: never "where the rank is".
 _PLUMBING = {"runtime.py", "calls.py", "heartbeat.py", "dist.py", "elastic.py", "cells.py", "protocol.py"}
 _NBDDP_DIR = str(Path(__file__).resolve().parent.parent)  # the package, every folder
@@ -106,6 +114,26 @@ class RankStack:
     threads: List[List[Frame]] = field(default_factory=list)
     text: str = ""
     raised: bool = False
+    state: Optional[str] = None  # its heartbeat's state when asked ("starting", "running"...), if read
+
+    @property
+    def meeting(self) -> bool:
+        """The rank is making its process group: it waits for the other ranks (the rendezvous)."""
+        return any(f.function in _MEETING and f.in_library for f in self.main)
+
+    @property
+    def building(self) -> bool:
+        """The rank waits for a C++ extension's build (``torch.utils.cpp_extension.load``: DeepSpeed's
+        ops, a custom kernel), which takes minutes the first time and a moment once it is cached."""
+        return any(f.function in _BUILDING and f.file.replace(os.sep, "/").endswith("torch/utils/cpp_extension.py")
+                   for f in self.main)
+
+    @property
+    def before_code(self) -> bool:
+        """The rank has not reached the code it runs: nbddp's or Python's start of a process only."""
+        if self.code_frame is not None:
+            return False
+        return self.state == "starting" or not any(f.function in ("entry", "run_rank") for f in self.main)
 
     @property
     def main(self) -> List[Frame]:
@@ -224,6 +252,44 @@ def collect(run_dir: PathLike, pids: Dict[int, int], timeout: float = 3.0) -> St
     return stacks
 
 
+def build_folders(pid: int) -> List[str]:
+    """The folders ninja builds in among ``pid``'s descendants: one per C++ extension being built
+    (``<extensions root>/<name>``, torch's layout), read from ``/proc`` (the user's own processes)."""
+    parents: Dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+    below, found = {pid}, []
+    for _ in range(8):  # the rank, its shell or python, ninja, the compilers: a few levels
+        below |= {child for child, parent in parents.items() if parent in below}
+    for child in sorted(below - {pid}):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                program = os.path.basename(f.read().split(b"\0", 1)[0].decode(errors="replace"))
+            if program == "ninja":
+                found.append(os.readlink(f"/proc/{child}/cwd"))
+        except OSError:
+            continue
+    return sorted(set(found))
+
+
+def building_words(stacks: "Stacks", pids: Dict[int, int]) -> str:
+    """``"rank 0 is building the C++ extension `cpu_adam` (in /home/u/.cache/torch_extensions/py311_cu124/cpu_adam)"``
+    for the ranks that wait for a build, ranks alike together; ``""`` when none does."""
+    parts = []
+    for r in sorted(stacks):
+        if not stacks[r].building:
+            continue
+        folders = build_folders(pids[r]) if r in pids else []
+        what = ", ".join(f"`{Path(f).name}` (in {f})" for f in folders) or "its code loads (torch.utils.cpp_extension)"
+        parts.append(f"rank {r} is building the C++ extension{'s' if len(folders) > 1 else ''} {what}")
+    return "; ".join(parts)
+
+
 # ---------------------------------------------------------------------------- NCCL's flight recorder
 #: Where each rank's dump goes: this prefix and the rank (``torch.distributed``'s naming).
 FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"
@@ -282,4 +348,5 @@ def _read_from(path: Path, offset: int) -> str:
 
 
 __all__ = ["Frame", "RankStack", "Stacks", "parse", "from_traceback", "collect", "flight_recorder_env", "last_collectives",
+           "build_folders", "building_words",
            "FLIGHT_RECORDER_PREFIX"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from ..contract.protocol import Heartbeat, read_error_records
-from .stacks import collect as collect_stacks
+from .stacks import building_words, collect as collect_stacks
 
 #: How many times the longest gap between two reports of progress a quiet spell must last to be told.
 QUIET_FACTOR = 3.0
@@ -117,9 +117,17 @@ def check_progress(handle, now: float) -> None:
 
 
 def _tell_quiet(handle, beats: Dict[int, Heartbeat], quiet: float) -> None:
-    """No rank has made progress, and none lags: say where every rank is; the run goes on."""
+    """No rank has made progress, and none lags: say where every rank is; the run goes on. A rank that
+    waits for a C++ extension's build is said to build it (a first build takes minutes; the next
+    launch loads it from the cache)."""
     pids = handle._ranks.answering()
-    where = collect_stacks(handle.run_dir, pids, timeout=2.0).summary() if pids else ""
+    stacks = collect_stacks(handle.run_dir, pids, timeout=2.0) if pids else None
+    where = stacks.summary() if stacks else ""
+    building = building_words(stacks, pids) if stacks else ""
+    if building:
+        handle._notice(f"nbddp: no rank has made progress for {quiet:.0f} s: {building}. A first build takes "
+                       "minutes; later launches load it from there. The run goes on; Stop (or handle.stop()) ends it.")
+        return
     handle._notice(f"nbddp: no rank has made progress for {quiet:.0f} s{where_all_are(beats)}, and none is behind "
                    f"the others: {where or 'their stacks did not come (handle.stacks() asks again)'}. The run goes "
                    "on; Stop (or handle.stop()) ends it.")

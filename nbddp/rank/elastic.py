@@ -142,7 +142,11 @@ def _private_compile_caches() -> None:
     """Point torch.compile's and Triton's caches into the user's private cache folder, as spawn_train
     does (not torch's default in the shared /tmp); where that cannot be private, say so."""
     try:
-        os.environ.update(compile_cache_env())
+        for var, value in compile_cache_env().items():
+            if value is None:  # the user's own private cache: torch's default, as torchrun gives it
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
     except OSError as exc:  # NotPrivate: an ancestor others may write
         print(f"nbddp: {exc}; torch's default cache folders are used", file=sys.stderr)
 

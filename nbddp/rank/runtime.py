@@ -555,6 +555,10 @@ def _error_record(exc: BaseException, ctx: Context, during_init: bool = False) -
     """``exc`` (being handled) as ``ctx``'s rank's error record, classified cause or consequence."""
     record = ErrorRecord.from_exception(exc, ctx.rank, traceback.format_exc(), is_secondary(exc, during_init),
                                         epoch=ctx.epoch, step=ctx.step, retryable=is_retryable(exc))
+    process = getattr(exc, "nbddp_process", None)  # set by nbddp.rank.spawned on torch's exception
+    if isinstance(process, dict):  # a launcher script's: the process it started that failed is the error
+        record.type, record.message, record.traceback = process["type"], process["message"], process["traceback"]
+        record.process = {k: process[k] for k in ("name", "log", "pid")}
     if isinstance(exc, ValueError) and _SECOND_INIT in str(exc):
         record.message = _SECOND_INIT_FIX
     return record
@@ -565,12 +569,17 @@ def _interrupt_on_stop(ctx: Context, beat: HeartbeatThread) -> None:
     a stop request raises ``KeyboardInterrupt`` in its main thread, between two statements (or
     out of a blocking system call), as Ctrl-C would; the launcher's SIGTERM and SIGKILL follow
     for code that catches it or waits in a collective."""
+    asked: list = []
+
     def raise_stop(signum, frame):
+        # Only now has the code acted on the request: the next heartbeat says so, and the launcher
+        # lets the rank finish. One waiting in C++ (its own rendezvous, a collective) never gets
+        # here: its heartbeat does not say "stopping", and SIGINT, then SIGTERM, follow.
+        ctx._stop_reason = asked[0] if asked else "interrupt"
         raise KeyboardInterrupt(f"nbddp: the notebook asked this run to stop ({ctx._stop_reason})")
 
     def on_stop(reason: str) -> None:
-        ctx._stop_reason = reason
-        beat.beat()  # the launcher sees this rank act on the request
+        asked.append(reason)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     signal.signal(signal.SIGINT, raise_stop)
@@ -730,6 +739,9 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
             # Rank 0's log is echoed into the cell: one line there; the others keep the traceback.
             print(shown_traceback(record.traceback) if ctx.rank else "nbddp refused what the code does (ConfigError): the "
                   "notebook's error says why", file=sys.stderr)
+        elif record.process is not None:  # its traceback is in its own log, echoed above it: said once
+            print(f"nbddp: {record.process['name']} failed; the others were ended (its output: "
+                  f"logs/{record.process['log']})", file=sys.stderr)
         elif not isinstance(exc, SystemExit):  # sys.exit(2) (argparse): its own words are the last lines
             print(shown_traceback(record.traceback), file=sys.stderr)  # from the code it ran on, as torchrun
     finally:

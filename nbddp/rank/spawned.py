@@ -40,9 +40,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-from ..contract import rundir
+from ..contract import rundir, statedir
 from ..contract.conventions import MP_SPAWN, check_call
-from ..contract.errors import ConfigError
+from ..contract.errors import ConfigError, shown_traceback
 from .logs import redirect_output
 
 #: Seconds the launcher's processes get to end on their own after an Interrupt (SIGINT), then after
@@ -66,10 +66,31 @@ class Spawned:
         torch.set_num_threads(self.threads)
         try:
             self.fn(index, *args)  # torch's spawn drops what it returns
-        except Exception:
-            traceback.print_exc()  # torch hands it to the launcher only; the log keeps it too
-            raise
+        except (KeyboardInterrupt, SystemExit):
+            raise  # torch's own rules: an Interrupt ends the process quietly, sys.exit(n) is its exit code
+        except BaseException as exc:
+            # The log keeps the traceback from the code on (torch hands it to the launcher only); the
+            # launcher reads what it was from the note, to say it once.
+            text = shown_traceback(traceback.format_exc())
+            print(text, end="" if text.endswith("\n") else "\n", file=sys.stderr, flush=True)
+            _note_failure(self.run_dir, index, self.group, exc, text)
+            if isinstance(exc, Exception):
+                raise
+            raise _Escaped(f"{type(exc).__name__}: {exc}") from None
         _leave()
+
+
+class _Escaped(Exception):
+    """A ``BaseException`` of the code's own (``class Abort(BaseException)``), raised as torch's spawn
+    reports an ``Exception``: any other it lets through to ``multiprocessing``, which prints its
+    traceback a second time and tells the launcher only "exit code 1"."""
+
+
+def _note_failure(run_dir: str, index: int, group: int, exc: BaseException, text: str) -> None:
+    """What process ``index`` raised, for the launcher (the run's private state folder); best effort."""
+    note = {"type": type(exc).__name__, "message": str(exc), "traceback": text, "pid": os.getpid()}
+    with contextlib.suppress(Exception):
+        statedir.write_json(run_dir, rundir.spawned_error_path(run_dir, index, group).name, note)
 
 
 def _leave() -> None:
@@ -122,6 +143,13 @@ class _Followed:
         self.offset = path.stat().st_size if path.exists() else 0  # a later spawn appends to the log
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a read waits
         self.rest = ""
+        self.traceback: List[str] = []  # a traceback being read, held until its error line
+        self.ended = False  # ... which came: shown at the end of the read, unless its chain goes on
+
+
+#: Lines inside a traceback that are not indented (a chain of exceptions goes on after them).
+_CHAIN = ("Traceback (most recent call last):", "During handling of the above exception",
+          "The above exception was the direct cause")
 
 
 class LogEcho:
@@ -131,6 +159,7 @@ class LogEcho:
     def __init__(self, out: Callable[[str], None]):
         self._out = out
         self._files: Dict[str, _Followed] = {}  # by the label its pieces carry
+        self._errors: Dict[str, str] = {}  # the error line of each traceback shown, and whose it was
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -163,8 +192,40 @@ class LogEcho:
                 followed.offset += len(data)
                 text = followed.rest + followed.decoder.decode(data, final=final)
                 pieces, followed.rest = pieces_of(text, final)
-                if pieces:
-                    self._out("".join(f"[{label}] {piece}" for piece in pieces))
+                shown = self._shown(label, followed, pieces, final)
+                if shown:
+                    self._out("".join(f"[{label}] {piece}" for piece in shown))
+
+    def _shown(self, label: str, followed: _Followed, pieces: List[str], final: bool) -> List[str]:
+        """What of ``pieces`` to show now. A traceback is held until its error line; one whose error
+        another process's traceback showed already (the same code failed on every process) is said
+        in one line, its whole text in its log: the cell says the error once, whatever the count."""
+        shown: List[str] = []
+        for piece in pieces:
+            line = piece.rstrip("\r\n")
+            if followed.traceback:
+                if followed.ended and line.strip() and not line.startswith(_CHAIN):
+                    shown += self._told(label, followed)  # the traceback ended: this is the code's output
+                else:
+                    followed.traceback.append(piece)
+                    if line.strip() and not line[:1].isspace():
+                        followed.ended = not line.startswith(_CHAIN)  # an error line (its chain may go on)
+                    continue
+            if line.startswith(_CHAIN[0]):
+                followed.traceback, followed.ended = [piece], False
+            else:
+                shown.append(piece)
+        if followed.traceback and (followed.ended or final):
+            shown += self._told(label, followed)
+        return shown
+
+    def _told(self, label: str, followed: _Followed) -> List[str]:
+        held, followed.traceback, followed.ended = followed.traceback, [], False
+        error = next((p.strip() for p in reversed(held) if p.strip() and not p[:1].isspace()), "")
+        first = self._errors.setdefault(error, label)
+        if first == label:
+            return held
+        return [f"the same error as {first}; its traceback is in logs/{followed.path.name}\n"]
 
     def close(self) -> None:
         """Stop following; what the logs hold that was not shown yet is shown now."""
@@ -232,6 +293,8 @@ class _Watch:
         # runs (join=False) gets logs, and labels, of its own.
         group = len(self.starts) if any(p.is_alive() for c in self.starts for p in c.processes) else 0
         labels = [f"rank{i}" if group == 0 else f"group{group}.rank{i}" for i in range(nprocs)]
+        for i in range(nprocs):  # an earlier start's failure (the script caught it) is not this one's
+            statedir.unlink(self.run_dir, rundir.spawned_error_path(self.run_dir, i, group).name)
         self.echo.follow([rundir.spawned_log(self.run_dir, i, group) for i in range(nprocs)], labels)
         threads = max(1, torch.get_num_threads() // max(nprocs, 1))
         context = self.original(Spawned(fn, str(self.run_dir), threads, group), args, nprocs, join=False,
@@ -271,8 +334,10 @@ def _end(context: Any, exc: BaseException, fn: Callable[..., Any], run_dir: Path
     processes = context.processes
     index = getattr(exc, "error_index", None)
     if index is not None:
-        log = rundir.spawned_log(run_dir, index, getattr(context, "nbddp_group", 0))
-        _name_the_process(exc, index, len(processes), getattr(fn, "__name__", "fn"), log)
+        group = getattr(context, "nbddp_group", 0)
+        note = statedir.read_json(run_dir, rundir.spawned_error_path(run_dir, index, group).name)
+        _name_the_process(exc, index, len(processes), getattr(fn, "__name__", "fn"),
+                          rundir.spawned_log(run_dir, index, group), note if isinstance(note, dict) else {})
     live = [p for p in processes if p.is_alive()]
     for how, wait in ((signal.SIGINT, GRACE_S), (signal.SIGTERM, GRACE_S), (signal.SIGKILL, 0.0)):
         for p in live:
@@ -289,17 +354,26 @@ def _end(context: Any, exc: BaseException, fn: Callable[..., Any], run_dir: Path
         p.join(timeout=5)
 
 
-def _name_the_process(exc: BaseException, index: int, count: int, name: str, log: Path) -> None:
-    """Put the failed process, what it raised and its log in the first line of torch's exception
-    (``ProcessRaisedException`` starts with a blank line), which stays the same exception for the script."""
-    original = str(exc)
-    raised = [line for line in original.splitlines() if line.strip()]
-    what = f"raised {raised[-1].strip()}" if type(exc).__name__ == "ProcessRaisedException" and raised else \
-        (raised[0].strip().replace(f"process {index:d} ", "", 1) if raised else "failed")
-    named = f"process {index} of {count} ({name}) {what}; its output: {log}"
-    exc.args = (f"{named}\n{original.lstrip()}",)
+def _name_the_process(exc: BaseException, index: int, count: int, name: str, log: Path, note: dict) -> None:
+    """Say in torch's exception, in one line, which process failed, what it raised and where its
+    output is (torch's message repeats the process's whole traceback, which its log and the cell's
+    echo hold), and attach it as ``exc.nbddp_process``: the launcher's error record is then that
+    process's failure (``nbddp.rank.runtime``). It stays torch's exception for the script."""
+    process = f"process {index} of {count} ({name})"
+    if isinstance(note.get("type"), str) and isinstance(note.get("message"), str):
+        kind, message, text = note["type"], note["message"], str(note.get("traceback") or "")
+        what = f"raised {kind}: {message}"
+    else:  # it died without a Python exception (a signal, os._exit, a crash in native code)
+        raised = [line for line in str(exc).splitlines() if line.strip()]
+        said = raised[0].strip().replace(f"process {index:d} ", "", 1) if raised else "failed"
+        kind, message, text = type(exc).__name__, said, ""
+        what = said
+    pid = note.get("pid") if isinstance(note.get("pid"), int) else getattr(exc, "pid", None)
+    exc.args = (f"{process} {what}; its output: {log}",)
     if hasattr(exc, "msg"):
         exc.msg = exc.args[0]
+    exc.nbddp_process = {"name": process, "log": log.name, "pid": pid, "type": kind, "message": message,
+                         "traceback": text}
 
 
 def launch_notice(script: str, fn: Callable[..., Any], args: tuple, nprocs: int) -> str:

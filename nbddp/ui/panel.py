@@ -277,7 +277,7 @@ class TrainingPanel:
                 raise StoppedWaiting(f"stopped waiting; the run in {handle.run_dir} goes on (the Stop button "
                                      "ends it)") from None
             # The monitor thread owns the processes: ask it for the staged shutdown, wait for it.
-            handle.stop(wait=False)
+            handle.stop(wait=False, reason="interrupt")
             self._view._ended.wait()
             if isinstance(handle.outcome, BaseException):
                 raise handle.outcome from None
