@@ -125,8 +125,10 @@ def count_flops(model: torch.nn.Module, example: Union[torch.Tensor, Sequence[An
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = getattr(model, "_orig_mod", model)      # torch.compile's wrapper: the module it compiled
-    model = getattr(model, "module", model)         # DDP's: the module it wraps
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # torch.compile's wrapper: what it compiled
+        model = model._orig_mod
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # DDP's: the module it wraps
+        model = model.module
     args = (example,) if isinstance(example, torch.Tensor) else tuple(example)
     kwargs = dict(kwargs or {})
     counter = FlopCounterMode(display=False)
