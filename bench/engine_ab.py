@@ -6,7 +6,7 @@
 For a change on the step's path (``nbddp/rank/engine.py``): both engines run
 ``train_one_epoch`` on the same small CNN over the same in-memory batches (one process, no
 process group, no loader: the engine's own cost shows), alternating, ``--repeats`` times each;
-the medians and their ratio are printed (1.0: no change). The revision's engine is loaded from
+the medians (steps per CPU second) and their ratio are printed (1.0: no change). The revision's engine is loaded from
 ``git show REV:nbddp/rank/engine.py`` beside the working tree's other modules, so a change that
 reaches past the engine is measured with today's helpers on both sides.
 """
@@ -51,11 +51,13 @@ def _model():
 
 
 def steps_per_s(engine, batches) -> float:
+    """Steps per second of this process's CPU time (one thread): a machine shared with other work
+    delays the wall clock, not the CPU time the steps take."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     engine.train_one_epoch(model, opt, batches, torch.device("cpu"), 0)
-    return len(batches) / (time.perf_counter() - t0)
+    return len(batches) / (time.process_time() - t0)
 
 
 def main(argv=None) -> dict:

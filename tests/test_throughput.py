@@ -153,3 +153,34 @@ def test_the_builtin_workers_records_carry_tflops_mfu_and_data_wait(faked_h100_r
     log = rundir.rank_log(result.run_dir, 0).read_text()
     assert "GFLOP per image, forward and backward" in log
     assert "TFLOP/s (MFU " in log and "data wait " in log  # the epoch line, as `python -m nbddp train` shows it
+
+
+class _SlowLoader:
+    """Batches that each take ``wait_s`` to come (a loader the step waits for)."""
+
+    def __init__(self, batches, wait_s):
+        self.batches, self.wait_s = batches, wait_s
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        import time
+
+        for b in self.batches:
+            time.sleep(self.wait_s)
+            yield b
+
+
+def test_the_engine_counts_the_time_it_waits_for_batches_and_a_resumed_epoch_keeps_its_share():
+    from nbddp.rank.engine import EpochStats, train_one_epoch
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(2, 3, 2, 2), torch.tensor([0, 1])) for _ in range(4)]
+    stats = train_one_epoch(model, opt, _SlowLoader(batches, 0.05), torch.device("cpu"), 0)
+    assert stats.data_wait_s >= 4 * 0.05 and stats.data_wait_s <= stats.seconds  # every batch's wait, the first's too
+    assert stats.data_wait == pytest.approx(stats.data_wait_s / stats.seconds)
+    start = EpochStats(loss=1.0, steps=2, images=4, seconds=10.0, stopped=False, data_wait_s=7.0)
+    resumed = train_one_epoch(model, opt, _SlowLoader(batches[:2], 0.0), torch.device("cpu"), 0, start=start)
+    assert resumed.data_wait_s >= 7.0 and resumed.seconds >= 10.0  # the part done before the resume counts
