@@ -8,7 +8,7 @@ quoted for them). The backward counts what autograd computes: the gradients of t
 and of the trainable weights, not those of frozen layers' weights nor of the input images.
 
 The count runs on the ``meta`` device: shapes only, no memory, no arithmetic (ResNet34 at 224 px:
-about 0.1 s, once per run). ``MFU`` (model FLOPs utilisation) is the achieved TFLOP/s over the
+0.35-0.5 s of one CPU core, once per run). ``MFU`` (model FLOPs utilisation) is the achieved TFLOP/s over the
 device's dense peak at the precision in use (:mod:`nbddp.contract.throughput`); off a GPU, or on a
 GPU the table does not know, there is none.
 
@@ -17,15 +17,19 @@ Worker side: it reads the rank's device (``torch.cuda``).
 
 from __future__ import annotations
 
-import time
 from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 
 from ..contract.throughput import PRECISIONS, peak_tflops
 
+
 def device_name(device: torch.device) -> Optional[str]:
-    """``device``'s CUDA name (``"NVIDIA H100 80GB HBM3"``), None off the GPU."""
+    """``device``'s CUDA name (``"NVIDIA H100 80GB HBM3"``), None off the GPU: what the MFU's peak is looked up by.
+
+    Looked up at each call through this module, so a rank hook can name a CPU rank's device as a
+    GPU (``tests/workers/device_name.py``).
+    """
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_name(device)
@@ -165,16 +169,4 @@ def throughput(samples: float, seconds: float, device: torch.device, flops_per_s
     return out
 
 
-class ThroughputClock:
-    """A rank's clock for :meth:`nbddp.rank.runtime.Context.throughput` calls that give no ``seconds``: from the previous call."""
-
-    def __init__(self):
-        self.since = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        seconds, self.since = now - self.since, now
-        return seconds
-
-
-__all__ = ["count_flops", "device_name", "device_sms", "precision_of", "throughput", "ThroughputClock"]
+__all__ = ["count_flops", "device_name", "device_sms", "precision_of", "throughput"]
