@@ -39,6 +39,7 @@ ratios between the parts are printed, and every figure is written to ``--json``.
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -324,7 +325,7 @@ def step_worker(ctx, model_name, image_size, batch, steps, repeats, warmup, do_c
         _sync(dev)
         times.append(time.perf_counter() - t0)
     summary = _profile_step(ctx, *built[STEP_EAGER], x, y, dev, amp_dtype, train_one_epoch) if profile else None
-    return {"rows": rows, "compile_s": compile_s, "allreduce_ms": statistics.median(times[1:]) * 1000,
+    return {**_flops_as_nbddp_counts(model_name, image_size, dev, amp_dtype), "rows": rows, "compile_s": compile_s, "allreduce_ms": statistics.median(times[1:]) * 1000,
             "grad_mb": flat.numel() * 4 / 1e6, "model": model_name, "world": world, "backend": ctx.backend,
             "amp_dtype": _dtype_name(amp_dtype), "profile": summary,
             "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__}
@@ -407,6 +408,21 @@ def _profile_step(ctx, model, opt, scaler, x, y, dev, amp_dtype, train_one_epoch
 
 
 # ------------------------------------------------------------------------------ 3. end to end
+def _flops_as_nbddp_counts(model_name, image_size, dev, amp_dtype) -> dict:
+    """nbddp's own FLOP count of one image's step (``nbddp.count_flops``, on the meta device) and this
+    device's dense peak at the step's precision from nbddp's table (None: a CPU, a GPU it does not know)."""
+    from nbddp.contract.throughput import peak_tflops
+    from nbddp.rank.flops import count_flops, device_name, device_sms, precision_of
+    from nbddp.tasks.classification.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_name, 10)
+    count = count_flops(model, torch.empty(2, 3, image_size, image_size, device="meta")) / 2
+    precision = precision_of(amp_dtype)
+    return {"gflop_nbddp": count / 1e9, "precision": precision,
+            "peak_tflops": peak_tflops(device_name(dev), precision, device_sms(dev))}
+
+
 E2E_CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -489,6 +505,12 @@ def _after_first_batch(m):
 
 
 # ------------------------------------------------------------------------------ report
+def _steady(records, key):
+    """The median of ``key`` over the built-in worker's epoch records (None where none has it)."""
+    v = _median([m.get(key) for m in records])
+    return None if math.isnan(v) else v
+
+
 def _peak_gib(records):
     """The highest ``gpu_mem_alloc_gib`` of the built-in worker's epoch records, or None (CPU runs)."""
     peaks = [m["gpu_mem_alloc_gib"] for m in records if isinstance(m.get("gpu_mem_alloc_gib"), (int, float))]
@@ -532,30 +554,39 @@ def _best_acc(r):
 def _report(a, plain_r, step_r, e2e_r) -> dict:
     gflop = GFLOP_224 * (a.image_size / 224) ** 2
     world = step_r["world"]
-    table = []  # (row, images/s per GPU, peak GiB)
+    # MFU as nbddp reports it: nbddp's own FLOP count, its peak table (None: a CPU, a GPU it does not know).
+    ours, peak = step_r.get("gflop_nbddp"), step_r.get("peak_tflops")
+
+    def mfu(ips):
+        return ips * ours / 1000 / peak if ours and peak else None
+
+    table = []  # (row, images/s per GPU, peak GiB, MFU, data wait)
     for name, row in plain_r["rows"].items():
-        table.append((name, row["images_per_s"], row["peak_gib"]))
+        table.append((name, row["images_per_s"], row["peak_gib"], mfu(row["images_per_s"]), None))
     for name, row in step_r["rows"].items():
-        table.append((name, row["images_per_s_per_gpu"], row["peak_gib"]))
-    # The built-in worker's peaks are in its epoch records (max over its GPUs; none on the CPU).
+        table.append((name, row["images_per_s_per_gpu"], row["peak_gib"], mfu(row["images_per_s_per_gpu"]), None))
+    # The built-in worker's peaks, MFU and data wait are in its epoch records (memory: max over its GPUs; none on the CPU).
     if e2e_r is not None:
         steady = [m for k in ("first", "warm") for m in e2e_r[k]["metrics"][1:]]
         table.append(("built-in worker, tensor pipeline, steady epochs", e2e_r["steady_images_per_s"] / world,
-                      _peak_gib(steady)))
-        for i, m in enumerate(e2e_r["decode"]["metrics"]):
-            table.append((f"built-in worker, decode pipeline, epoch {i + 1}", m["images_per_s"] / world,
-                          _peak_gib([m])))
-        for i, m in enumerate(e2e_r["pil"]["metrics"]):
-            table.append((f"built-in worker, PIL pipeline, epoch {i + 1}", m["images_per_s"] / world, _peak_gib([m])))
+                      _peak_gib(steady), _steady(steady, "mfu"), _steady(steady, "data_wait")))
+        for pipe in ("decode", "pil"):
+            for i, m in enumerate(e2e_r[pipe]["metrics"]):
+                table.append((f"built-in worker, {'PIL' if pipe == 'pil' else pipe} pipeline, epoch {i + 1}",
+                              m["images_per_s"] / world, _peak_gib([m]), m.get("mfu"), m.get("data_wait")))
     base = plain_r["rows"][PLAIN_EAGER]["images_per_s"]
     print(f"\n{step_r['device']} x {world} ({step_r['backend']}), torch {step_r['torch']}, {a.model} at "
           f"{a.image_size} px, batch {a.batch_size} per GPU, {step_r['amp_dtype']} autocast + channels_last, "
           f"cudnn.benchmark on; median of {a.repeats} x {a.steps} steps\n")
-    print("| row | images/s per GPU | vs plain eager | TFLOP/s | peak GiB |")
-    print("|---|---|---|---|---|")
-    for name, ips, peak in table:
+    print("| row | images/s per GPU | vs plain eager | TFLOP/s | MFU | data wait | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for name, ips, gib, row_mfu, wait in table:
         print(f"| {name} | {ips:,.0f} | {ips / base:.3f} | {ips * gflop / 1000:.0f} | "
-              f"{'-' if peak is None else f'{peak:.1f}'} |")
+              f"{'-' if row_mfu is None else f'{row_mfu:.1%}'} | {'-' if wait is None else f'{wait:.1%}'} | "
+              f"{'-' if gib is None else f'{gib:.1f}'} |")
+    print(f"TFLOP/s: the bench's count, {gflop:.1f} GFLOP per image; MFU: nbddp's count "
+          f"({'n/a' if ours is None else f'{ours:.1f}'} GFLOP), over nbddp's {step_r.get('precision', 'n/a')} peak of "
+          f"this device ({'none known' if peak is None else f'{peak:g} TFLOP/s'})")
 
     def ratio(num, den):
         return num / den if den else float("nan")
@@ -588,9 +619,9 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
         print(prof["top_ops"])
     return {"config": {k: getattr(a, k) for k in ("gpus", "model", "image_size", "batch_size", "steps", "repeats", "warmup",
                                                    "images", "epochs", "pil_epochs", "compile", "compile_backend", "profile", "smoke")},
-            "gflop_per_image": gflop, "table": [{"row": n, "images_per_s_per_gpu": v, "peak_gib": p,
-                                                 "vs_plain_eager": v / base, "tflops": v * gflop / 1000}
-                                                for n, v, p in table],
+            "gflop_per_image": gflop, "gflop_nbddp": ours, "peak_tflops": peak,
+            "table": [{"row": n, "images_per_s_per_gpu": v, "peak_gib": p, "vs_plain_eager": v / base,
+                       "tflops": v * gflop / 1000, "mfu": u, "data_wait": w} for n, v, p, u, w in table],
             "ratios": {k: {"measured": v, "goal": g} for k, (v, g) in ratios.items()},
             "plain": plain_r, "step": step_r, "e2e": e2e_r, "date": time.strftime("%Y-%m-%d")}
 

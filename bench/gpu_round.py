@@ -26,7 +26,10 @@ wrote and the next one starts. The steps, in order (the goals are the rows of ``
 - ``notebooks``: ``pytest --nbmake notebooks/`` when nbmake is installed (it is not on a lent
   machine unless its wheels were carried).
 
-Then ``summary.md`` and ``summary.json``: each goal, its measure, met or not. ``--budget`` (540 s)
+Then ``summary.md`` and ``summary.json``: each goal, its measure, met or not (among them nbddp's
+FLOP count, so its MFU, against the bench's own, for the plain step and the built-in worker), and
+a table of the rates as nbddp counts and reports them: images/s, TFLOP/s, MFU and data wait per
+row (the plain and nbddp steps; each pipeline's steady epochs of the built-in worker). ``--budget`` (540 s)
 bounds the whole round: a step's timeout is its own or what is left, whichever is less, and a step
 with less than its minimum left is skipped, named in the summary. The photos and the runs go to
 ``--work-dir`` (a temp folder), never to ``$OUT``, which comes back from the machine.

@@ -93,6 +93,74 @@ def _fsdp_rows(fsdp: Optional[dict]) -> list:
     return rows
 
 
+#: The bench's own FLOP count (bench/gpu.py's GFLOP_224) is ResNet34's: nbddp's is compared with it for that model only.
+COUNTED_MODEL = "resnet34"
+
+
+def _steady_records(e2e: dict, pipe: str) -> list:
+    """The built-in worker's steady epoch records (each launch's after its first) of one pipeline."""
+    keys = ("first", "warm") if pipe == "tensor" else (pipe,)
+    return [m for k in keys for m in ((e2e.get(k) or {}).get("metrics") or [])[1:]]
+
+
+def _median_of(records: list, key: str) -> Optional[float]:
+    values = [_num(m.get(key)) for m in records]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _flop_rows(step: dict, e2e: dict) -> list:
+    """nbddp's TFLOP/s (so its MFU, over the same peak) against the bench's own FLOP count, within 5 %:
+    of the plain-PyTorch step (nbddp.count_flops of its model) and of the built-in worker (its records)."""
+    bench = _num(step.get("gflop_per_image"))
+    ours = _num(step.get("gflop_nbddp") or (step.get("step") or {}).get("gflop_nbddp"))
+    world = (step.get("step") or {}).get("world") or 1
+    resnet34 = (step.get("config") or {}).get("model") == COUNTED_MODEL
+    plain = ours / bench if resnet34 and ours and bench else None
+    ratios = [m["tflops"] / (m["images_per_s"] / world * bench / 1000)
+              for m in _steady_records(e2e, "tensor") if _num(m.get("tflops")) and _num(m.get("images_per_s"))]
+    builtin = statistics.median(ratios) if resnet34 and bench and ratios else None
+    target = "1 ± 0.05"
+    return [_row("MFU nbddp reports for the plain-PyTorch step / the bench's FLOP count", plain, target,
+                 lambda v: abs(v - 1) <= 0.05),
+            _row("MFU the built-in worker reports / the bench's FLOP count (tensor pipeline, steady)", builtin,
+                 target, lambda v: abs(v - 1) <= 0.05)]
+
+
+def throughput_table(out: Path) -> list:
+    """Markdown lines: each row's images/s per GPU, TFLOP/s, MFU and data wait, as nbddp counts and reports them.
+
+    The plain and step rows: bench/gpu.py's rates with nbddp's FLOP count of the model and its
+    peak table; the built-in worker's: the medians of its steady epoch records (``tflops``,
+    ``mfu``, ``data_wait``). ``-``: not known (no MFU on a CPU or an unknown GPU; no data wait
+    where the rows feed batches already on the device).
+    """
+    step, e2e = _load(out, "step.json") or {}, _load(out, "e2e.json") or {}
+    world = (step.get("step") or {}).get("world") or 1
+    rows = []
+    ours = _num(step.get("gflop_nbddp"))
+    for r in step.get("table") or []:
+        ips = _num(r.get("images_per_s_per_gpu"))
+        rows.append((r["row"], ips, ips * ours / 1000 if ips and ours else None, _num(r.get("mfu")),
+                     _num(r.get("data_wait"))))
+    for pipe in ("tensor", "decode", "pil"):
+        recs = _steady_records(e2e, pipe)
+        if recs:
+            ips = _median_of(recs, "images_per_s")
+            rows.append((f"built-in worker, {pipe} pipeline, steady epochs", ips / world if ips else None,
+                         _median_of(recs, "tflops"), _median_of(recs, "mfu"), _median_of(recs, "data_wait")))
+    if not rows:
+        return []
+
+    def shown(v, fmt):
+        return "-" if v is None else fmt.format(v)
+
+    lines = ["| row | images/s per GPU | TFLOP/s | MFU | data wait |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {shown(ips, '{:,.0f}')} | {shown(tf, '{:.1f}')} | {shown(mfu, '{:.1%}')} | "
+              f"{shown(wait, '{:.1%}')} |" for name, ips, tf, mfu, wait in rows]
+    return lines
+
+
 def goal_rows(out: Path, steps: dict) -> list:
     step, e2e = _load(out, "step.json") or {}, _load(out, "e2e.json") or {}
     ratios = step.get("ratios", {})
@@ -119,6 +187,7 @@ def goal_rows(out: Path, steps: dict) -> list:
                      "<= 12", lambda v: v <= 12, fmt="{:.1f}"))
     rows.append(_row("flowers 3 epochs, warm relaunch, s", (e2e.get("warm") or {}).get("wall_s"), "<= 5",
                      lambda v: v <= 5, fmt="{:.1f}"))
+    rows += _flop_rows(step, e2e)
     rows += _fsdp_rows(_load(out, "fsdp.json"))
     rows.append(_suite_row("tests/test_gpu.py on the GPU", out, "gpu-tests", steps))
     rows.append(_suite_row("notebooks under nbmake on the GPU", out, "notebooks", steps))
@@ -158,6 +227,9 @@ def summarize(out: Path, steps: dict, smoke: bool = False) -> dict:
     heading = f"GPU round: {machine}" + (" (--smoke: CPU, tiny sizes; the figures mean nothing)" if smoke else "")
     md = [heading, "", "| goal | measured | target | status |", "|---|---|---|---|"]
     md += [f"| {r['goal']} | {r['shown']} | {r['target']} | {r['status']} |" for r in rows]
+    rates = throughput_table(out)
+    md += ["", "Throughput as nbddp counts and reports it (TFLOP/s and MFU per GPU; data wait: rank 0's share "
+           "of the epoch spent waiting for batches):", "", *rates] if rates else []
     md += ["", "| step | result | seconds | CPU s |", "|---|---|---|---|"]
     for name, s in steps.items():
         result = (f"skipped ({s['skipped']})" if "skipped" in s else "ran out of time" if s.get("timed_out")
@@ -167,6 +239,7 @@ def summarize(out: Path, steps: dict, smoke: bool = False) -> dict:
     md += ["", "Profiles of steady steps:", *[f"- {ln}" for ln in profiles]] if profiles else []
     text = "\n".join(md) + "\n"
     (out / "summary.md").write_text(text)
-    summary = {"rows": rows, "steps": steps, "profiles": profiles, "machine": machine, "smoke": smoke}
+    summary = {"rows": rows, "steps": steps, "profiles": profiles, "machine": machine, "smoke": smoke,
+               "throughput": rates}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return {**summary, "markdown": text}

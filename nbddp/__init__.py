@@ -41,6 +41,7 @@ contract  ``contract.checkpoint``               atomic save, weights-only load, 
 contract  ``contract.debugging``                the files a rank's debugger and the notebook talk through
 contract  ``contract.observe``                  ``profile=`` and ``trackers=`` checked; the profile record, the tracker ids
 contract  ``contract.channel``                  the command channel of ``%%ranks``: a private Unix socket, its messages
+contract  ``contract.throughput``               known GPUs' dense peak TFLOP/s (the MFU's denominator); a record's rates as text
 kernel    ``kernel.launch``                     ``spawn_train``: plan, run folder, store, environment, start
 kernel    ``kernel.rendezvous``                 where the ranks meet: a private FileStore, or a TCP store for env://
 kernel    ``kernel.forkserver``                 the warm server workers fork from; pre-warmed in a kernel
@@ -85,6 +86,7 @@ rank      ``rank.sync_bn``                      SyncBatchNorm that works on CPU 
 rank      ``rank.profiling``                    torch.profiler on the worker's steps: traces and a per-rank record
 rank      ``rank.trackers``                     rank 0's MLflow / W&B thread: metrics, settings, weights
 rank      ``rank.interactive``                  a rank of ``%%ranks``: the loop that runs cells in one namespace
+rank      ``rank.flops``                        ``count_flops`` (once, on the meta device); TFLOP/s, MFU, data wait of a rank
 task      ``tasks.classification.planning``     the built-in worker's preflight and plan (run in the kernel)
 task      ``tasks.classification.worker``       ``train(ctx, cfg)``: the built-in worker (run in each rank)
 task      ``tasks.classification.pipelines``    its data in a rank: the split, and the loaders of the pil, decode, tensor pipelines
@@ -116,6 +118,7 @@ SIDES = {
     "contract.leases": "contract", "contract.private": "contract", "contract.plans": "contract", "contract.checkpoint": "contract",
     "contract.conventions": "contract", "contract.debugging": "contract", "contract.observe": "contract",
     "contract.statedir": "contract",
+    "contract.throughput": "contract",
     "kernel": "kernel", "kernel.launch": "kernel", "kernel.rendezvous": "kernel", "kernel.forkserver": "kernel",
     "kernel.handle": "kernel", "kernel.ranks": "kernel", "kernel.report": "kernel", "kernel.rank_text": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
     "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",
@@ -141,6 +144,7 @@ SIDES = {
     "rank.sharding": "rank", "rank.sharded_checkpoint": "rank", "rank.readback": "rank",
     "rank.interrupt": "rank",
     "rank.slurm_task": "rank",
+    "rank.flops": "rank",
     "tasks": "task", "tasks.classification": "task", "tasks.classification.planning": "task",
     "tasks.classification.worker": "task", "tasks.classification.data": "task",
     "tasks.classification.images": "task", "tasks.classification.loading": "task",
@@ -177,6 +181,7 @@ _EXPORTS = {
     "TrainResult": "kernel.handle",
     "RunHandle": "kernel.handle",
     "Context": "rank.runtime",
+    "count_flops": "rank.flops",
     "load_model": "kernel.inference",
     "predict": "kernel.inference",
     "Prediction": "kernel.inference",

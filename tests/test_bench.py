@@ -7,6 +7,8 @@ import importlib.util
 import json
 import math
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -49,7 +51,10 @@ def test_gpu_benchmark_runs_every_part_on_the_cpu(tmp_path, capsys):
 
     assert json.loads(out.read_text())["ratios"].keys() == r["ratios"].keys()
     printed = capsys.readouterr().out
-    assert "| row | images/s per GPU | vs plain eager | TFLOP/s | peak GiB |" in printed
+    assert "| row | images/s per GPU | vs plain eager | TFLOP/s | MFU | data wait | peak GiB |" in printed
+    # nbddp's FLOP count of the bench's step, and no peak (so no MFU) on a CPU
+    assert r["gflop_nbddp"] > 0 and r["peak_tflops"] is None and all(row["mfu"] is None for row in r["table"])
+    assert any(row["data_wait"] is not None for row in r["table"]), "the built-in worker's records carry it"
     assert "| nbddp step / plain eager |" in printed and "warm relaunch" in printed
     assert "decode pipeline, steady:" in printed and "fixed cost, decode launch, epoch 2" in printed
     assert "profile of one nbddp step" in printed and "all-reduce of the gradients" in printed
@@ -96,3 +101,30 @@ def test_gpu_round_runs_every_step_and_summarises_the_goals_on_the_cpu(tmp_path)
     assert {"forward", "backward", "optimizer", "data wait", "agreement"} <= set(prof["host_by_part_ms"]), prof
     assert prof["host_syncs_per_step"] == 0 and prof["steps"] == 2
     assert any(line.startswith("tensor: ") for line in summary["profiles"])
+
+
+def test_gpu_round_summary_shows_tflops_mfu_and_data_wait_and_checks_the_flop_counts(tmp_path, monkeypatch):
+    """The round's table of the rates nbddp reports, from a GPU round's files (made up here: no GPU runs)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as bench/gpu_round.py runs it
+    summary = load("gpu_round_summary")
+    steady = {"images_per_s": 7000.0, "tflops": 7000 * 21.7 / 1000, "mfu": 7000 * 21.7 / 1000 / 989.4,
+              "data_wait": 0.021}
+    step = {"config": {"model": "resnet34"}, "gflop_per_image": 21.8, "gflop_nbddp": 21.7, "peak_tflops": 989.4,
+            "step": {"world": 1}, "table": [{"row": "plain PyTorch, eager", "images_per_s_per_gpu": 8000.0,
+                                             "mfu": 8000 * 21.7 / 1000 / 989.4, "data_wait": None}]}
+    e2e = {"first": {"metrics": [{"images_per_s": 100.0}, steady]}, "warm": {"metrics": [{}, steady]}}
+    (tmp_path / "step.json").write_text(json.dumps(step))
+    (tmp_path / "e2e.json").write_text(json.dumps(e2e))
+    s = summary.summarize(tmp_path, {})
+    assert s["throughput"][0] == "| row | images/s per GPU | TFLOP/s | MFU | data wait |"
+    assert "| plain PyTorch, eager | 8,000 | 173.6 | 17.5% | - |" in s["throughput"]
+    assert "| built-in worker, tensor pipeline, steady epochs | 7,000 | 151.9 | 15.4% | 2.1% |" in s["throughput"]
+    rows = {r["goal"]: r for r in s["rows"]}
+    plain = rows["MFU nbddp reports for the plain-PyTorch step / the bench's FLOP count"]
+    builtin = rows["MFU the built-in worker reports / the bench's FLOP count (tensor pipeline, steady)"]
+    assert plain["status"] == builtin["status"] == "met" and plain["measured"] == pytest.approx(21.7 / 21.8)
+    assert "| row | images/s per GPU | TFLOP/s | MFU | data wait |" in (tmp_path / "summary.md").read_text()
+    # Another model than the bench's count is of: the comparison is not made, never called met.
+    (tmp_path / "step.json").write_text(json.dumps({**step, "config": {"model": "squeezenet1_1"}}))
+    rows = {r["goal"]: r for r in summary.summarize(tmp_path, {})["rows"]}
+    assert rows["MFU nbddp reports for the plain-PyTorch step / the bench's FLOP count"]["status"] == "not measured"

@@ -22,6 +22,8 @@ def test_a_run_leaves_its_metrics_export_checkpoint_and_tensorboard(small_run):
     n_val = len(split_samples(scan_class_folders(cfg.data_path)[1], 0.2, 0)[1])
     assert [m["epoch"] for m in result.metrics] == list(range(2))
     assert set(result.metrics[0]) >= {"epoch", "train_loss", "val_loss", "val_accuracy", "lr", "seconds"}
+    # TFLOP/s and the data wait in every record; no MFU on a CPU (tests/test_throughput.py: with a GPU's name)
+    assert all({"tflops", "data_wait"} <= set(m) and "mfu" not in m for m in result.metrics)
     assert all(m["val_images"] == n_val for m in result.metrics), "every val image counted exactly once"
     # each epoch's distributed evaluation scores exactly the weights rank 0 saved
     assert result.metrics[result.value["best_epoch"]]["val_accuracy"] == result.value["final_accuracy"]
@@ -51,7 +53,7 @@ def test_a_run_leaves_its_metrics_export_checkpoint_and_tensorboard(small_run):
     ea = EventAccumulator(str(result.run_dir / "tensorboard"))
     ea.Reload()
     tags = set(ea.Tags()["scalars"])
-    assert {"loss", "accuracy", "learning_rate", "train_loss_step"} <= tags
+    assert {"loss", "accuracy", "learning_rate", "train_loss_step", "tflops", "data_wait"} <= tags
     assert len(ea.Scalars("accuracy")) == 2
     assert not worker_children()
 

@@ -130,6 +130,8 @@ def test_train_button_runs_in_background_and_widgets_follow_the_run(tmp_path, tr
     assert str(result.run_dir) in status and str(result.weights_path) in status
     assert PROGRESS.search(text_of(panel.progress_label)).group(1) == "2"
     assert "epoch 2/2 · step 3/3 ·" in text_of(panel.progress_label), "the last step's progress was not shown"
+    # beside it, the last finished epoch's rates (no MFU on a CPU)
+    assert " TFLOP/s · data wait " in text_of(panel.progress_label) and "MFU" not in text_of(panel.progress_label)
     assert panel.progress_bar.value == 1.0 and panel.progress_bar.bar_style == "success"
     assert "epoch 2/2" in text_of(panel.log) and "data: 3 classes" in text_of(panel.log)
     assert not panel.train_button.disabled and panel.stop_button.disabled and not panel.data_input.disabled

@@ -132,18 +132,31 @@ class EpochStats:
     stopped: bool  # every rank agreed to stop early (notebook's Stop)
     optimizer_steps: int = 0  # updates of the weights: ``steps`` without accumulation
     first_batch_s: float = 0.0  # from the epoch's start to its first batch (the loader's start, a fixed cost)
+    data_wait_s: float = 0.0  # seconds this rank's host waited in the loader's next(), the first batch's included
+
+    @property
+    def data_wait(self) -> float:
+        """The fraction of the epoch's time this rank waited for batches (:attr:`data_wait_s` over :attr:`seconds`)."""
+        return min(1.0, self.data_wait_s / self.seconds) if self.seconds > 0 else 0.0
 
     @property
     def images_per_s(self) -> float:
         return self.images / self.seconds if self.seconds > 0 else 0.0
 
 
-def _next_batch(batches):
-    """The next batch, or the exception reading it raised (agreed on before anyone raises)."""
+def _next_batch(run: "_Epoch", batches):
+    """The next batch, or the exception reading it raised (agreed on before anyone raises).
+
+    The time the host spends here is the epoch's data wait (``EpochStats.data_wait_s``): the
+    loader's ``next()``, as torchtitan and Composer time it; the transforms on the device are the step's.
+    """
+    t0 = time.perf_counter()
     try:
         return next(batches), None
     except Exception as exc:  # noqa: BLE001 - re-raised after the ranks agree
         return None, exc
+    finally:
+        run.data_wait_s += time.perf_counter() - t0
 
 
 def _raise_read_error(error: Optional[BaseException], failed: list, epoch: int, step: int):
@@ -193,6 +206,7 @@ class _Epoch:
     world: int = field(default_factory=get_world_size)
     rank: int = field(default_factory=get_rank)
     copies: readback.Copies = field(default_factory=readback.Copies)  # each step's loss, on its way to the host
+    data_wait_s: float = 0.0  # seconds in the loader's next() so far (_next_batch)
 
 
 @dataclass
@@ -270,7 +284,7 @@ def _first_batch(run: _Epoch, batches, step: int, total_steps: int) -> tuple:
     """
     ctx = run.ctx
     ctx.heartbeat(epoch=run.epoch, step=step, phase="train")
-    batch, error = _next_batch(batches) if step < total_steps else (None, None)
+    batch, error = _next_batch(run, batches) if step < total_steps else (None, None)
     ctx.heartbeat(epoch=run.epoch, step=step, waiting=True)
     first = torch.zeros(1 + run.world)
     first[0] = 1.0 if ctx.should_stop() else 0.0
@@ -298,7 +312,7 @@ def _forward(run: _Epoch, batch, step: int) -> tuple:
 def _read_ahead(run: _Epoch, batches, step: int) -> tuple:
     """The next step's batch, read now so that a read error travels in this step's agreement."""
     run.ctx.heartbeat(epoch=run.epoch, step=step)  # reading data: local work again
-    batch, error = _next_batch(batches)
+    batch, error = _next_batch(run, batches)
     if error is None and getattr(run.batch_transform, "prepare_ahead", run.batch_transform is None):
         # Prepared now, while the device runs this step's forward: the host's share of the
         # transform (decoding, augmenting on the rank) overlaps the device's work, and the next
@@ -481,6 +495,7 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
     run = _start_epoch(model, optimizer, device, epoch, _context(ctx), scaler, amp_dtype, channels_last,
                        batch_transform, accum_steps, label_smoothing, checkpoint_due)
     start = start or EpochStats(0.0, 0, 0, 0.0, False)
+    run.data_wait_s = start.data_wait_s  # a resumed epoch's wait counts, as its time does
     first_step, total_steps = start.steps, start.steps + len(loader)
     t0 = (t_first := time.perf_counter()) - start.seconds  # the epoch's clock; a resumed one's time counts
     batches = iter(loader)
@@ -492,7 +507,7 @@ def train_one_epoch(model, optimizer, loader, device, epoch: int, ctx=None, scal
 
     def totals(stopped: bool) -> EpochStats:
         return EpochStats(loss_sum / max(steps, 1), steps, images, time.perf_counter() - t0, stopped, updates,
-                          first_batch_s)
+                          first_batch_s, run.data_wait_s)
 
     def count(agreed: _Agreed) -> None:
         """The loss of the step the ranks just agreed on, into the totals and ``on_step``."""

@@ -140,6 +140,7 @@ class Context:
         self._progress_file: Optional[ProgressWriter] = None
         self._tensorboard = None
         self._logged = 0  # ctx.log calls so far: TensorBoard's step when a record names none
+        self._throughput_since = time.perf_counter()  # ctx.throughput's clock: its last call, or the worker's start
         self._beat: Optional[HeartbeatThread] = None
         self._breakpoints = 0  # ctx.breakpoint calls so far: the same count on every rank
         # What writes checkpoints in the background (``checkpoint.BackgroundSaver``), if anything:
@@ -216,6 +217,37 @@ class Context:
         """
         if self._trackers is not None:
             self._trackers.log({"time": time.time(), **{k: json_value(v) for k, v in values.items()}})
+
+    def throughput(self, samples: float, flops_per_sample: Optional[float] = None, *, seconds: Optional[float] = None,
+                   precision: Optional[str] = None, data_wait_s: Optional[float] = None) -> dict:
+        """This rank's throughput since the last call, as values for :meth:`log`; cheap (no device sync).
+
+        Args:
+            samples: the samples this rank trained since the last call (or in ``seconds``).
+            flops_per_sample: FLOPs of one sample's forward and backward (:func:`nbddp.count_flops` of
+                a batch, divided by its size); without it, no ``tflops`` nor ``mfu``.
+            seconds: the time they took; default: since the last call (the first: since the worker began).
+            precision: what the step computes in, ``"bf16"``, ``"fp16"`` (autocast), ``"tf32"`` or
+                ``"fp32"``: the MFU's peak is that precision's; without it, no ``mfu``.
+            data_wait_s: seconds of that time this rank waited for its batches.
+
+        Returns:
+            ``samples_per_s``, ``tflops`` (achieved by this rank), ``mfu`` (over this GPU's dense peak,
+            only for a GPU in :data:`nbddp.contract.throughput.PEAKS`: never on a CPU, never a guess)
+            and ``data_wait`` (a fraction of ``seconds``), each where it is known.
+
+        Example:
+            >>> flops = nbddp.count_flops(model, x[:8]) / 8      # once, before the loop
+            >>> for epoch in range(epochs):
+            ...     n, wait = train_epoch()                      # samples, seconds waiting for data
+            ...     ctx.log(epoch=epoch, **ctx.throughput(n, flops, precision="bf16", data_wait_s=wait))
+        """
+        from .flops import throughput
+
+        now = time.perf_counter()
+        seconds = now - self._throughput_since if seconds is None else seconds
+        self._throughput_since = now
+        return throughput(samples, seconds, self.device, flops_per_sample, precision, data_wait_s)
 
     # Keys that place a record, not values to chart.
     _AXIS_KEYS = ("step", "epoch", "time")
@@ -713,6 +745,7 @@ def run_rank(ctx: Context, init_process_group, target: Union[str, Callable[..., 
         init_process_group()
         beat.state = "running"
         ctx.start_observing(observe)
+        ctx._throughput_since = time.perf_counter()
         value = _call_user_code(ctx, target, args, kwargs, call, argv, payload)
         if ctx.rank == 0 or all_values:
             write_result(ctx.run_dir, to_cpu(value), ctx.rank)

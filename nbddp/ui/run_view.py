@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import ipywidgets as W
 
 from ..contract.errors import NbddpError, TrainingInterrupted, WorkerError
+from ..contract.throughput import rates_parts
 from ..kernel.handle import RunHandle, TrainResult
 from .charts import scalar_charts_png, scalar_series, training_curves_png
 from .layout import FULL
@@ -266,6 +267,8 @@ class RunView:
             memory = gpu_memory_text(self.handle.metrics[-1]) if self.handle.metrics else None
             if memory:
                 parts.append(memory)
+            # The last finished epoch's TFLOP/s, MFU and data wait (rank 0's), where its record has them.
+            parts += rates_parts(self.handle.metrics[-1]) if self.handle.metrics else []
         self.progress_label.value = " · ".join(parts)
 
     def _on_metrics(self) -> None:

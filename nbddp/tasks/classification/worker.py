@@ -32,7 +32,9 @@ from ...rank.dist import (agree_on_error, any_rank, barrier, check_same, cpu_gro
 from ...rank.engine import (EpochStats, autocast_dtype, evaluate, grad_scaler, reset_gpu_memory_peaks, train_one_epoch,
                             warmup_cosine_lambda)
 from ...contract.protocol import note_checkpoint
+from ...contract.throughput import rates_text
 from .models import build_model, freeze_except_head, load_pretrained
+from ...rank import flops
 from ...rank.sharding import (full_optimizer_state_dict, full_state_dict, load_full_optimizer_state_dict,
                               load_full_state_dict, shard)
 from ...rank.sync_bn import convert_sync_batchnorm
@@ -67,6 +69,7 @@ class _Trainer:
     channels_last: bool
     compiled: bool = False  # ddp is torch.compile'd (the first epoch of a launch reports compile_s)
     saver: BackgroundSaver = field(default_factory=BackgroundSaver)  # rank 0 writes checkpoints meanwhile
+    flops_per_image: Optional[float] = None  # of one training step's forward and backward (_flops_per_image)
 
 
 @dataclass
@@ -129,7 +132,37 @@ def _build(cfg: TrainConfig, ctx, num_classes: int) -> _Trainer:
     scaler = grad_scaler(ctx.device, amp_dtype)  # fp16 only (GPUs before compute capability 8.0)
     # A checkpoint writer thread overlaps a GPU's step; next to CPU ranks it only slows them.
     return _Trainer(model, ddp, optimizer, scheduler, scaler, amp_dtype, channels_last, compiled=cfg.compile,
-                    saver=BackgroundSaver(background=ctx.device.type != "cpu"))
+                    saver=BackgroundSaver(background=ctx.device.type != "cpu"),
+                    flops_per_image=_flops_per_image(cfg, ctx, num_classes, channels_last))
+
+
+def _flops_per_image(cfg: TrainConfig, ctx, num_classes: int, channels_last: bool) -> Optional[float]:
+    """FLOPs of one image's forward and backward as the run trains it, counted once on the ``meta`` device.
+
+    The model is built again there (shapes only: no memory, no arithmetic, whatever the strategy),
+    frozen as the run freezes it, at the run's image size and memory format. None where the count
+    fails (a layer without a meta kernel): the records then carry no ``tflops`` nor ``mfu``.
+    """
+    t0 = time.perf_counter()
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, num_classes)
+        if cfg.freeze_layers:
+            freeze_except_head(model)
+        # Two images: BatchNorm in training refuses one value per channel (a 32 px ResNet's last stage).
+        x = torch.empty(2, 3, cfg.image_size, cfg.image_size, device="meta")
+        if channels_last:
+            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+        count = flops.count_flops(model, x) / 2
+    except Exception as exc:  # noqa: BLE001 - the numbers are a report: training goes on without them
+        if ctx.is_main:
+            print(f"note: the FLOPs of {cfg.model} could not be counted ({type(exc).__name__}: {exc}); "
+                  "the epoch records carry no tflops nor mfu", flush=True)
+        return None
+    if ctx.is_main:
+        print(f"{cfg.model} at {cfg.image_size} px: {count / 1e9:.2f} GFLOP per image, forward and backward "
+              f"(counted in {time.perf_counter() - t0:.2f} s)", flush=True)
+    return float(count)
 
 
 def _optimizer(cfg: TrainConfig, params: list, lr: float, device: torch.device) -> torch.optim.Optimizer:
@@ -227,7 +260,7 @@ def _resume(cfg: TrainConfig, ctx, t: _Trainer) -> _Progress:
         # as many of its own smaller ones as make the same images: its accumulation groups line up.
         steps = ck["step"] * (written_batch // cfg.batch_size if written_batch % cfg.batch_size == 0 else 1)
         progress.start = EpochStats(done.get("loss", 0.0), steps, done.get("images", 0), done.get("seconds", 0.0),
-                                    False, done.get("optimizer_steps", 0))
+                                    False, done.get("optimizer_steps", 0), data_wait_s=done.get("data_wait_s", 0.0))
         progress.start_items = ck["step"] * written_batch
         progress.rng = ck.get("rank_rng")
         if ctx.is_main:
@@ -412,7 +445,11 @@ def _train_epochs(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: 
         # batch, the evaluation, the previous epoch's checkpoint on the step's path.
         costs = {"first_batch_s": stats.first_batch_s, "eval_s": time.perf_counter() - t_eval,
                  "checkpoint_s": progress.checkpoint_s, **(started.take() if started is not None else {})}
-        improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr, compile_s, costs)
+        # Per rank: the epoch's images over the ranks; the data wait is rank 0's own.
+        rates = flops.throughput(stats.images / ctx.world_size, stats.seconds, ctx.device, t.flops_per_image,
+                                 flops.precision_of(t.amp_dtype), stats.data_wait_s)
+        rates.pop("samples_per_s", None)  # images_per_s says it, over all ranks
+        improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr, compile_s, costs, rates)
         progress.checkpoint_s = 0.0
         t_save = time.perf_counter()
         _save_epoch(cfg, ctx, data, t, progress, epoch, improved)
@@ -513,7 +550,7 @@ def _save_mid_epoch(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress
             ck = _checkpoint(t, progress, epoch, cfg, data.classes, whole)
             ck.update(step=done.steps, rank_rng=states,
                       epoch_stats={"loss": done.loss, "images": done.images, "seconds": done.seconds,
-                                   "optimizer_steps": done.optimizer_steps})
+                                   "optimizer_steps": done.optimizer_steps, "data_wait_s": done.data_wait_s})
             path = rundir.checkpoint_path(ctx.run_dir, rundir.LAST)
 
             def written(seconds: float) -> None:
@@ -545,7 +582,7 @@ def _early_stop_due(cfg: TrainConfig, progress: _Progress, epoch: int) -> bool:
 
 
 def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int, stats, ev, lr: float,
-                  compile_s: Optional[float] = None, costs: Optional[dict] = None) -> bool:
+                  compile_s: Optional[float] = None, costs: Optional[dict] = None, rates: Optional[dict] = None) -> bool:
     """The epoch's metrics into the history, ctx.log, the cell and TensorBoard; True if it is the best so far.
 
     ``ctx.log`` writes every scalar of the record to TensorBoard at step ``epoch``; the
@@ -553,7 +590,7 @@ def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int
     """
     record = {"epoch": epoch, "train_loss": stats.loss, "val_loss": ev.loss, "val_accuracy": ev.accuracy,
               "val_images": ev.count, "lr": lr, "seconds": stats.seconds, "images_per_s": stats.images_per_s,
-              "rss_mb": _rss_mb()}
+              "rss_mb": _rss_mb(), **(rates or {})}
     if compile_s is not None:
         record["compile_s"] = compile_s
     record.update({k: round(v, 4) for k, v in (costs or {}).items()})
@@ -575,7 +612,7 @@ def _record_epoch(cfg: TrainConfig, ctx, progress: _Progress, writer, epoch: int
             extra += f"  no better for {epoch - progress.best_epoch}/{cfg.early_stop_patience}"
         print(f"epoch {epoch + 1}/{cfg.epochs}  train_loss {stats.loss:.4f}  val_loss {ev.loss:.4f}  "
               f"val_acc {ev.accuracy:.4f}  lr {lr:.5f}  {stats.seconds:.1f}s  "
-              f"{stats.images_per_s:.0f} img/s{extra}{'  *best*' if improved else ''}", flush=True)
+              f"{stats.images_per_s:.0f} img/s{rates_text(record)}{extra}{'  *best*' if improved else ''}", flush=True)
         for tag, value in (("loss", stats.loss), ("accuracy", ev.accuracy), ("learning_rate", lr)):
             writer.add_scalar(tag, value, epoch)
         writer.flush()
