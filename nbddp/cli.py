@@ -5,6 +5,7 @@
     python -m nbddp run --nprocs 2 examples/linear_regression.py:train
     python -m nbddp run --nprocs 2 train.py 10 5 --batch_size 32    (a torchrun script, unchanged)
     python -m nbddp gpus
+    python -m nbddp export runs/<run> --onnx      (model.onnx and preprocessing.json beside the weights)
 
 Every ``TrainConfig`` field is a flag (``--batch-size``, ``--sync-bn``/``--no-sync-bn``...);
 flags override the fields of ``--config``.
@@ -212,6 +213,17 @@ def _parser() -> argparse.ArgumentParser:
                        help="profile every rank (torch.profiler): alone, or a JSON object of settings, e.g. "
                        """'{"wait": 5, "active": 3}'; prints the ranks side by side at the end""")
     sub.add_parser("gpus", help="list the GPUs (without initialising CUDA)")
+    e = sub.add_parser("export", help="a run's weights for inference (and with --onnx, a checked ONNX file)",
+                       description="Writes the weights of a run (model.pth, model.safetensors, class_indices.json) "
+                       "into its export/ folder, or --out, where they are not there yet; with --onnx also "
+                       "model.onnx and preprocessing.json, checked with ONNX Runtime on the run's held-out images.")
+    e.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (runs/<time>-<name>)")
+    e.add_argument("--onnx", action="store_true", help="also write model.onnx and preprocessing.json (the onnx extra)")
+    e.add_argument("--out", default=None, metavar="DIR", help="export folder (default: RUN_DIR/export)")
+    e.add_argument("--which", default=None, choices=("best", "last"),
+                   help="the checkpoint to export (default: the run's export as it is, else best)")
+    e.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    e.add_argument("--fixed-batch", action="store_true", help="an ONNX graph of one image at a time (default: any batch)")
     return parser
 
 
@@ -230,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if getattr(ns, "strategy", None) and ns.command == "run":  # ctx.strategy of a rank of torchrun/srun
                 os.environ[STRATEGY_ENV] = ns.strategy
             return _under_launcher(ns, launcher)  # a rank: the worker side only
-        return {"gpus": _list_gpus, "run": _run, "train": _train}[ns.command](ns)
+        return {"gpus": _list_gpus, "run": _run, "train": _train, "export": _export}[ns.command](ns)
     except NbddpError as exc:
         print(f"nbddp: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -245,6 +257,34 @@ def _list_gpus(ns: argparse.Namespace) -> int:
     gpus = list_gpus()
     print("\n".join(g.label() for g in gpus) or gpu_setup_problem()
           or "no GPU found: training runs on CPU processes")
+    return 0
+
+
+def _export(ns: argparse.Namespace) -> int:
+    """``python -m nbddp export RUN_DIR [--onnx]``: in the shell what the notebook's export does."""
+    from pathlib import Path
+
+    from .contract import rundir
+    from .kernel.export import export_onnx, export_run
+
+    run_dir = Path(ns.run_dir)
+    out = Path(ns.out) if ns.out else rundir.export_dir(run_dir)
+    weights = out / rundir.EXPORT_SAFETENSORS
+    if ns.which or not weights.is_file():  # the run's own export stays as the worker wrote it
+        weights = export_run(run_dir, out, which=ns.which or "best")["safetensors"]
+    print(f"weights: {weights}")
+    if ns.onnx:
+        import time
+
+        t0 = time.perf_counter()
+        onnx_file = export_onnx(out, opset=ns.opset, dynamic_batch=not ns.fixed_batch)
+        record = json.loads((onnx_file.parent / rundir.EXPORT_PREPROCESSING).read_text())
+        check = record["check"]
+        checked = (f"checked with ONNX Runtime on {check['images']} {check['on']}: top-1 equal, largest logit "
+                   f"difference {check['max_abs_diff']:.2g}") if check["images"] else f"checked on {check['on']}"
+        print(f"onnx: {onnx_file} ({record['export']['exporter']} exporter, opset {record['export']['opset']}; "
+              f"{time.perf_counter() - t0:.1f} s)\npreprocessing: {onnx_file.parent / rundir.EXPORT_PREPROCESSING}\n"
+              f"{checked}")
     return 0
 
 
