@@ -30,10 +30,11 @@ DIGITS = ROOT / "data" / "digits"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One epoch of ResNet18 at 32 px on the digits, sharded over 2 CPU ranks, exporting ONNX at its end."""
+    """One epoch of ResNet18 at 32 px on the digits (10 steps a rank), sharded over 2 CPU ranks, exporting ONNX
+    at its end: the export of an FSDP run is its consolidated weights, so this is the DDP run's path too."""
     runs = tmp_path_factory.mktemp("onnx_runs")
-    cfg = TrainConfig(data_path=str(DIGITS), model="resnet18", image_size=32, epochs=1, batch_size=32, lr=0.01,
-                      crop_scale=0.5, hflip=False, nprocs=2, strategy="fsdp", checkpoint_every_s=0,
+    cfg = TrainConfig(data_path=str(DIGITS), model="resnet18", image_size=32, epochs=1, batch_size=64, lr=0.01,
+                      val_fraction=0.3, crop_scale=0.5, hflip=False, nprocs=2, strategy="fsdp", checkpoint_every_s=0,
                       export_onnx=True, runs_dir=str(runs), name="onnx")
     result = spawn_train(cfg, echo=False)
     return result, result.run_dir / "export"
@@ -76,7 +77,7 @@ def test_onnx_runtime_labels_on_held_out_images_equal_predicts(run):
     in_onnx = nbddp.predict(export / "model.onnx", images)
     assert [p.label for p in in_onnx] == [p.label for p in in_torch]
     assert max(abs(a.probability - b.probability) for a, b in zip(in_onnx, in_torch)) < 1e-4
-    assert nbddp.predict(str(export / "model.onnx"), images[0]).label == in_torch[0].label  # one image, a str path
+    assert nbddp.predict(str(export / "model.onnx"), images[0])[0].label == in_torch[0].label  # one image, a str path
 
 
 def test_a_dynamic_batch_of_1_and_of_7_both_run(run):
@@ -104,14 +105,18 @@ def test_a_mismatched_preprocessing_is_caught_and_the_files_kept(run, tmp_path):
         predict(out / "model.onnx", _held_out(result, 2))
 
 
-def test_python_m_nbddp_export_onnx(run, tmp_path, capsys):
+def test_python_m_nbddp_export_onnx_of_one_image_at_a_time(run, tmp_path, capsys):
     from nbddp.cli import main
 
     result, _ = run
-    assert main(["export", str(result.run_dir), "--onnx", "--which", "best", "--out", str(tmp_path / "cli")]) == 0
+    out_dir = tmp_path / "cli"
+    assert main(["export", str(result.run_dir), "--onnx", "--fixed-batch", "--which", "best", "--out", str(out_dir)]) == 0
     out = capsys.readouterr().out
-    assert f"onnx: {tmp_path / 'cli' / 'model.onnx'}" in out and "checked with ONNX Runtime on 16 held-out images" in out
-    assert _record(tmp_path / "cli")["check"]["passed"]  # the held-out images found through meta.json's checkpoint
+    assert f"onnx: {out_dir / 'model.onnx'}" in out and "checked with ONNX Runtime on 16 held-out images" in out
+    rec = _record(out_dir)  # the held-out images were found through meta.json's checkpoint
+    assert rec["check"]["passed"] and rec["input"]["shape"] == [1, 3, 32, 32]
+    images = _held_out(result, 5)  # a graph of one image: predict feeds it one at a time
+    assert [p.label for p in predict(out_dir / "model.onnx", images)] == [p.label for p in predict(run[1] / "model.onnx", images)]
 
 
 def test_preprocessing_json_that_does_not_describe_the_graph_is_refused(run, tmp_path):

@@ -97,9 +97,13 @@ def plain_module(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         ExportError: the model's parameters are FSDP shards (DTensor), which no exporter takes.
     """
-    for attr in ("module", "_orig_mod"):  # DistributedDataParallel, torch.compile
-        while type(model).__name__ in ("DistributedDataParallel", "OptimizedModule") and hasattr(model, attr):
-            model = getattr(model, attr)
+    while True:  # DistributedDataParallel's module, torch.compile's original, in any nesting
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            break
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         raise ExportError(
             "this model's parameters are FSDP shards (DTensor), which no ONNX exporter takes: export the "
