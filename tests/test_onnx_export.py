@@ -238,3 +238,16 @@ def test_the_panel_offers_the_export_once_a_run_exported_weights(run, monkeypatc
     view.export_button.click()
     assert "ONNX export failed" in view.export_note.value and "because" in view.export_note.value
     assert not view.export_button.disabled
+
+
+def test_the_comparison_names_the_largest_difference_and_takes_a_tie_for_a_tie():
+    torch_logits = np.array([[1.0, 2.0, 3.0], [0.0, 5.0, 1.0]])
+    assert ox.compare(torch_logits + 1e-4, torch_logits)[0]
+    flipped = torch_logits.copy()
+    flipped[0] = [3.1, 2.0, 3.0]
+    passed, what, largest, top1 = ox.compare(flipped, torch_logits, ["zero", "one", "two"])
+    assert not passed and not top1 and largest == pytest.approx(2.1)
+    assert what.startswith("the largest difference is 2.1 on image 0, class zero (ONNX Runtime 3.1, PyTorch 1;")
+    assert "the top-1 label differs on 1 of 2 images (image 0: ONNX Runtime zero, PyTorch two)" in what
+    # PyTorch's two best within the tolerance of each other: either label is right.
+    assert ox.compare(np.array([[1.0, 3.0004, 3.0003]]), np.array([[1.0, 3.0, 3.0005]]))[0]
