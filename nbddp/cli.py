@@ -274,17 +274,11 @@ def _export(ns: argparse.Namespace) -> int:
         weights = export_run(run_dir, out, which=ns.which or "best")["safetensors"]
     print(f"weights: {weights}")
     if ns.onnx:
-        import time
+        from .tasks.classification.onnx_export import summary
 
-        t0 = time.perf_counter()
         onnx_file = export_onnx(out, opset=ns.opset, dynamic_batch=not ns.fixed_batch)
         record = json.loads((onnx_file.parent / rundir.EXPORT_PREPROCESSING).read_text())
-        check = record["check"]
-        checked = (f"checked with ONNX Runtime on {check['images']} {check['on']}: top-1 equal, largest logit "
-                   f"difference {check['max_abs_diff']:.2g}") if check["images"] else f"checked on {check['on']}"
-        print(f"onnx: {onnx_file} ({record['export']['exporter']} exporter, opset {record['export']['opset']}; "
-              f"{time.perf_counter() - t0:.1f} s)\npreprocessing: {onnx_file.parent / rundir.EXPORT_PREPROCESSING}\n"
-              f"{checked}")
+        print(f"onnx: {onnx_file}\npreprocessing: {onnx_file.parent / rundir.EXPORT_PREPROCESSING}\n{summary(record)}")
     return 0
 
 

@@ -112,7 +112,7 @@ def test_python_m_nbddp_export_onnx_of_one_image_at_a_time(run, tmp_path, capsys
     out_dir = tmp_path / "cli"
     assert main(["export", str(result.run_dir), "--onnx", "--fixed-batch", "--which", "best", "--out", str(out_dir)]) == 0
     out = capsys.readouterr().out
-    assert f"onnx: {out_dir / 'model.onnx'}" in out and "checked with ONNX Runtime on 16 held-out images" in out
+    assert f"onnx: {out_dir / 'model.onnx'}" in out and "ONNX Runtime agrees with PyTorch on 16 held-out images" in out
     rec = _record(out_dir)  # the held-out images were found through meta.json's checkpoint
     assert rec["check"]["passed"] and rec["input"]["shape"] == [1, 3, 32, 32]
     images = _held_out(result, 5)  # a graph of one image: predict feeds it one at a time
@@ -209,7 +209,7 @@ for call in (lambda: nbddp.export_onnx(torch.nn.Linear(2, 2), "m.onnx", example_
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 3, out.stdout + out.stderr
     assert all("pip install 'nbddp[onnx]'" in line for line in lines), lines
-    assert lines[0].startswith("ExportError nbddp.export_onnx needs onnx and onnxscript and onnxruntime")
+    assert lines[0].startswith("ExportError nbddp.export_onnx needs onnx and onnxscript, not installed")
     assert lines[1].startswith("ExportError nbddp.predict on an ONNX file needs onnxruntime")
     assert lines[2].startswith("ConfigError TrainConfig.export_onnx=True needs")
     assert not (tmp_path / "m.onnx").exists()

@@ -157,7 +157,7 @@ def export_classifier(model: torch.nn.Module, classes: Sequence[str], image_size
             files are kept, and ``preprocessing.json`` says the check failed).
         ConfigError: a bad ``preprocessing`` override.
     """
-    ox.require("exporting to ONNX")
+    ox.require("exporting to ONNX", ox.WRITE_MODULES)  # the check needs onnxruntime too: without it, a warning
     steps = recipe(image_size, **(preprocessing or {}))
     folder = Path(folder)
     path = folder / EXPORT_ONNX
@@ -173,11 +173,12 @@ def export_classifier(model: torch.nn.Module, classes: Sequence[str], image_size
         written = ox.write(model, example, path, opset=opset, dynamic_batch=dynamic_batch)
         record = _record(written, steps, list(classes), model_name, "batch" if dynamic_batch else 1, weights_file)
         _save(folder, record)
-        record["check"] = _check(model, pil, reference, steps, path, list(classes), on, threads).to_dict()
+        check = _check(model, pil, reference, steps, path, list(classes), on, threads)
+        record["check"] = check.to_dict() if check is not None else None  # None: onnxruntime is missing
     finally:
         model.train(was_training)
     _save(folder, record)
-    if not record["check"]["passed"]:
+    if check is not None and not check.passed:
         raise ExportError(
             f"{path} does not predict what the model predicts: checked with ONNX Runtime on {len(pil)} {on} "
             f"prepared as {folder / EXPORT_PREPROCESSING} says, {record['check']['what']}. The files are kept for "
@@ -211,13 +212,14 @@ def _save(folder: Path, record: dict) -> None:
 
 
 def _check(model, pil: list, reference: torch.Tensor, steps: dict, path: Path, classes: List[str], on: str,
-           threads: Optional[int]) -> "ox.Check":
-    """ONNX Runtime on the images as the recipe prepares them, against PyTorch on training's transform."""
+           threads: Optional[int]) -> Optional["ox.Check"]:
+    """ONNX Runtime on the images as the recipe prepares them, against PyTorch on training's transform;
+    ``None`` (and a warning) where onnxruntime is not installed."""
     if ox.missing_modules(ox.RUN_MODULES):
         import warnings
 
         warnings.warn(f"{path} was not checked: onnxruntime is not installed ({ox.EXTRA})", stacklevel=3)
-        return ox.Check(0, float("nan"), ox.ATOL, ox.RTOL, False, True, 0.0, "nothing: onnxruntime is missing")
+        return None
     t0 = time.perf_counter()
     with torch.no_grad():
         expected = model(reference).float().numpy()
@@ -252,9 +254,16 @@ def export_after_training(model_name: str, classes: Sequence[str], image_size: i
                                          model_name=model_name, weights_file=Path(weights), threads=threads)
     except ExportError as exc:
         raise ExportError(f"{exc} The run's weights are exported all the same, in {Path(weights).parent}.") from None
-    check, export = record["check"], record["export"]
-    return (f"ONNX: {path} ({export['exporter']} exporter, opset {export['opset']}, {export['seconds']:.1f} s); "
-            f"ONNX Runtime agrees with PyTorch on {check['images']} {check['on']} (largest logit difference "
+    return f"ONNX: {path} ({summary(record)})"
+
+
+def summary(record: dict) -> str:
+    """What ``preprocessing.json`` says of the export and its check, in one line."""
+    check, export = record.get("check"), record["export"]
+    made = f"{export['exporter']} exporter, opset {export['opset']}, {export['seconds']:.1f} s"
+    if not check:
+        return f"{made}; not checked: onnxruntime is not installed"
+    return (f"{made}; ONNX Runtime agrees with PyTorch on {check['images']} {check['on']} (largest logit difference "
             f"{check['max_abs_diff']:.2g}, {check['seconds']:.1f} s)")
 
 
@@ -311,4 +320,4 @@ class OnnxClassifier:
 
 
 __all__ = ["CHECK_IMAGES", "OVERRIDABLE", "OnnxClassifier", "export_after_training", "export_classifier", "preprocess", "random_images",
-           "read_record", "recipe", "spread"]
+           "read_record", "recipe", "spread", "summary"]
