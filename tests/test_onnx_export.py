@@ -21,7 +21,7 @@ from nbddp.contract.checkpoint import file_digest
 from nbddp.kernel.export import export_onnx, load_val_predictions
 from nbddp.kernel.inference import load_model, predict
 from nbddp.tasks.classification.onnx_export import preprocess, recipe
-from conftest import ROOT, launcher_env
+from conftest import ROOT, launcher_env, make_tree
 
 pytestmark = pytest.mark.skipif(bool(ox.missing_modules()), reason="needs the onnx extra: pip install 'nbddp[onnx]'")
 
@@ -189,6 +189,7 @@ def test_the_legacy_exporter_only_where_dynamo_fails_and_said(tmp_path):
 
 
 def test_without_the_extra_one_error_names_the_pip_command(tmp_path):
+    tree = make_tree(tmp_path / "data")
     code = f"""
 import sys
 for name in ("onnx", "onnxscript", "onnxruntime"):
@@ -197,8 +198,8 @@ import torch, nbddp
 from nbddp.tasks.classification.planning import preflight
 for call in (lambda: nbddp.export_onnx(torch.nn.Linear(2, 2), "m.onnx", example_input=torch.ones(2, 2)),
              lambda: nbddp.predict("model.onnx", []),
-             lambda: preflight(nbddp.TrainConfig(data_path={str(DIGITS)!r}, model="resnet18", image_size=32,
-                                                 nprocs=2, check_images=False, export_onnx=True))):
+             lambda: preflight(nbddp.TrainConfig(data_path={str(tree)!r}, model="resnet18", image_size=32,
+                                                 nprocs=2, batch_size=4, runs_dir="runs", export_onnx=True))):
     try:
         call()
     except nbddp.NbddpError as exc:
