@@ -42,6 +42,7 @@ contract  ``contract.debugging``                the files a rank's debugger and 
 contract  ``contract.observe``                  ``profile=`` and ``trackers=`` checked; the profile record, the tracker ids
 contract  ``contract.channel``                  the command channel of ``%%ranks``: a private Unix socket, its messages
 contract  ``contract.throughput``               known GPUs' dense peak TFLOP/s (the MFU's denominator); a record's rates as text
+contract  ``contract.onnx``                     a model as ONNX: the dynamo exporter (legacy where it fails), run and compared in ONNX Runtime
 kernel    ``kernel.launch``                     ``spawn_train``: plan, run folder, store, environment, start
 kernel    ``kernel.rendezvous``                 where the ranks meet: a private FileStore, or a TCP store for env://
 kernel    ``kernel.forkserver``                 the warm server workers fork from; pre-warmed in a kernel
@@ -97,6 +98,7 @@ task      ``tasks.classification.data``,        class folders (scan, split, chec
           ``tasks.classification.decode_data``
 task      ``tasks.classification.data_record``  the images and split a run was made from (``data.json``): a resume on changed data is refused
 task      ``tasks.classification.models``       torchvision models, weights files (training and prediction)
+task      ``tasks.classification.onnx_export``  ``model.onnx`` and its ``preprocessing.json``, checked on held-out images
 task      ``tasks.classification.crops``,       the decode pipeline's crops drawn in the loader processes; batched resizes;
           ``tasks.classification.resize``,      a launch's fixed costs, one line each; the tensor pipeline's decoded
           ``tasks.classification.startup``,     images kept between launches (the user's private cache folder)
@@ -118,7 +120,7 @@ SIDES = {
     "contract.leases": "contract", "contract.private": "contract", "contract.plans": "contract", "contract.checkpoint": "contract",
     "contract.conventions": "contract", "contract.debugging": "contract", "contract.observe": "contract",
     "contract.statedir": "contract",
-    "contract.throughput": "contract",
+    "contract.throughput": "contract", "contract.onnx": "contract",
     "kernel": "kernel", "kernel.launch": "kernel", "kernel.rendezvous": "kernel", "kernel.forkserver": "kernel",
     "kernel.handle": "kernel", "kernel.ranks": "kernel", "kernel.report": "kernel", "kernel.rank_text": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
     "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",
@@ -153,6 +155,7 @@ SIDES = {
     "tasks.classification.models": "task", "tasks.classification.data_record": "task",
     "tasks.classification.crops": "task", "tasks.classification.resize": "task",
     "tasks.classification.startup": "task", "tasks.classification.decoded_store": "task",
+    "tasks.classification.onnx_export": "task",
 }
 
 #: Where each module of the package's first, flat layout lives now: ``import nbddp.dist`` still
@@ -186,6 +189,7 @@ _EXPORTS = {
     "predict": "kernel.inference",
     "Prediction": "kernel.inference",
     "export_run": "kernel.export",
+    "export_onnx": "kernel.export",
     "TrainingPanel": "ui",
     "show_tensorboard": "ui",
     "show_predictions": "ui",
@@ -197,6 +201,7 @@ _EXPORTS = {
     "ConfigError": "contract.errors",
     "DataError": "contract.errors",
     "WeightsError": "contract.errors",
+    "ExportError": "contract.errors",
     "WorkerError": "contract.errors",
     "TrainingInterrupted": "contract.errors",
     "RunAbandoned": "contract.errors",

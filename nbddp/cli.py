@@ -8,6 +8,7 @@
     python -m nbddp runs                  (your live runs on this server)
     python -m nbddp attach RUN_DIR        (follow one: its output, then its value)
     python -m nbddp stop RUN_DIR
+    python -m nbddp export runs/<run> --onnx      (model.onnx and preprocessing.json beside the weights)
 
 Every ``TrainConfig`` field is a flag (``--batch-size``, ``--sync-bn``/``--no-sync-bn``...);
 flags override the fields of ``--config``.
@@ -220,6 +221,17 @@ def _parser() -> argparse.ArgumentParser:
                                   "following, not the run)"),
                        ("stop", "stop a run (as its Stop button: it may save and return) and wait for its end")):
         sub.add_parser(name, help=what).add_argument("run_dir", metavar="RUN_DIR", help="the run's folder")
+    e = sub.add_parser("export", help="a run's weights for inference (and with --onnx, a checked ONNX file)",
+                       description="Writes the weights of a run (model.pth, model.safetensors, class_indices.json) "
+                       "into its export/ folder, or --out, where they are not there yet; with --onnx also "
+                       "model.onnx and preprocessing.json, checked with ONNX Runtime on the run's held-out images.")
+    e.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (runs/<time>-<name>)")
+    e.add_argument("--onnx", action="store_true", help="also write model.onnx and preprocessing.json (the onnx extra)")
+    e.add_argument("--out", default=None, metavar="DIR", help="export folder (default: RUN_DIR/export)")
+    e.add_argument("--which", default=None, choices=("best", "last"),
+                   help="the checkpoint to export (default: the run's export as it is, else best)")
+    e.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    e.add_argument("--fixed-batch", action="store_true", help="an ONNX graph of one image at a time (default: any batch)")
     return parser
 
 
@@ -239,7 +251,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 os.environ[STRATEGY_ENV] = ns.strategy
             return _under_launcher(ns, launcher)  # a rank: the worker side only
         return {"gpus": _list_gpus, "run": _run, "train": _train, "runs": _runs, "attach": _attach,
-                "stop": _stop}[ns.command](ns)
+                "stop": _stop, "export": _export}[ns.command](ns)
     except NbddpError as exc:
         print(f"nbddp: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -291,6 +303,28 @@ def _stop(ns: argparse.Namespace) -> int:
         print(f"the run ended: {type(outcome).__name__}: {outcome}")
         return 1
     print(f"stopped; result: {outcome.value!r}\nrun folder: {outcome.run_dir}")
+    return 0
+
+
+def _export(ns: argparse.Namespace) -> int:
+    """``python -m nbddp export RUN_DIR [--onnx]``: in the shell what the notebook's export does."""
+    from pathlib import Path
+
+    from .contract import rundir
+    from .kernel.export import export_onnx, export_run
+
+    run_dir = Path(ns.run_dir)
+    out = Path(ns.out) if ns.out else rundir.export_dir(run_dir)
+    weights = out / rundir.EXPORT_SAFETENSORS
+    if ns.which or not weights.is_file():  # the run's own export stays as the worker wrote it
+        weights = export_run(run_dir, out, which=ns.which or "best")["safetensors"]
+    print(f"weights: {weights}")
+    if ns.onnx:
+        from .tasks.classification.onnx_export import summary
+
+        onnx_file = export_onnx(out, opset=ns.opset, dynamic_batch=not ns.fixed_batch)
+        record = json.loads((onnx_file.parent / rundir.EXPORT_PREPROCESSING).read_text())
+        print(f"onnx: {onnx_file}\npreprocessing: {onnx_file.parent / rundir.EXPORT_PREPROCESSING}\n{summary(record)}")
     return 0
 
 

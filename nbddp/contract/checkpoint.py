@@ -43,7 +43,7 @@ import torch
 from .errors import ConfigError, WeightsError
 from .paths import PathLike, pseudo_filesystem, special_file_kind
 from .private import PRIVATE_FILE_MODE, _aside, open_private_below, owner, private_folder
-from .rundir import (TMP_MARK, CLASS_INDICES, EXPORT, EXPORT_FILES, EXPORT_META, EXPORT_PTH,  # noqa: F401
+from .rundir import (TMP_MARK, CLASS_INDICES, EXPORT, EXPORT_DEPLOY_FILES, EXPORT_FILES, EXPORT_META, EXPORT_PTH,  # noqa: F401
                      EXPORT_SAFETENSORS, fsync_dir, temp_writer_alive, atomic_write, atomic_write_text,
                      cleanup_temp_files, write_class_indices)
 
@@ -613,7 +613,8 @@ def _export_target(out_dir: Path) -> Path:
         raise ConfigError(f"export folder {out_dir} is a file; pass a folder path (it is created if needed)")
     if target.is_dir():
         foreign = sorted(e.name for e in os.scandir(target)
-                         if e.name not in EXPORT_FILES and e.name not in _REPLACEABLE and TMP_MARK not in e.name)
+                         if e.name not in EXPORT_FILES + EXPORT_DEPLOY_FILES and e.name not in _REPLACEABLE
+                         and TMP_MARK not in e.name)
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
             raise ConfigError(

@@ -169,6 +169,9 @@ class TrainConfig:
             the run's ``config.json`` keeps the new values).
         trackers: where the run's metrics also go besides TensorBoard: ``("mlflow",)``,
             ``("wandb",)`` or both (``"mlflow,wandb"`` on the command line); see ``spawn_train``.
+        export_onnx: at the end, beside the exported weights, also write ``export/model.onnx`` and
+            ``export/preprocessing.json`` (rank 0, on the CPU), checked with ONNX Runtime on held-out
+            images (see :func:`nbddp.export_onnx`); needs ``pip install 'nbddp[onnx]'``.
     """
 
     data_path: str = spec("data/digits", help="class-folder tree root/<class>/<image>", check=_PATH, metavar="DIR",
@@ -308,6 +311,10 @@ class TrainConfig:
                            "TensorBoard: mlflow, wandb or mlflow,wandb (one tracker run per run folder)",
                            widget=Widget("combo", "Trackers", "advanced", options=("", "mlflow", "wandb", "mlflow,wandb"),
                                          placeholder="mlflow, wandb"))
+    export_onnx: bool = spec(False, help="also write export/model.onnx and preprocessing.json at the end, checked "
+                             "with ONNX Runtime on held-out images (needs pip install 'nbddp[onnx]')", check=_BOOL,
+                             widget=Widget("check", "Export ONNX too (checked with ONNX Runtime)", "options"),
+                             resume=RESUME_FREE)
 
     def __post_init__(self):
         # Normalise containers and paths so the config stays hashable, JSON-able and picklable.

@@ -28,6 +28,10 @@ class WeightsError(NbddpError):
     """A weights or checkpoint file cannot be used (missing, wrong shapes, not weights-only safe)."""
 
 
+class ExportError(NbddpError):
+    """A model cannot be exported for serving (ONNX), or the exported file does not predict what the model does."""
+
+
 class _RankError(NbddpError):
     """An error raised in a worker that names the rank at its root (``rank``, kept when pickled)."""
 

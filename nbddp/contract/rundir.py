@@ -95,6 +95,12 @@ EXPORT_PTH = "model.pth"
 EXPORT_SAFETENSORS = "model.safetensors"
 EXPORT_META = "meta.json"
 EXPORT_FILES = (EXPORT_PTH, EXPORT_SAFETENSORS, CLASS_INDICES, EXPORT_META)
+#: The deployable pair beside them (``nbddp.export_onnx``): the graph, its weights beyond 2 GB, and the
+#: recipe that prepares an image for it. Written after the weights, into the same folder; a new export
+#: of the weights replaces the folder whole, so a graph of older weights never stays beside newer ones.
+EXPORT_ONNX = "model.onnx"
+EXPORT_PREPROCESSING = "preprocessing.json"
+EXPORT_DEPLOY_FILES = (EXPORT_ONNX, EXPORT_ONNX + ".data", EXPORT_PREPROCESSING)
 
 #: Run names go into folder names, ``#SBATCH --job-name`` lines and shell commands, so they are
 #: kept to characters that mean nothing to a shell, a path or Slurm: ASCII letters, digits and

@@ -13,15 +13,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+import torch
 
 from ..contract import rundir
 from ..contract.checkpoint import export_weights, load_checkpoint
-from ..contract.errors import ConfigError, WeightsError
+from ..contract.errors import ConfigError, ExportError, WeightsError
 from ..contract.paths import PathLike
 
 CHECKPOINTS = (rundir.BEST, rundir.LAST)
@@ -106,6 +110,130 @@ def export_run(run_dir: PathLike, out_dir: PathLike, which: str = "best") -> Dic
     return export_weights(ckpt, out_dir, classes, extra=meta)
 
 
+def export_onnx(source: Any, path: Optional[PathLike] = None, opset: Optional[int] = None, dynamic_batch: bool = True,
+                *, example_input: Optional[torch.Tensor] = None, images: Optional[Sequence[Any]] = None,
+                preprocessing: Optional[dict] = None) -> Path:
+    """Write a model as ONNX for serving, and check it with ONNX Runtime before calling it done.
+
+    For a run (its folder, its ``export/`` folder, or a folder of :func:`export_run`): the exported
+    weights, as :func:`nbddp.load_model` rebuilds them, become ``model.onnx`` (torch's dynamo exporter;
+    the legacy TorchScript exporter only where that fails, with a warning that says why), beside them
+    by default, with ``preprocessing.json``: the input's size, the resize, crop, mean, std, channel order
+    and layout, the class names, the exporter, and the check. The check runs ONNX Runtime on held-out
+    images (the run's validation images, up to 16, spread over the classes) prepared as
+    ``preprocessing.json`` says, and PyTorch on the same images prepared by training's transform: the
+    top-1 labels must be equal and every logit within ``1e-3 + 1e-3 * |logit|``. A model trained with
+    ``strategy="fsdp"`` exports the same way: its export holds the consolidated weights.
+
+    For a model of your own: ``export_onnx(model, "model.onnx", example_input=batch)`` writes the graph
+    and checks it on ``example_input`` (no ``preprocessing.json``: the recipe is yours).
+
+    Args:
+        source: a run folder (``TrainResult.run_dir``), an export folder, or a ``torch.nn.Module``.
+        path: where to write: a folder (``model.onnx`` goes in it) or, for a module, a ``.onnx`` file.
+            Default: the folder of the run's exported weights (``run_dir/export/``).
+        opset: the ONNX opset (default: the exporter's; 20 with torch 2.14).
+        dynamic_batch: the graph takes any batch size (else one image at a time for a run; the example's
+            batch for a module).
+        example_input: a module's input batch, on the module's device or the CPU.
+        images: paths or PIL images to check on, instead of the run's validation images.
+        preprocessing: what the service will do differently from training's transform (``resize``,
+            ``crop``, ``interpolation``, ``mean``, ``std``, ``channel_order``): written to
+            ``preprocessing.json`` and checked, so a recipe that changes the predictions fails.
+
+    Returns:
+        The path of ``model.onnx``.
+
+    Raises:
+        ExportError: the ``onnx`` extra is missing (``pip install 'nbddp[onnx]'``); the model cannot be
+            exported (each exporter's reason, one paragraph); or ONNX Runtime does not predict what the
+            model does (the largest difference named; the files kept, ``preprocessing.json`` records it).
+        WeightsError: no exported weights at ``source``.
+        ConfigError: a module without ``example_input``, or a bad ``preprocessing`` value.
+
+    Example:
+        >>> onnx_file = nbddp.export_onnx(result.run_dir)             # runs/<run>/export/model.onnx
+        >>> nbddp.predict(onnx_file, ["data/digits/3/0003.png"])[0].label
+    """
+    from ..contract import onnx as ox
+
+    ox.require("nbddp.export_onnx", ox.WRITE_MODULES)  # and onnxruntime for the check: without it, a warning
+    if isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], torch.nn.Module):
+        source, example_input = source
+    if isinstance(source, torch.nn.Module):
+        return _export_module(source, example_input, path, opset, dynamic_batch)
+    from ..tasks.classification.onnx_export import CHECK_IMAGES, export_classifier, random_images, spread
+    from .inference import load_model
+
+    model, classes = load_model(source)
+    meta = model.nbddp_meta
+    weights = Path(meta["weights"])
+    folder = weights.parent if path is None else Path(path)
+    if folder.suffix == ".onnx":
+        if folder.name != rundir.EXPORT_ONNX:
+            raise ConfigError(f"export_onnx(path={os.fspath(path)!r}): a run's graph is {rundir.EXPORT_ONNX}, beside "
+                              f"its {rundir.EXPORT_PREPROCESSING}; pass the folder for the two")
+        folder = folder.parent
+    on = "given images"
+    if images is None:
+        held_out = _held_out_images(Path(source), weights.parent)
+        on = "held-out images" if held_out else "random images (no held-out image of the run was found)"
+        images = spread(held_out) if held_out else random_images(CHECK_IMAGES, meta["image_size"])
+    onnx_path, _ = export_classifier(model, classes, meta["image_size"], folder, list(images),
+                                     model_name=meta["model"], opset=opset, dynamic_batch=dynamic_batch,
+                                     preprocessing=preprocessing, weights_file=weights, on=on)
+    return onnx_path
+
+
+def _held_out_images(source: Path, export_folder: Path) -> List[str]:
+    """The validation images of the run the export came from, those that still exist."""
+    runs = [source, export_folder.parent]
+    meta_path = export_folder / rundir.EXPORT_META
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, IndexError):
+        runs.append(Path(json.loads(meta_path.read_text())["source"]).parents[1])  # <run>/checkpoints/best.pt
+    for run in runs:
+        if rundir.val_predictions_path(run).is_file():
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError, WeightsError):
+                return [r["path"] for r in load_val_predictions(run) if Path(r["path"]).is_file()]
+    return []
+
+
+def _export_module(model: torch.nn.Module, example: Optional[torch.Tensor], path: Optional[PathLike],
+                   opset: Optional[int], dynamic_batch: bool) -> Path:
+    """A module of the user's: the graph, checked on the example input."""
+    import copy
+
+    from ..contract import onnx as ox
+
+    if not isinstance(example, torch.Tensor):
+        raise ConfigError("export_onnx(model): pass example_input=, a batch the model takes, e.g. "
+                          "torch.randn(2, 3, 224, 224)")
+    if path is None:
+        raise ConfigError("export_onnx(model): pass path=, the .onnx file (or a folder) to write")
+    path = Path(path)
+    path = path if path.suffix == ".onnx" else path / rundir.EXPORT_ONNX
+    model = ox.plain_module(model)
+    if any(t.device.type != "cpu" for t in model.state_dict().values()):
+        model = copy.deepcopy(model).cpu()  # the graph and the check on the CPU, as ONNX Runtime runs it here
+    example = example.detach().cpu()
+    was_training = model.training
+    model.eval()
+    try:
+        ox.write(model, example, path, opset=opset, dynamic_batch=dynamic_batch)
+        if ox.missing_modules(ox.RUN_MODULES):
+            warnings.warn(f"{path} was not checked: onnxruntime is not installed ({ox.EXTRA})", stacklevel=3)
+        else:
+            with torch.no_grad():
+                expected = model(example).float().numpy()
+            passed, what, _, _ = ox.compare(ox.run(ox.session(path), example.float().numpy()), expected)
+            if not passed:
+                raise ExportError(f"{path} does not compute what the model computes: checked with ONNX Runtime on "
+                                  f"example_input, {what}. The file is kept for a look; do not serve it.")
+    finally:
+        model.train(was_training)
+    return path
+
+
 def load_val_predictions(run_dir: PathLike) -> List[dict]:
     """The best model's validation predictions, ``[{"path", "label", "pred"}]``.
 
@@ -167,4 +295,4 @@ def per_class_accuracy(labels: Sequence[int], preds: Sequence[int], classes: Seq
     return {name: (float(m[i, i] / totals[i]) if totals[i] else None) for i, name in enumerate(classes)}
 
 
-__all__ = ["confusion_matrix", "export_run", "load_val_predictions", "per_class_accuracy", "run_classes"]
+__all__ = ["confusion_matrix", "export_onnx", "export_run", "load_val_predictions", "per_class_accuracy", "run_classes"]

@@ -6,6 +6,7 @@ Runs in the kernel on the CPU by default, so it never holds a GPU the next train
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
@@ -129,7 +130,9 @@ def predict(model, images: Union[PathLike, "PIL.Image.Image", Sequence], classes
     """Classify images (paths or PIL images) with the validation transform of training.
 
     Args:
-        model: a model from :func:`load_model` (or any classifier; then pass ``classes``).
+        model: a model from :func:`load_model` (or any classifier; then pass ``classes``), or a ``.onnx``
+            file of :func:`nbddp.export_onnx`: run with ONNX Runtime on the CPU, the images prepared as its
+            ``preprocessing.json`` says (the file is refused if the recipe does not describe it).
         images: one image or a list of paths / PIL images.
         classes: class names (default: those stored by ``load_model``).
         image_size: evaluation size (default: the training size stored by ``load_model``).
@@ -141,6 +144,8 @@ def predict(model, images: Union[PathLike, "PIL.Image.Image", Sequence], classes
     """
     from ..tasks.classification.data import build_transforms, load_rgb
 
+    if isinstance(model, (str, os.PathLike)):
+        return _predict_onnx(model, images, classes, image_size, top_k, batch_size)
     meta = getattr(model, "nbddp_meta", {})
     classes = list(classes or meta.get("classes") or [])
     if not classes:
@@ -155,10 +160,39 @@ def predict(model, images: Union[PathLike, "PIL.Image.Image", Sequence], classes
     for i in range(0, len(items), batch_size):
         batch = torch.stack([val_tf(load_rgb(x) if isinstance(x, (str, Path)) else x.convert("RGB"))
                              for x in items[i:i + batch_size]]).to(device)
-        probs = torch.softmax(model(batch).float(), dim=1).cpu()
-        k = min(top_k, probs.shape[1])
-        for row in probs:
-            p, idx = row.topk(k)
-            top = tuple((classes[j], float(q)) for q, j in zip(p.tolist(), idx.tolist()))
-            out.append(Prediction(top[0][0], int(idx[0]), top[0][1], top))
+        out += _predictions(model(batch).float().cpu(), classes, top_k)
+    return out
+
+
+def _predictions(logits: torch.Tensor, classes: Sequence[str], top_k: int) -> List[Prediction]:
+    probs = torch.softmax(logits, dim=1)
+    k = min(top_k, probs.shape[1])
+    out = []
+    for row in probs:
+        p, idx = row.topk(k)
+        top = tuple((classes[j], float(q)) for q, j in zip(p.tolist(), idx.tolist()))
+        out.append(Prediction(top[0][0], int(idx[0]), top[0][1], top))
+    return out
+
+
+def _predict_onnx(path: PathLike, images, classes: Optional[Sequence[str]], image_size: Optional[int], top_k: int,
+                  batch_size: int) -> List[Prediction]:
+    """:func:`predict` with a ``.onnx`` file: its recipe prepares the images, ONNX Runtime runs it."""
+    from ..contract.errors import ConfigError
+    from ..tasks.classification.onnx_export import OnnxClassifier
+
+    if Path(path).suffix != ".onnx":
+        raise ConfigError(f"predict({os.fspath(path)!r}, ...): pass a model from nbddp.load_model(...) or a .onnx file "
+                          "written by nbddp.export_onnx")
+    onnx_model = OnnxClassifier(path)
+    crop = onnx_model.record["preprocess"]["crop"]
+    if image_size not in (None, crop):
+        raise ConfigError(f"predict(image_size={image_size}): {path} takes {crop}x{crop} images, as its "
+                          "preprocessing.json says; leave image_size out")
+    classes = list(classes or onnx_model.classes)
+    single = not isinstance(images, (list, tuple))
+    items = [images] if single else list(images)
+    out: List[Prediction] = []
+    for i in range(0, len(items), batch_size):
+        out += _predictions(torch.from_numpy(onnx_model.logits(items[i:i + batch_size])).float(), classes, top_k)
     return out

@@ -110,6 +110,12 @@ class RunView:
                                      tooltip="every rank's Python stack now: the function and line each one is in",
                                      layout=W.Layout(width="160px"))
         self.where_button.on_click(lambda _: self.show_stacks())
+        # The built-in classifier's last run, as ONNX (nbddp.export_onnx): enabled once a run exported weights.
+        self.export_button = W.Button(description="Export ONNX", icon="download", disabled=True,
+                                      tooltip="model.onnx and preprocessing.json beside the run's weights, checked "
+                                      "with ONNX Runtime on held-out images", layout=W.Layout(width="140px"))
+        self.export_button.on_click(lambda _: self.export_onnx())
+        self.export_note = W.HTML("", layout=W.Layout(**FULL))
         self.stacks = W.HTML("", layout=W.Layout(**FULL))
         self.status = W.HTML("", layout=W.Layout(**FULL))
         self.progress_bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, layout=W.Layout(width="35%", min_width="160px"))
@@ -117,7 +123,8 @@ class RunView:
         self.chart = W.Image(value=self._chart_png([]), format="png",
                              layout=W.Layout(max_width="960px", height="auto", **FULL))
         self.log = W.HTML(self._log_html(), layout=W.Layout(**FULL))
-        self.parts = [W.HBox([self.train_button, self.stop_button, self.where_button]), self.status, self.stacks,
+        buttons = [self.train_button, self.stop_button, self.where_button] + ([] if worker else [self.export_button])
+        self.parts = [W.HBox(buttons), self.status, self.export_note, self.stacks,
                       W.HBox([self.progress_bar, self.progress_label], layout=W.Layout(align_items="center")),
                       self.chart, W.HTML("<b>rank 0 log</b>"), self.log]
 
@@ -138,8 +145,34 @@ class RunView:
         self.stacks.value = (f"<pre style='font-size:12px;line-height:1.3;white-space:pre-wrap;margin:0'>{body}\n"
                              f"full dumps: logs/rank&lt;r&gt;.stacks.log</pre>")
 
+    def export_onnx(self) -> Optional[Any]:
+        """The Export ONNX button: the last run's ``model.onnx`` beside its weights, checked; says how it went."""
+        from ..kernel.export import export_onnx
+
+        result = self.result
+        if result is None or result.weights_path is None:
+            self.export_note.value = "<i>no exported weights yet: train (or wait for the run's end) first</i>"
+            return None
+        self.export_button.disabled = True
+        self.export_note.value = "<i>exporting to ONNX and checking it with ONNX Runtime…</i>"
+        try:
+            path = export_onnx(result.run_dir)
+        except NbddpError as exc:
+            self.export_note.value = (f"<div style='color:{_COLORS['error']};white-space:normal'><b>ONNX export "
+                                      f"failed</b> — {html.escape(str(exc))}</div>")
+            return None
+        finally:
+            self.export_button.disabled = False
+        self.export_note.value = (f"<div style='color:{_COLORS['ok']}'>ONNX <code>{html.escape(str(path))}</code> "
+                                  "and <code>preprocessing.json</code> beside it, checked with ONNX Runtime "
+                                  "(<code>nbddp.predict(path, images)</code> runs it)</div>")
+        return path
+
     def set_busy(self, busy: bool) -> None:
         self.train_button.disabled = busy
+        self.export_button.disabled = busy or self.result is None or self.result.weights_path is None
+        if busy:
+            self.export_note.value = ""
         self.where_button.disabled = not busy
         if not busy:
             self.stacks.value = ""

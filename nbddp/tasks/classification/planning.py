@@ -78,12 +78,25 @@ def preflight(cfg: TrainConfig) -> Optional[Path]:
             build_model(cfg.model, len(classes))  # raises ConfigError with close matches
     _check_batch_norm_batch(cfg, len(classes))
     _check_writable(Path(cfg.runs_dir))
+    if cfg.export_onnx:
+        _check_onnx_extra()
     if not cfg.resume:
         return None
     run_dir = find_resume_dir(cfg, classes)
     data_record.check_resume(run_dir, str(cfg.data_path), classes, samples, cfg.val_fraction, cfg.seed,
                              cfg.allow_changed_data)
     return run_dir
+
+
+def _check_onnx_extra() -> None:
+    """``export_onnx=True`` without the packages it needs is refused now, not after the training."""
+    from ...contract import onnx as ox
+
+    missing = ox.missing_modules()
+    if missing:
+        raise ConfigError(f"TrainConfig.export_onnx=True needs {' and '.join(missing)}, not installed in this "
+                          f"Python. Install the extra with:  {ox.EXTRA}  (or set export_onnx=False and export "
+                          "later with nbddp.export_onnx(run_dir))")
 
 
 def _check_batch_norm_batch(cfg: TrainConfig, num_classes: int) -> None:

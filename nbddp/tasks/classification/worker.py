@@ -699,4 +699,10 @@ def _export(cfg: TrainConfig, ctx, data: TaskData, best_state, best_epoch: int, 
              for i, p in final.predictions]
     rundir.atomic_write_text(rundir.val_predictions_path(ctx.run_dir), json.dumps(preds))
     print(f"best val_acc {final.accuracy:.4f} (epoch {best_epoch + 1}); weights exported to {export_dir}", flush=True)
+    if cfg.export_onnx:  # the plain model of these files, as nbddp.export_onnx(run_dir) would export it
+        from .onnx_export import export_after_training
+
+        print(export_after_training(cfg.model, data.classes, cfg.image_size, paths["safetensors"],
+                                    [rec["path"] for rec in preds], threads=torch.get_num_threads()), flush=True)
     return paths["pth"]
+
