@@ -22,12 +22,12 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..contract.errors import ConfigError, NbddpError
+from ..contract.safe_path import module_argv
 
 #: How long one SLURM command may take before the controller counts as not answering.
 COMMAND_TIMEOUT_S = 30.0
@@ -204,7 +204,8 @@ def submit_options(cluster: Slurm, ranks_per_node: int, cpus_per_task: int, name
 
 def batch_script(folder: Path) -> str:
     """The job's script: every task starts its rank through :mod:`nbddp.rank.slurm_task`."""
-    task = shlex.join([sys.executable, "-m", "nbddp.rank.slurm_task", os.fspath(folder)])
+    # Not "python -m": the task starts in the kernel's folder (--chdir), which -m puts first on sys.path.
+    task = shlex.join(module_argv("nbddp.rank.slurm_task", os.fspath(folder)))
     marker = shlex.quote(os.fspath(folder / "preempted.")) + '"${SLURM_RESTART_COUNT:-0}"'
     return "\n".join([
         "#!/bin/bash",
