@@ -53,13 +53,12 @@ import os
 import re
 import secrets
 import stat
-import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Union
 
 from . import statedir
 from .paths import PathLike
-from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, _aside, open_private_file, private_folder
+from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, open_private_file, open_yours, private_folder
 from .private import problem
 from .private import read_private as _read_private
 from .statedir import STATE_DIR, TMP_MARK
@@ -492,30 +491,10 @@ def open_own(path: PathLike, what: str) -> int:
     path = Path(path)
     folder = open_run_folder(path.parent)
     try:
-        for _ in range(5):
-            try:
-                # O_NONBLOCK: a FIFO put there must not hang the open; it is moved aside below.
-                fd = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                             | os.O_CLOEXEC, OWN_FILE_MODE, dir_fd=folder)
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EACCES, errno.EPERM):
-                    raise
-                found = "is not a regular file"
-                with contextlib.suppress(OSError):
-                    found = problem(os.lstat(path.name, dir_fd=folder), "file") or found
-            else:
-                found = problem(os.fstat(fd), "file")
-                if found is None:
-                    os.set_blocking(fd, True)
-                    return fd
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                aside = _aside(path, folder)
-                warnings.warn(f"{path} {found}, so {what} were not written into it: it was moved to {aside.name} "
-                              f"(nothing in it was read) and a new file was made in its place.", stacklevel=3)
+        return open_yours(folder, path.name, path, what, flags=os.O_WRONLY | os.O_APPEND, mode=OWN_FILE_MODE,
+                          narrow="keep")
     finally:
         os.close(folder)
-    raise NotPrivate(f"{path} keeps being replaced by a file that is not yours alone: {what} cannot be written there.")
 
 
 def read_own(path: PathLike) -> Optional[int]:
