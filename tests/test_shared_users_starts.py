@@ -9,6 +9,7 @@ victim's own in that folder is still found by a rank (``helper.py``, imported by
 """
 
 import os
+import stat
 import subprocess
 import textwrap
 
@@ -65,6 +66,18 @@ def test_a_module_planted_in_the_notebook_folder_never_runs_in_a_local_launch(pr
     done = p.run(p.victim, LAUNCH.format(name="local", method="forkserver", extra=""), check=False, timeout=300)
     assert "RESULT \"helped\"" in done.stdout, done.stdout + done.stderr
     assert _planted(p) == [], "the planted json.py ran in the warm server or a rank"
+    # The compile caches' home, made by the launch: the victim's alone, whatever the umask (002 here).
+    cache = p.base / "home" / p.victim.name / ".cache"
+    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700 and "not kept between runs" not in done.stderr, done.stderr
+
+
+def test_another_users_closed_sweep_folder_is_refused_naming_its_owner(project):
+    p = project
+    p.shell(p.attacker, "mkdir -p runs/sweeps/theirs && chmod 700 runs/sweeps/theirs")
+    done = p.run(p.victim, "from nbddp.kernel.study_file import StudyFile; StudyFile('runs', 'theirs', print)",
+                 check=False)
+    assert f"is owned by uid {p.attacker.uid}, not by you" in done.stderr and "NotPrivate" in done.stderr, done.stderr
+    assert "PermissionError: [Errno" not in done.stderr, done.stderr
 
 
 @pytest.mark.skipif(not _slurm_answers(), reason="no SLURM cluster here; scripts/install_slurm.sh makes a one-host one")

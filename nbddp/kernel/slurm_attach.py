@@ -57,14 +57,18 @@ def attach(run_dir: Union[str, "os.PathLike[str]"], block: bool = False, echo: b
                           "(handle.run_dir)")
     # The run folder is resolved once: its state folder pinned by descriptor (a link at its name is
     # refused), and the launch record, the job's folder and its spec read through it, never by name again.
-    state = statedir.follow(run)
+    none = ConfigError(f"attach({str(run_dir)!r}): the folder holds no SLURM job's run (attach follows a run "
+                       "submitted with spawn_train(..., cluster=nbddp.Slurm(...)); a run started on this server "
+                       "ended with the kernel that started it)")
+    try:
+        state = statedir.follow(run)
+    except FileNotFoundError:
+        raise none from None
     try:
         record = rundir.read_launch_record(run, strict=True)
         job = record.get("slurm") if isinstance(record, dict) else None
         if not isinstance(job, dict) or not job.get("job"):
-            raise ConfigError(f"attach({str(run_dir)!r}): the folder holds no SLURM job's run (attach follows a run "
-                              "submitted with spawn_train(..., cluster=nbddp.Slurm(...)); a run started on this "
-                              "server ended with the kernel that started it)")
+            raise none
         path = job_folder(run)
         with state._lock:
             folder = statedir.StateDir(private.open_yours(state._dir(), path.name, path, JOB_FILES, kind="folder",
