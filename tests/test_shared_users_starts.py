@@ -34,7 +34,7 @@ KERNEL = ("import sys; sys.path.remove(''); "
           "sys.path.insert(next(i for i, p in enumerate(sys.path) if p.endswith(('site-packages', 'dist-packages'))), '')\n"
           "import os; sys.stdin = open(os.devnull); import nbddp\n")
 
-LAUNCH = KERNEL + ("r = nbddp.spawn_train('startw.py:fn', nprocs=1, runs_dir='runs', name={name!r}, echo=False, "
+LAUNCH = KERNEL + ("r = nbddp.spawn_train('startw.py:fn', nprocs=1, runs_dir={runs!r}, name={name!r}, echo=False, "
                    "start_method={method!r}{extra})\n"
                    "print('RESULT', r.value)")
 
@@ -63,7 +63,7 @@ def _planted(p) -> list:
 
 def test_a_module_planted_in_the_notebook_folder_never_runs_in_a_local_launch(project):
     p = project  # the warm server imports torch (and json) before any rank forks from it
-    done = p.run(p.victim, LAUNCH.format(name="local", method="forkserver", extra=""), check=False, timeout=300)
+    done = p.run(p.victim, LAUNCH.format(runs="runs", name="local", method="forkserver", extra=""), check=False, timeout=300)
     assert "RESULT \"helped\"" in done.stdout, done.stdout + done.stderr
     assert _planted(p) == [], "the planted json.py ran in the warm server or a rank"
     # The compile caches' home, made by the launch: the victim's alone, whatever the umask (002 here).
@@ -83,7 +83,9 @@ def test_another_users_closed_sweep_folder_is_refused_naming_its_owner(project):
 @pytest.mark.skipif(not _slurm_answers(), reason="no SLURM cluster here; scripts/install_slurm.sh makes a one-host one")
 def test_a_module_planted_in_the_notebook_folder_never_runs_in_a_slurm_task(project):
     p = project
-    done = p.run(p.victim, LAUNCH.format(name="slurm", method="forkserver", extra=", cluster=nbddp.Slurm()"),
+    # A % in the runs folder's path: SLURM reads it as a pattern in a file name it is given (%j: the job id).
+    done = p.run(p.victim, LAUNCH.format(runs="runs%j", name="slurm", method="forkserver",
+                                         extra=", cluster=nbddp.Slurm()"),
                  check=False, timeout=300)
     assert "RESULT \"helped\"" in done.stdout, done.stdout + done.stderr
     assert _planted(p) == [], "the planted json.py ran in a SLURM task"
