@@ -351,23 +351,8 @@ def follow(run_dir: PathLike) -> StateDir:
                              f"link (anyone who may write its folder can point one at another run). Give the run "
                              f"folder itself ({os.path.realpath(run_dir)} if that is yours).") from None
         raise
-    path = _state_path(run_dir)
     try:
-        try:
-            fd = os.open(STATE_DIR, _DIR_FLAGS, dir_fd=run)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                check(os.lstat(STATE_DIR, dir_fd=run), Path(path), "folder", WHY)
-            raise
-        state = StateDir(fd, path)
-        try:
-            check(os.fstat(fd), Path(path), "folder", WHY)
-            owner = _owner(state)
-            if owner is not None and owner != os.fstat(run).st_ino:
-                raise NotPrivate(f"{path} {_not_this_runs(owner)}: nothing in it is used. Remove {path}.")
-        except BaseException:
-            state.close()
-            raise
+        state = _open_checked(run_dir, run)
     finally:
         os.close(run)
     return _pin(run_dir, state)
@@ -434,20 +419,22 @@ def opened(run_dir: PathLike, create: bool = False) -> Iterator[StateDir]:
         state.close()
 
 
-def _open_checked(run_dir: PathLike) -> StateDir:
-    """``.nbddp`` opened for one access: the user's, writable by no one else, and not another run folder's."""
+def _open_checked(run_dir: PathLike, run: Optional[int] = None) -> StateDir:
+    """``.nbddp`` opened for one access: the user's, writable by no one else, and not another run folder's
+    (``run``: the run folder, open: the state folder is opened under it, never through its name)."""
     path = _state_path(run_dir)
+    name, where = (STATE_DIR, run) if run is not None else (path, None)
     try:
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=where)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            check(os.lstat(path), Path(path), "folder", WHY)
+            check(os.lstat(name, dir_fd=where), Path(path), "folder", WHY)
         raise
     state = StateDir(fd, path)
     try:
         check(os.fstat(fd), Path(path), "folder", WHY)
         owner = _owner(state)
-        if owner is not None and owner != os.stat(run_dir).st_ino:
+        if owner is not None and owner != (os.fstat(run) if run is not None else os.stat(run_dir)).st_ino:
             raise NotPrivate(f"{path} {_not_this_runs(owner)}: nothing in it is used. Remove {path}.")
     except BaseException:
         state.close()
