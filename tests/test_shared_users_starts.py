@@ -74,8 +74,8 @@ def test_a_module_planted_in_the_notebook_folder_never_runs_in_a_local_launch(pr
 def test_another_users_closed_sweep_folder_is_refused_naming_its_owner(project):
     p = project
     p.shell(p.attacker, "mkdir -p runs/sweeps/theirs && chmod 700 runs/sweeps/theirs")
-    done = p.run(p.victim, "from nbddp.kernel.study_file import StudyFile; StudyFile('runs', 'theirs', print)",
-                 check=False)
+    done = p.run(p.victim, KERNEL + "from nbddp.kernel.study_file import StudyFile; StudyFile('runs', 'theirs', print)",
+                 check=False)  # as from the victim's kernel: the planted json.py stays unimported
     assert f"is owned by uid {p.attacker.uid}, not by you" in done.stderr and "NotPrivate" in done.stderr, done.stderr
     assert "PermissionError: [Errno" not in done.stderr, done.stderr
 
