@@ -147,6 +147,7 @@ class SlurmGroup:
         self.started_at = started_at
         self.procs = self.server = self.tmp_dir = self.store = self.not_before = None
         self.closed = False
+        self._output = ""  # the job's output as it was when the group closed (job_output)
         self.state: Optional[tuple] = ("PENDING", "")
         self.ran = False  # the job has started on its nodes
         self.notify: Optional[Callable[[str], None]] = None
@@ -281,6 +282,8 @@ class SlurmGroup:
                 cancel(self.job_id)
                 self.reap()
         self.close_store()
+        self._output = self.job_output()  # kept for the error: the folder's descriptor is given back
+        self.folder.close()
         self.closed = True
 
     def close_store(self) -> None:
@@ -307,6 +310,8 @@ class SlurmGroup:
 
     def job_output(self) -> str:
         """The last lines SLURM itself wrote for the job (srun's errors, a rank that could not start)."""
+        if self.folder.fd is None:
+            return self._output
         with contextlib.suppress(OSError):
             lines = self.folder.read(slurm.JOB_OUTPUT).decode(errors="replace").splitlines()
             return "\n".join(lines[-JOB_OUTPUT_LINES:])
