@@ -289,7 +289,7 @@ class SlurmGroup:
     def close_store(self) -> None:
         if self.spec.store_path:
             with contextlib.suppress(OSError):
-                os.unlink(self.spec.store_path)
+                self.folder.unlink(os.path.basename(self.spec.store_path))
 
     def abandon(self) -> None:
         with contextlib.suppress(Exception):

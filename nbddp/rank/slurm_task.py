@@ -145,7 +145,10 @@ def _rank_spec(job, rank: int, local_rank: int, tmp_dir: str):
         env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
     head, port = _head_node(), _job_port()
     env.update(MASTER_ADDR=head, MASTER_PORT=str(port))
-    store = dict(store_host=head, store_port=port, master_port=port) if not spec.store_path else {}
+    # The ranks' FileStore, in the job folder this guardian holds (the rank, its fork, holds it too):
+    # through the descriptor, never the folder's name, which anyone of the group may swap.
+    store = (dict(store_host=head, store_port=port, master_port=port) if not spec.store_path else
+             dict(store_path=f"/proc/self/fd/{job.fd}/{os.path.basename(spec.store_path)}"))
     return dataclasses.replace(spec, env=env, **store)
 
 
