@@ -30,6 +30,7 @@ contract  ``contract.statedir``                 the run's private state folder, 
 contract  ``contract.protocol``                 ``LaunchSpec``, the ranks' entry by name, every record between kernel and ranks
 contract  ``contract.paths``                    what a path is (FIFO, /proc) before anything reads it
 contract  ``contract.private``                  folders and files of the user's alone: checked, made 0700, moved aside; the compile caches
+contract  ``contract.safe_path``                every Python process nbddp starts: never its start folder ahead of the standard library
 contract  ``contract.system``                   process identity (pid + start time), CPU cores, signalling
 contract  ``contract.targets``                  ``"file.py:fn"`` / ``"pkg.mod:fn"``: checked (kernel), loaded (rank)
 contract  ``contract.cells``                    functions from notebook cells: checked and pickled by value (kernel), loaded (rank)
@@ -121,6 +122,7 @@ SIDES = {
     "contract.conventions": "contract", "contract.debugging": "contract", "contract.observe": "contract",
     "contract.statedir": "contract",
     "contract.throughput": "contract", "contract.onnx": "contract",
+    "contract.safe_path": "contract",
     "kernel": "kernel", "kernel.launch": "kernel", "kernel.rendezvous": "kernel", "kernel.forkserver": "kernel",
     "kernel.handle": "kernel", "kernel.ranks": "kernel", "kernel.report": "kernel", "kernel.rank_text": "kernel", "kernel.procs": "kernel", "kernel.shutdown": "kernel",
     "kernel.stall": "kernel", "kernel.restarts": "kernel", "kernel.stacks": "kernel", "kernel.output": "kernel",

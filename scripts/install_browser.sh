@@ -49,10 +49,14 @@ if ! apt-cache show chromium >/dev/null 2>&1; then
   exit 0
 fi
 say "installing chromium with apt-get (a few minutes the first time)"
-if timeout 900 "${SUDO[@]}" apt-get install -y -qq --no-install-recommends chromium >/tmp/nbddp-install-browser.log 2>&1; then
+# A fresh name (mktemp: O_EXCL, mode 0600), never a fixed one: in a shared /tmp any user may have put
+# a link at a fixed name, and root writing through it overwrites the file it points to.
+LOG=$(mktemp -t nbddp-install-browser.XXXXXXXX) || { say "skipped: mktemp failed"; exit 0; }
+if timeout 900 "${SUDO[@]}" apt-get install -y -qq --no-install-recommends chromium >"$LOG" 2>&1; then
   say "installed: $(/usr/bin/chromium --version 2>/dev/null || echo /usr/bin/chromium)"
+  rm -f "$LOG"
 else
-  say "skipped: apt-get install chromium failed; its output: /tmp/nbddp-install-browser.log"
-  tail -n 5 /tmp/nbddp-install-browser.log 2>/dev/null | sed 's/^/install_browser:   /'
+  say "skipped: apt-get install chromium failed; its output: $LOG"
+  tail -n 5 "$LOG" 2>/dev/null | sed 's/^/install_browser:   /'
 fi
 exit 0

@@ -46,11 +46,15 @@ if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1
     timeout 300 apt-get update -qq >/dev/null 2>&1 || { say "skipped: apt-get update failed (no network?)"; exit 0; }
   fi
   say "installing slurm-wlm and munge with apt-get (a minute or two the first time)"
-  if ! timeout 900 apt-get install -y -qq --no-install-recommends slurm-wlm munge >/tmp/nbddp-install-slurm.log 2>&1; then
-    say "skipped: apt-get install slurm-wlm munge failed; its output: /tmp/nbddp-install-slurm.log"
-    tail -n 5 /tmp/nbddp-install-slurm.log 2>/dev/null | sed 's/^/install_slurm:   /'
+  # A fresh name (mktemp: O_EXCL, mode 0600), never a fixed one: in a shared /tmp any user may have
+  # put a link at a fixed name, and root writing through it overwrites the file it points to.
+  LOG=$(mktemp -t nbddp-install-slurm.XXXXXXXX) || { say "skipped: mktemp failed"; exit 0; }
+  if ! timeout 900 apt-get install -y -qq --no-install-recommends slurm-wlm munge >"$LOG" 2>&1; then
+    say "skipped: apt-get install slurm-wlm munge failed; its output: $LOG"
+    tail -n 5 "$LOG" 2>/dev/null | sed 's/^/install_slurm:   /'
     exit 0
   fi
+  rm -f "$LOG"
 fi
 
 HOST=$(hostname -s)
@@ -99,24 +103,38 @@ NodeName=$HOST CPUs=16 RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
 
-# Our cluster's daemons read the configuration at their start: a changed one restarts them (found by
-# the pid files this configuration names, else by name: the conf was ours, so are they).
-stop_daemon() {
-  local name=$1 pid
-  pid=$(cat "/run/$name.pid" 2>/dev/null || pgrep -x "$name" || true)
-  [ -n "$pid" ] || return 0
-  kill $pid 2>/dev/null || return 0
-  for _ in $(seq 1 40); do kill -0 $pid 2>/dev/null || return 0; sleep 0.5; done
-  kill -9 $pid 2>/dev/null || true
+# A daemon is found by its pid file (in root's /run), and only taken for ours when that process is the
+# daemon's own executable run by its own user: any user may start a process named "slurmctld", and one
+# found by name alone would be taken for the controller (never started, the tests skip) or be killed.
+daemon_pid() {
+  local name=$1 pidfile=$2 owner=$3 pid exe
+  pid=$(cat "$pidfile" 2>/dev/null) || return 1
+  case "$pid" in ''|*[!0-9]*) return 1 ;; esac
+  [ "$(stat -c %u "/proc/$pid" 2>/dev/null)" = "$(id -u "$owner" 2>/dev/null)" ] || return 1
+  exe=$(readlink -f "/proc/$pid/exe" 2>/dev/null) || return 1
+  [ -n "$exe" ] && [ "$exe" = "$(readlink -f "/usr/sbin/$name")" ] || return 1
+  echo "$pid"
 }
-if [ "$OLD_CONF" != "$(cat "$CONF")" ] && { pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null; }; then
+slurmctld_pid() { daemon_pid slurmctld /run/slurmctld.pid root; }
+slurmd_pid() { daemon_pid slurmd /run/slurmd.pid root; }
+munged_pid() { daemon_pid munged /run/munge/munged.pid munge || daemon_pid munged /run/munge/munged.pid root; }
+
+# Our cluster's daemons read the configuration at their start: a changed one restarts them.
+stop_daemon() {
+  local pid=$1
+  [ -n "$pid" ] || return 0
+  kill "$pid" 2>/dev/null || return 0
+  for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.5; done
+  kill -9 "$pid" 2>/dev/null || true
+}
+if [ "$OLD_CONF" != "$(cat "$CONF")" ] && { slurmctld_pid >/dev/null || slurmd_pid >/dev/null; }; then
   say "the configuration changed: restarting slurmctld and slurmd"
-  stop_daemon slurmctld
-  stop_daemon slurmd
+  stop_daemon "$(slurmctld_pid)"
+  stop_daemon "$(slurmd_pid)"
 fi
-pgrep -x munged >/dev/null || su -s /bin/sh munge -c "/usr/sbin/munged" 2>/dev/null || /usr/sbin/munged --force
-pgrep -x slurmctld >/dev/null || /usr/sbin/slurmctld
-pgrep -x slurmd >/dev/null || /usr/sbin/slurmd
+munged_pid >/dev/null || su -s /bin/sh munge -c "/usr/sbin/munged" 2>/dev/null || /usr/sbin/munged --force
+slurmctld_pid >/dev/null || /usr/sbin/slurmctld
+slurmd_pid >/dev/null || /usr/sbin/slurmd
 
 for _ in $(seq 1 60); do
   if answers && [ "$(sinfo -h -N -o %T 2>/dev/null | head -1)" = "idle" ]; then

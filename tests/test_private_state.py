@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from nbddp.contract import rundir
+from nbddp.contract import rundir, statedir
 from nbddp import spawn_train
 from nbddp.contract.protocol import read_result, write_result
 from conftest import WORKERS
@@ -150,3 +150,15 @@ def test_a_linked_torch_error_file_is_not_read(tmp_path):
     link = tmp_path / "pytorch-errorfile-x.pickle"
     link.symlink_to(real)
     assert read_torch_traceback(str(link)) is None
+
+
+def test_attach_follows_a_run_folder_by_its_own_name_never_through_a_link(tmp_path):
+    import nbddp
+
+    run = tmp_path / "run"
+    statedir.ensure(run)
+    link = tmp_path / "linked"
+    link.symlink_to(run)
+    with pytest.raises(rundir.NotPrivate, match="linked is a symbolic link.*never through a link"):
+        nbddp.attach(str(link))
+    assert statedir.pinned(link) is None and statedir.pinned(run) is None

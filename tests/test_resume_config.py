@@ -138,3 +138,20 @@ def test_the_readme_table_says_what_resume_does_with_every_field():
     for f, s in specs(TrainConfig):
         assert f.name in row_of, f"README's resume table does not say what resume does with `{f.name}`"
         assert row_of[f.name] == expected.get(s.resume, "refused"), (f.name, row_of[f.name], s.resume)
+
+
+def test_a_resume_takes_the_checkpoints_settings_over_a_planted_config_json(tmp_path):
+    # config.json is a file of a (maybe shared) run folder: anyone who may write it can replace it. The
+    # checkpoint's own copy, the user's alone, decides; the refusal never points at the planted values.
+    from dataclasses import asdict
+
+    from nbddp.tasks.classification.planning import _check_config_changes
+
+    cfg = conftest.small_cfg(tmp_path / "data", tmp_path / "runs", epochs=2)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({**asdict(cfg), "lr": 0.5, "model": "planted"}))
+    _check_config_changes(run_dir, {"config": asdict(cfg), "epoch": 0, "step": 0}, cfg)  # taken
+    with pytest.raises(ConfigError, match=r"(?s)lr 0\.01 -> 0\.02.*as its checkpoint records them") as err:
+        _check_config_changes(run_dir, {"config": asdict(cfg), "epoch": 0, "step": 0}, cfg.replace(lr=0.02))
+    assert "planted" not in str(err.value) and "0.5" not in str(err.value)

@@ -223,3 +223,22 @@ def test_a_folder_renamed_in_as_an_exports_leftover_is_never_removed(project):
     assert done.returncode == 0, done.stderr
     assert (run_dir / ".export.tmp-999999999-abcd" / "roses" / "0001.jpg").read_text() == "jpeg\n", \
         "the export removed the victim's images as its leftover"
+
+
+def test_a_file_of_yours_moved_in_as_a_runs_metrics_is_neither_read_nor_written(project):
+    p = project
+    # Another run's records of the victim's: hers alone to write (0644), in a folder the group may rename in.
+    older = p.root / "runs" / "older"
+    p.shell(p.victim, f"mkdir -p {older} && echo '{{\"step\": 7, \"loss\": 9.0, \"older\": 1}}' > {older}/metrics.jsonl "
+                      f"&& chmod 644 {older}/metrics.jsonl")
+    run, run_dir, go = _start(p, "movedin", steps=2)
+    with _reaped(run):
+        # Before the run's first record: the other run's file at its name, the victim's own and private.
+        p.shell(p.attacker, f"mv {older}/metrics.jsonl {run_dir}/metrics.jsonl")
+        out = _finish(p, run, go)
+    assert "RESULT done" in out, out
+    assert "older" not in out and out.count("'loss'") == 2, f"the other run's records reached this run's result\n{out}"
+    aside = [n for n in os.listdir(run_dir) if n.startswith("metrics.jsonl.not-yours-")]
+    assert len(aside) == 1, os.listdir(run_dir)
+    with open(os.path.join(run_dir, aside[0])) as f:
+        assert f.read().count("\n") == 1, "the rank appended this run's records to the other run's file"

@@ -11,20 +11,17 @@ process starts and reads what the ranks wrote; the ranks (:mod:`nbddp.rank.profi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
 import importlib.util
 import json
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import rundir, statedir
 from .errors import ConfigError
-from .private import PRIVATE_DIR_MODE, NotPrivate, _aside, problem, read_private
+from .private import open_yours, read_private
 
 PathLike = Union[str, os.PathLike]
 
@@ -148,30 +145,9 @@ def open_profile_folder(run_dir: PathLike) -> "statedir.StateDir":
     path = rundir.profile_dir(run_dir)
     run = rundir.open_run_folder(Path(run_dir))
     try:
-        for _ in range(5):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(rundir.PROFILE, PRIVATE_DIR_MODE, dir_fd=run)  # the umask only takes bits away
-            try:
-                fd = os.open(rundir.PROFILE, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=run)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                found = "is a symbolic link" if exc.errno == errno.ELOOP else "is not a folder"
-            else:
-                found = problem(os.fstat(fd), "folder")
-                if found is None:
-                    os.fchmod(fd, PRIVATE_DIR_MODE)  # group-readable under the umask, or setgid: only you read it
-                    return statedir.StateDir(fd, str(path))
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                aside = _aside(path, run)
-                warnings.warn(f"{path} {found}, so {PROFILES} were not written into it: it was moved to {aside.name} "
-                              f"and a private folder (0700) was made in its place.", stacklevel=3)
+        return statedir.StateDir(open_yours(run, rundir.PROFILE, path, PROFILES, kind="folder"), str(path))
     finally:
         os.close(run)
-    raise NotPrivate(f"{path} keeps being replaced by something that is not yours: {PROFILES} cannot be written there.")
 
 
 def read_profile_records(run_dir: PathLike, world_size: int) -> Dict[int, ProfileRecord]:

@@ -5,6 +5,9 @@ user's: a real folder or file (never a link), owned by this user, that no one el
 One check (:func:`problem`) decides that everywhere; the user id of a file is read in one
 place (:func:`owner`), the seam a test uses to play another user without root.
 
+- :func:`open_yours` is the one way to open what is the user's in a folder others may write: under
+  the folder's descriptor, never following a link, checked on the descriptor it got, else moved
+  aside (or refused); the others below, and the run's and state folder's openers, use it.
 - :func:`private_folder` makes a folder 0700, or finds one that is the user's; one that is not
   (a link, a file, another user's folder) is refused or, where nbddp can make a new one without
   losing anything of the user's, moved aside and made anew, with a warning saying so.
@@ -34,7 +37,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
 #: The name a folder or file that was not the user's gets when it is moved aside.
@@ -194,6 +197,91 @@ def _aside(path: Path, dir_fd: Optional[int] = None) -> Path:
     return aside
 
 
+#: How :func:`open_yours` treats a file or folder of the user's whose mode lets others in:
+#: ``"keep"`` leaves it (a run's ``metrics.jsonl``, 0644); ``"readers"`` narrows one others may only
+#: read to ``mode``; ``"writers"`` narrows one others may write too (a folder whose contents are checked
+#: one by one); ``"refuse"`` takes one others may open for not the user's (a cache: anything in it may
+#: have been planted).
+NARROW = ("keep", "readers", "writers", "refuse")
+
+
+def open_yours(folder_fd: int, name: str, path: Path, what: str, kind: str = "file",
+               flags: int = os.O_WRONLY | os.O_APPEND, mode: Optional[int] = None, replace: bool = True,
+               narrow: str = "readers", usable: Optional[Callable[[int], Optional[str]]] = None) -> int:
+    """A descriptor of ``name`` in the folder open as ``folder_fd``, made or found, provably the user's.
+
+    The one way nbddp opens what is the user's in a folder others may write (a run folder, its state
+    folder, a project folder): made there (a folder) or opened with ``O_CREAT`` (a file), always
+    without following a link and without blocking on a FIFO, then checked on the descriptor it got
+    (:func:`problem`, then ``usable`` where the caller knows more: a state folder must be this run
+    folder's), so nothing swapped in between a check and a use is used. What is not the user's
+    alone is moved aside unread to ``<name>.not-yours-...`` with a warning and made anew
+    (``replace``), else refused.
+
+    Args:
+        folder_fd: the folder it is in, opened (the caller pins it: a run folder by descriptor).
+        name: its name there; ``path`` names it in messages.
+        what: what it holds, for messages ("the run's profiles").
+        kind: ``"file"`` (opened with ``flags | O_CREAT``) or ``"folder"`` (made, then opened).
+        mode: what a new one is made with, whatever the umask (0700 a folder, 0600 a file).
+        narrow: what is done with one of the user's that others may open (:data:`NARROW`).
+        usable: why the open descriptor is not the one wanted, or None.
+
+    Raises:
+        NotPrivate: it is not the user's and ``replace`` is off, or someone keeps replacing it.
+    """
+    folder = kind == "folder"
+    mode = (PRIVATE_DIR_MODE if folder else PRIVATE_FILE_MODE) if mode is None else mode
+    how = (os.O_RDONLY | os.O_DIRECTORY) if folder else (flags | os.O_CREAT | os.O_NONBLOCK)
+    for _ in range(5):  # another rank, or another user, may change it between two calls
+        if folder:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, mode, dir_fd=folder_fd)  # the umask only takes bits away
+        try:
+            fd = os.open(name, how | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=folder_fd)
+        except FileNotFoundError:
+            if folder:
+                continue  # removed between the mkdir and the open: again
+            raise
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO, errno.EISDIR, errno.EACCES, errno.EPERM):
+                raise
+            found = f"is not a {'folder' if folder else 'regular file'}"
+            with contextlib.suppress(OSError):
+                found = problem(os.lstat(name, dir_fd=folder_fd), kind) or found
+        else:
+            found = _not_yours(fd, kind, mode, narrow, usable)
+            if found is None:
+                return fd
+            os.close(fd)
+        if not replace:
+            raise NotPrivate(f"{path} {found}: {what} must be yours alone. Remove {path} and launch again.")
+        with contextlib.suppress(FileNotFoundError):
+            aside = _aside(Path(path), folder_fd)
+            warnings.warn(f"{path} {found}, so it was not used for {what}: it was moved to {aside.name} (nothing in it "
+                          f"was read) and a private {kind} ({mode:o}) was made in its place.", stacklevel=3)
+    raise NotPrivate(f"{path} keeps being replaced by something that is not yours: {what} cannot be kept private "
+                     f"there. Use a folder only you may write.")
+
+
+def _not_yours(fd: int, kind: str, mode: int, narrow: str, usable: Optional[Callable[[int], Optional[str]]]
+               ) -> Optional[str]:
+    """Why the open ``fd`` cannot be used, or None once it can (narrowed as ``narrow`` says)."""
+    st = os.fstat(fd)
+    found = problem(st, kind, shared_ok=narrow == "writers")
+    if found is None and narrow == "refuse" and st.st_mode & 0o077:
+        found = f"may be opened by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    if found is None and usable is not None:
+        found = usable(fd)
+    if found is not None:
+        return found
+    if kind == "file":
+        os.set_blocking(fd, True)
+    if narrow != "keep" and stat.S_IMODE(st.st_mode) != mode:
+        os.fchmod(fd, mode)  # made by an older nbddp under the umask, or setgid from its folder
+    return None
+
+
 def private_folder(path: Path, what: str, replace: bool = False, narrow: bool = True) -> Path:
     """Make ``path`` a folder of the user's alone, 0700 whatever the umask; returns it.
 
@@ -210,89 +298,33 @@ def private_folder(path: Path, what: str, replace: bool = False, narrow: bool = 
         NotPrivate: it is not the user's and ``replace`` is off, or another user keeps replacing it.
     """
     path = Path(path)
-    for _ in range(5):  # another rank, or another user, may change it between two calls
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, PRIVATE_DIR_MODE)  # the umask only takes bits away: 0700 stays 0700
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        found = problem(st, "folder", shared_ok=True)
-        if found is None and stat.S_IMODE(st.st_mode) != PRIVATE_DIR_MODE:
-            if narrow or not st.st_mode & 0o077:
-                os.chmod(path, PRIVATE_DIR_MODE)  # made by an older nbddp, under the umask (or setgid)
-                return path
-            found = f"may be opened by other users (mode {stat.S_IMODE(st.st_mode):o})"
-        if found is None:
-            return path
-        if not replace:
-            raise NotPrivate(f"{path} {found}: {what} must be a private folder of your own. "
-                             f"Remove {path} and launch again.")
-        with contextlib.suppress(FileNotFoundError):
-            aside = _aside(path)
-            warnings.warn(f"{path} {found}, so it was not used for {what}: it was moved to {aside.name} and "
-                          f"a private folder (0700) was made in its place.", stacklevel=3)
-    raise NotPrivate(f"{path} keeps being replaced by a folder that is not yours: {what} cannot be kept "
-                     f"private there.")
+    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.close(open_yours(parent, path.name, path, what, kind="folder", replace=replace,
+                            narrow="writers" if narrow else "refuse"))
+    finally:
+        os.close(parent)
+    return path
 
 
 def open_private_file(path: Path, what: str, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
     """A descriptor of ``path`` (created 0600 whatever the umask), a regular file of the user's alone.
 
-    The folder is made private first (:func:`private_folder`, with ``replace``), then opened
-    without following a link and checked on its descriptor, and the file is opened inside it,
-    so nothing swapped in between a check and the open is used. A file in its place that is not
-    the user's (another owner, a link, a FIFO, a hard link) or that others may write is moved
-    aside with a warning; a file of the user's that others may read is narrowed.
+    Its folder is made private first (:func:`private_folder`'s rule, with ``replace``) and the file
+    opened through that folder's descriptor (:func:`open_yours`): a file in its place that is not the
+    user's (another owner, a link, a FIFO, a hard link) or that others may write is moved aside with
+    a warning; a file of the user's that others may read is narrowed.
     """
     path = Path(path)
-    for _ in range(5):
-        private_folder(path.parent, what, replace=True)
-        try:
-            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                continue  # swapped since: check again
-            raise
-        try:
-            if problem(os.fstat(dir_fd), "folder"):
-                continue
-            fd = _open_checked(path, dir_fd, what, flags)
-            if fd is not None:
-                return fd
-        finally:
-            os.close(dir_fd)
-    raise NotPrivate(f"{path} keeps being replaced by a file that is not yours: {what} cannot be written there.")
-
-
-def _open_checked(path: Path, dir_fd: int, what: str, flags: int) -> Optional[int]:
-    """Open ``path.name`` in ``dir_fd``; None after moving a file that is not the user's aside."""
+    top = os.open(path.parent.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        # O_NONBLOCK: a FIFO planted there must not hang the open; it is refused below.
-        fd = os.open(path.name, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     PRIVATE_FILE_MODE, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EACCES, errno.EPERM):
-            raise
-        found = "is not a regular file"
-        with contextlib.suppress(OSError):
-            found = problem(os.lstat(path.name, dir_fd=dir_fd), "file") or found
-        fd = None
-    else:
-        st = os.fstat(fd)
-        # One others may write may be open in another user's process still, narrowed or not.
-        found = problem(st, "file")
-        if found is None:
-            os.set_blocking(fd, True)
-            if stat.S_IMODE(st.st_mode) != PRIVATE_FILE_MODE:
-                os.fchmod(fd, PRIVATE_FILE_MODE)  # a log an older nbddp created under the umask
-            return fd
-        os.close(fd)
-    with contextlib.suppress(FileNotFoundError):
-        aside = _aside(path, dir_fd)
-        warnings.warn(f"{path} {found}, so it was not used for {what}: it was moved to {aside.name} and a "
-                      f"private file (0600) was made in its place.", stacklevel=4)
-    return None
+        folder = open_yours(top, path.parent.name, path.parent, what, kind="folder", narrow="writers")
+    finally:
+        os.close(top)
+    try:
+        return open_yours(folder, path.name, path, what, flags=flags)
+    finally:
+        os.close(folder)
 
 
 # ---------------------------------------------------------------------------- the compile cache
@@ -300,6 +332,15 @@ def cache_home() -> Path:
     """``$XDG_CACHE_HOME`` when it is an absolute path (the XDG rule), else ``~/.cache``."""
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     return Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+
+
+def _make_cache_home(folder: Path) -> None:
+    """The user's cache folder (``~/.cache``) made if missing: 0700, not under the umask (0775 under
+    umask 002, which :func:`_unsafe_ancestor` would then refuse to use)."""
+    if not folder.exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, PRIVATE_DIR_MODE)
 
 
 def _unsafe_ancestor(folder: Path) -> Optional[str]:
@@ -412,7 +453,7 @@ def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, Optional[str]
     what = "torch.compile's and Triton's caches (compiled code nbddp's ranks load)"
     root = cache_home() / "nbddp"
     try:
-        root.parent.mkdir(parents=True, exist_ok=True)
+        _make_cache_home(root.parent)
         unsafe = _unsafe_ancestor(root)
         if unsafe is None:
             folder = private_folder(private_folder(root, what, replace=True, narrow=False) / "compile", what,
@@ -429,5 +470,5 @@ def compile_cache_env(fallback: Optional[str] = None) -> Dict[str, Optional[str]
     return {**own, **{var: os.path.join(fallback, "compile", sub) for var, sub in wanted.items()}}
 
 
-__all__ = ["NotPrivate", "private_folder", "open_private_file", "read_private", "open_private_below", "compile_cache_env",
+__all__ = ["NotPrivate", "open_yours", "private_folder", "open_private_file", "read_private", "open_private_below", "compile_cache_env",
            "PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE"]

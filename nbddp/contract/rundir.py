@@ -59,8 +59,8 @@ from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Unio
 
 from . import statedir
 from .paths import PathLike
-from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, _aside, open_private_file, private_folder
-from .private import problem
+from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, open_private_file, open_yours, private_folder
+from .private import _aside, problem
 from .private import read_private as _read_private
 from .statedir import STATE_DIR, TMP_MARK
 
@@ -487,52 +487,101 @@ def open_run_folder(run_dir: Path) -> int:
     return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
+#: The state record naming the ``metrics.jsonl`` this run's launches made (its inode): a file of the
+#: user's moved to that name from another run is not this run's, however private it is.
+METRICS_ID = "metrics-file.json"
+
+
+def _made_here(path: Path) -> Optional[int]:
+    """The inode of the file the run's launches made at ``path`` (``metrics.jsonl``), or None if none is recorded."""
+    if path.name != METRICS:
+        return None
+    value = statedir.read_json(path.parent, METRICS_ID)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _this_one(want: Optional[int]) -> Callable[[int], Optional[str]]:
+    def usable(fd: int) -> Optional[str]:
+        if want is not None and os.fstat(fd).st_ino == want:
+            return None
+        return ("is not the file this run's ranks made (another was moved or made at its name since: anyone who "
+                "may write the run folder can), so nothing in it is used")
+    return usable
+
+
+def _make_own(folder: int, path: Path, what: str) -> int:
+    """``path`` made anew in the open run folder (``O_EXCL``, :data:`OWN_FILE_MODE`), what was at its name
+    moved aside unread with a warning, and its inode recorded in the run's private state; the inode."""
+    for _ in range(5):
+        try:
+            fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, OWN_FILE_MODE,
+                         dir_fd=folder)
+        except FileExistsError:
+            found = _not_made_here(folder, path.name, None)
+            with contextlib.suppress(FileNotFoundError):
+                aside = _aside(path, folder)
+                warnings.warn(f"{path} {found}, so {what} were not written into it: it was moved to {aside.name} "
+                              f"(nothing in it was read) and a new file was made in its place.", stacklevel=4)
+            continue
+        ino = os.fstat(fd).st_ino
+        os.close(fd)
+        statedir.write_json(path.parent, METRICS_ID, ino)
+        return ino
+    raise NotPrivate(f"{path} keeps being replaced by a file that is not yours alone: {what} cannot be written there.")
+
+
+def _not_made_here(folder: int, name: str, want: Optional[int]) -> Optional[str]:
+    """Why ``name`` in the open run folder is not the file the run's ranks made (inode ``want``), or None."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return "is gone"
+        with contextlib.suppress(OSError):
+            return problem(os.lstat(name, dir_fd=folder), "file") or "is not a regular file"
+        return "is not a regular file"
+    try:
+        st = os.fstat(fd)
+        if want is not None and st.st_ino == want:
+            return problem(st, "file")
+        return problem(st, "file") or "was not made by this run's ranks (no record of it in the run's private state)"
+    finally:
+        os.close(fd)
+
+
 def open_own(path: PathLike, what: str) -> int:
     """An appending descriptor of ``path``, a file of the run folder that nbddp reads back (``metrics.jsonl``).
 
-    The file is opened in the run folder the launch uses (:func:`open_run_folder`) without following a
-    link, and used only if, on its open descriptor, it is a regular file of the user's with one
-    name that no one else may write (created :data:`OWN_FILE_MODE`): a link a group member put in
-    its place would otherwise take the writes into any file of the user's elsewhere, and a file
-    others may write may hold their records. Anything else there is moved aside, unread, with a
-    warning, and a new file made.
+    The file is the one this run's ranks made: created ``O_EXCL`` (:data:`OWN_FILE_MODE`) in the run
+    folder the launch uses (:func:`open_run_folder`), its inode recorded in the run's private state,
+    and opened again (a resumed run appends) only while it is that very file, a regular file of the
+    user's with one name that no one else may write, checked on the descriptor
+    (:func:`nbddp.contract.private.open_yours`). A link a group member put at its name would take the
+    writes into any file of the user's elsewhere, a file others may write may hold their records, and
+    another run's file of the user's moved there would take this run's records and give its own:
+    whatever else is there is moved aside, unread, with a warning, and a new file made.
 
     Raises:
         NotPrivate: another user keeps replacing it.
     """
     path = Path(path)
+    want = _made_here(path)
     folder = open_run_folder(path.parent)
     try:
-        for _ in range(5):
-            try:
-                # O_NONBLOCK: a FIFO put there must not hang the open; it is moved aside below.
-                fd = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                             | os.O_CLOEXEC, OWN_FILE_MODE, dir_fd=folder)
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EACCES, errno.EPERM):
-                    raise
-                found = "is not a regular file"
-                with contextlib.suppress(OSError):
-                    found = problem(os.lstat(path.name, dir_fd=folder), "file") or found
-            else:
-                found = problem(os.fstat(fd), "file")
-                if found is None:
-                    os.set_blocking(fd, True)
-                    return fd
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                aside = _aside(path, folder)
-                warnings.warn(f"{path} {found}, so {what} were not written into it: it was moved to {aside.name} "
-                              f"(nothing in it was read) and a new file was made in its place.", stacklevel=3)
+        if want is None or _not_made_here(folder, path.name, want) is not None:
+            want = _make_own(folder, path, what)
+        return open_yours(folder, path.name, path, what, flags=os.O_WRONLY | os.O_APPEND, mode=OWN_FILE_MODE,
+                          narrow="keep", usable=_this_one(want), replace=False)
     finally:
         os.close(folder)
-    raise NotPrivate(f"{path} keeps being replaced by a file that is not yours alone: {what} cannot be written there.")
 
 
 def read_own(path: PathLike) -> Optional[int]:
     """A read descriptor of ``path`` if it is, on that descriptor, a regular file of the user's with one
-    name that no one else may write (what :func:`open_own` writes); None if it is missing or is not."""
+    name that no one else may write, and the very file the run's ranks made (:func:`open_own`: its inode
+    recorded); None if it is missing, not recorded yet, or is not."""
     path = Path(path)
+    usable = _this_one(_made_here(path))
     try:
         folder = open_run_folder(path.parent)
     except OSError:
@@ -543,7 +592,7 @@ def read_own(path: PathLike) -> Optional[int]:
         return None
     finally:
         os.close(folder)
-    if problem(os.fstat(fd), "file") is not None:
+    if problem(os.fstat(fd), "file") is not None or usable(fd) is not None:
         os.close(fd)
         return None
     os.set_blocking(fd, True)

@@ -41,7 +41,7 @@ import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
-from .private import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, NotPrivate, _aside, check, problem
+from .private import PRIVATE_FILE_MODE, NotPrivate, check, open_yours
 
 STATE_DIR = ".nbddp"
 #: The temp files of atomic writes: ``.<name>.tmp-<pid>-<token>`` (``rundir.cleanup_temp_files`` knows them).
@@ -244,38 +244,24 @@ def _open_new(run_dir: PathLike, launch: Optional[Callable[[str], bool]] = None,
     parent = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         run_ino = os.fstat(parent).st_ino
-        for _ in range(5):  # another user may keep replacing it
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(STATE_DIR, PRIVATE_DIR_MODE, dir_fd=parent)  # the umask only takes bits away
+
+        def usable(fd: int) -> Optional[str]:
+            state = StateDir(fd, path)
             try:
-                fd = os.open(STATE_DIR, _DIR_FLAGS, dir_fd=parent)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                found = "is a symbolic link" if exc.errno == errno.ELOOP else "is not a folder"
-            else:
-                state = StateDir(fd, path)
-                found = _usable(state, run_ino, launch)
-                if found is None:
-                    return state
-                state.close()
-            if not replace:
-                raise NotPrivate(f"{path} {found}: {WHY}. Remove {path} and launch again.")
-            _move_aside(parent, path, found)
+                return _usable(state, run_ino, launch)
+            finally:
+                state.fd = None  # open_yours owns the descriptor
+
+        # Never narrowed when others may write it: what was planted meanwhile stays planted.
+        return StateDir(open_yours(parent, STATE_DIR, Path(path), "the run's state", kind="folder", replace=replace,
+                                   usable=usable), path)
     finally:
         os.close(parent)
-    raise NotPrivate(f"{path} keeps being replaced by something that is not yours: the run's state cannot be kept "
-                     f"private in {run_dir}. Launch into a folder only you may write (runs_dir=...).")
 
 
 def _usable(state: StateDir, run_ino: int, launch: Optional[Callable[[str], bool]]) -> Optional[str]:
-    """Why the open folder cannot be ``run_ino``'s state folder, or None once it is (made so if new)."""
-    assert state.fd is not None
-    found = problem(os.fstat(state.fd), "folder")
-    if found is not None:
-        return found  # never narrowed: what was planted while others could write stays planted
+    """Why the open folder (the user's alone) cannot be ``run_ino``'s state folder, or None once it is
+    (made so if new)."""
     names = state.names()
     owner = _owner(state) if OWNER in names else None
     if not names:
@@ -286,16 +272,7 @@ def _usable(state: StateDir, run_ino: int, launch: Optional[Callable[[str], bool
         for name in names:
             if launch(name) or TMP_MARK in name:
                 state.unlink(name)  # an earlier launch's: never read
-    if os.fstat(state.fd).st_mode & 0o7777 != PRIVATE_DIR_MODE:
-        os.fchmod(state.fd, PRIVATE_DIR_MODE)  # a setgid bit from the runs folder (others never could write)
     return None
-
-
-def _move_aside(parent: int, path: str, found: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        aside = _aside(Path(path), parent)
-        warnings.warn(f"{path} {found}, so it was not used for the run's state: it was moved to {aside.name} "
-                      f"(nothing in it was read) and a private folder (0700) was made in its place.", stacklevel=5)
 
 
 def fresh(run_dir: PathLike, per_launch: Callable[[str], bool]) -> StateDir:
@@ -351,6 +328,33 @@ def pin(run_dir: PathLike, identity: Optional[Identity]) -> StateDir:
     except BaseException:
         state.close()
         raise
+    return _pin(run_dir, state)
+
+
+def follow(run_dir: PathLike) -> StateDir:
+    """The state folder of a run folder another process launched (``attach``), pinned for this process.
+
+    The run folder is opened once, refused if its name is a link (it would lead to another run), and
+    its ``.nbddp`` opened under that descriptor: the user's alone and recording this run folder
+    (:func:`_open_checked`'s rule), or refused. From then on the follower reads and writes the run's
+    state (its launch record, Stop) through this descriptor, whatever is renamed meanwhile.
+
+    Raises:
+        NotPrivate: the run folder's name is a link, or its state folder is not the user's or not its own.
+        FileNotFoundError: there is no such run folder, or it has no state folder.
+    """
+    try:
+        run = os.open(run_dir, _DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(run_dir):
+            raise NotPrivate(f"{run_dir} is a symbolic link: a run folder is followed by its own name, never through a "
+                             f"link (anyone who may write its folder can point one at another run). Give the run "
+                             f"folder itself ({os.path.realpath(run_dir)} if that is yours).") from None
+        raise
+    try:
+        state = _open_checked(run_dir, run)
+    finally:
+        os.close(run)
     return _pin(run_dir, state)
 
 
@@ -415,20 +419,22 @@ def opened(run_dir: PathLike, create: bool = False) -> Iterator[StateDir]:
         state.close()
 
 
-def _open_checked(run_dir: PathLike) -> StateDir:
-    """``.nbddp`` opened for one access: the user's, writable by no one else, and not another run folder's."""
+def _open_checked(run_dir: PathLike, run: Optional[int] = None) -> StateDir:
+    """``.nbddp`` opened for one access: the user's, writable by no one else, and not another run folder's
+    (``run``: the run folder, open: the state folder is opened under it, never through its name)."""
     path = _state_path(run_dir)
+    name, where = (STATE_DIR, run) if run is not None else (path, None)
     try:
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=where)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            check(os.lstat(path), Path(path), "folder", WHY)
+            check(os.lstat(name, dir_fd=where), Path(path), "folder", WHY)
         raise
     state = StateDir(fd, path)
     try:
         check(os.fstat(fd), Path(path), "folder", WHY)
         owner = _owner(state)
-        if owner is not None and owner != os.stat(run_dir).st_ino:
+        if owner is not None and owner != (os.fstat(run) if run is not None else os.stat(run_dir)).st_ino:
             raise NotPrivate(f"{path} {_not_this_runs(owner)}: nothing in it is used. Remove {path}.")
     except BaseException:
         state.close()
@@ -525,5 +531,5 @@ class Record:
             self._fd = None
 
 
-__all__ = ["STATE_DIR", "StateDir", "fresh", "ensure", "pin", "pinned", "release", "opened", "read", "read_json",
+__all__ = ["STATE_DIR", "StateDir", "fresh", "ensure", "pin", "follow", "pinned", "release", "opened", "read", "read_json",
            "write", "write_json", "exists", "unlink", "names", "open_file", "Record"]

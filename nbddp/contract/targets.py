@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 from .errors import ConfigError
+from .safe_path import add_after_stdlib
 
 _NOTEBOOK_FIX = (
     "A function of __main__ travels to the ranks by value when spawn_train or TrainingPanel is "
@@ -143,9 +144,9 @@ def load_target(spec: str) -> Callable[..., Any]:
     where, _, qualname = spec.rpartition(":")
     if where.endswith(".py") or os.sep in where:
         path = Path(where)
-        # The file's folder goes on sys.path so the worker can import its sibling modules.
-        if str(path.parent) not in sys.path:
-            sys.path.insert(0, str(path.parent))
+        # The file's folder goes on sys.path so the worker can import its sibling modules; after
+        # the standard library, as Jupyter puts the notebook's (a json.py there stays a sibling).
+        add_after_stdlib(str(path.parent))
         from_source_in_user_folders(str(path.parent))
         name = "nbddp_user_" + "".join(c if c.isalnum() else "_" for c in path.stem)
         obj: Any = _exec_file(name, path)

@@ -158,10 +158,13 @@ _started: list = []
 
 
 def _spawn_in_own_session(path, args, passfds) -> int:
-    """``multiprocessing.util.spawnv_passfds``, with the child in a new session (``setsid``)."""
+    """``multiprocessing.util.spawnv_passfds``, with the child in a new session (``setsid``), its
+    ``python -c`` never importing from the kernel's folder (:mod:`nbddp.contract.safe_path`)."""
     import subprocess
 
-    proc = subprocess.Popen(list(args), executable=path, pass_fds=tuple(sorted(map(int, passfds))),
+    from ..contract.safe_path import safe_argv
+
+    proc = subprocess.Popen(safe_argv(args), executable=path, pass_fds=tuple(sorted(map(int, passfds))),
                             close_fds=True, start_new_session=True)
     _started.append(proc)
     return proc.pid

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from ..contract import debugging, rundir, statedir
 from ..contract.plans import LaunchPlan
 from ..contract.private import compile_cache_env
+from ..contract.safe_path import starts_safely
 from ..contract.protocol import (MAX_RESTARTS_ENV, RESTART_ENV, Heartbeat, LaunchSpec, adopt_torch_error_file,
                                  read_heartbeats, start_rank)
 from ..contract.system import cpu_cores, kill_group_or_process, start_time
@@ -136,7 +137,8 @@ def start_helpers(start_method: str) -> None:
     them for what a rank started) nor its ports."""
     from multiprocessing import resource_tracker
 
-    resource_tracker.ensure_running()
+    with starts_safely():  # python -c in the notebook's folder: never importing from it first
+        resource_tracker.ensure_running()
     if start_method == "forkserver":
         start_server()
 
@@ -300,7 +302,8 @@ class RankGroup:
             start_helpers(start_method)  # a launch server that died is started again
             store.open()  # env://'s store listens from here on: after a warm server's cold start, not during it
             not_before = boot_ticks()
-            with patched_env(child_env), bare_main(), error_files_in(tmp_dir), sigint_held(start_method == "spawn"):
+            with patched_env(child_env), bare_main(), error_files_in(tmp_dir), sigint_held(start_method == "spawn"), \
+                    starts_safely():
                 procs = mp.start_processes(start_rank, args=(spec,), nprocs=spec.world_size, join=False,
                                            start_method=start_method)
         except BaseException:

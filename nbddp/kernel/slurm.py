@@ -22,12 +22,12 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..contract.errors import ConfigError, NbddpError
+from ..contract.safe_path import module_argv
 
 #: How long one SLURM command may take before the controller counts as not answering.
 COMMAND_TIMEOUT_S = 30.0
@@ -95,11 +95,12 @@ class Slurm:
         return f"SLURM partition {self.partition or '(default)'}, {self.nodes} node(s) x {per}"
 
 
-def run_command(args: Sequence[str], what: str) -> subprocess.CompletedProcess:
-    """Run one SLURM command; one that is missing or hangs is a :class:`NbddpError` naming it."""
+def run_command(args: Sequence[str], what: str, input: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run one SLURM command (``input``: its standard input); one that is missing or hangs is a
+    :class:`NbddpError` naming it."""
     try:
         return subprocess.run(list(args), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
+                              input=input, stdin=subprocess.DEVNULL if input is None else None)
     except FileNotFoundError:
         raise ConfigError(f"{what}: `{args[0]}` is not on the PATH; run from a machine with SLURM's commands "
                           "(a login node), or add their folder to PATH") from None
@@ -202,34 +203,52 @@ def submit_options(cluster: Slurm, ranks_per_node: int, cpus_per_task: int, name
     return opts + list(cluster.extra)
 
 
-def batch_script(folder: Path) -> str:
-    """The job's script: every task starts its rank through :mod:`nbddp.rank.slurm_task`."""
-    task = shlex.join([sys.executable, "-m", "nbddp.rank.slurm_task", os.fspath(folder)])
-    marker = shlex.quote(os.fspath(folder / "preempted.")) + '"${SLURM_RESTART_COUNT:-0}"'
+#: The job's own output (srun's lines, the guardians'), in the job folder: the batch script sends it there.
+JOB_OUTPUT = "job.out"
+
+
+def batch_script(folder: Path, inode: int) -> str:
+    """The job's script: every task starts its rank through :mod:`nbddp.rank.slurm_task`.
+
+    It works in the job folder only once it has checked, from inside, that it is the very folder the
+    kernel made (its inode, owner and mode): anyone of the group may rename ``.nbddp`` in a shared
+    run folder and put another in its place, and SLURM opens an ``--output`` path by name, through
+    any link. So its output goes to ``/dev/null`` until the script, in the checked folder (its
+    working directory, held from then on), appends to ``job.out`` there (0600: umask 077).
+    """
+    where = shlex.quote(os.fspath(folder))
+    task = shlex.join(module_argv("nbddp.rank.slurm_task", os.fspath(folder), str(inode)))
     return "\n".join([
         "#!/bin/bash",
         "# Written by nbddp: one srun task per rank; the run folder holds what they write.",
+        "umask 077",
+        f"cd -P -- {where} || exit 1",
+        f'if [ "$(stat -c %i:%u:%a .)" != "{inode}:$(id -u):700" ]; then',
+        f"  echo \"nbddp: {folder} is not the job folder nbddp made (it was replaced); nothing in it is used\" >&2",
+        "  exit 1",
+        "fi",
+        f"exec >>{JOB_OUTPUT} 2>&1",
         # A USR1 meant for the ranks (the time limit's warning, a preemption) must not end this shell.
         "trap 'true' USR1",
         'export NBDDP_SLURM_HEAD="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         # A rank's failure ends the run through nbddp's own shutdown (stop request, grace), not srun's.
         f"srun --kill-on-bad-exit=0 --wait=0 {task}",
         # The ranks checkpointed and stopped on a USR1 (their guardians left the marker): run again.
-        f'if [ -e {marker} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+        'if [ -e "preempted.${SLURM_RESTART_COUNT:-0}" ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
         "",
     ])
 
 
-def submit(cluster: Slurm, folder: Path, ranks_per_node: int, cpus_per_task: int, name: str, cwd: str) -> str:
-    """Submit the job's script (written into the private ``folder``); returns the job id."""
-    script = folder / "job.sbatch"
-    fd = os.open(script, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o700)
-    with os.fdopen(fd, "w") as f:
-        f.write(batch_script(folder))
+def submit(cluster: Slurm, folder: Path, inode: int, ranks_per_node: int, cpus_per_task: int, name: str,
+           cwd: str) -> str:
+    """Submit the job (its files in the private job ``folder``, of inode ``inode``); returns the job id.
+
+    The script goes to ``sbatch`` on its standard input, never as a file: a file named on its command
+    line is read by name, and whoever can swap a folder on the way could hand it other lines.
+    """
     args = ["sbatch", "--parsable", *submit_options(cluster, ranks_per_node, cpus_per_task, name),
-            f"--output={folder / 'job.out'}", "--open-mode=append",  # a requeued start adds to it
-            f"--chdir={cwd}", os.fspath(script)]
-    done = run_command(args, "sbatch")
+            "--output=/dev/null", f"--chdir={cwd}"]
+    done = run_command(args, "sbatch", input=batch_script(folder, inode))
     if done.returncode != 0:
         raise NbddpError(f"sbatch refused the job: {(done.stderr or done.stdout).strip()}")
     return done.stdout.strip().split(";")[0]

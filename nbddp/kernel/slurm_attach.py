@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from ..contract import private, rundir
+from ..contract import private, rundir, statedir
 from ..contract.errors import ConfigError
 from .slurm import Slurm
-from .slurm_group import SPEC_FILE, SlurmGroup, job_folder
+from .slurm_group import JOB_FILES, SPEC_FILE, SlurmGroup, job_folder
 
 #: Why the job's spec must be the user's own: it is unpickled.
 WHY = "the run's launch is read from it and unpickled, so only you may write it"
@@ -51,19 +51,34 @@ def attach(run_dir: Union[str, "os.PathLike[str]"], block: bool = False, echo: b
     """
     from .handle import RunHandle
 
-    run = Path(run_dir)
+    run = Path(os.path.abspath(run_dir))
     if not run.is_dir():
         raise ConfigError(f"attach({str(run_dir)!r}): no such run folder; give the folder spawn_train printed "
                           "(handle.run_dir)")
-    record = rundir.read_launch_record(run, strict=True)
-    job = record.get("slurm") if isinstance(record, dict) else None
-    if not isinstance(job, dict) or not job.get("job"):
-        raise ConfigError(f"attach({str(run_dir)!r}): the folder holds no SLURM job's run (attach follows a run "
-                          "submitted with spawn_train(..., cluster=nbddp.Slurm(...)); a run started on this server "
-                          "ended with the kernel that started it)")
-    folder = job_folder(run)
-    spec = pickle.loads(private.read_private(folder / SPEC_FILE, WHY))
+    # The run folder is resolved once: its state folder pinned by descriptor (a link at its name is
+    # refused), and the launch record, the job's folder and its spec read through it, never by name again.
+    none = ConfigError(f"attach({str(run_dir)!r}): the folder holds no SLURM job's run (attach follows a run "
+                       "submitted with spawn_train(..., cluster=nbddp.Slurm(...)); a run started on this server "
+                       "ended with the kernel that started it)")
+    try:
+        state = statedir.follow(run)
+    except FileNotFoundError:
+        raise none from None
+    try:
+        record = rundir.read_launch_record(run, strict=True)
+        job = record.get("slurm") if isinstance(record, dict) else None
+        if not isinstance(job, dict) or not job.get("job"):
+            raise none
+        path = job_folder(run)
+        with state._lock:
+            folder = statedir.StateDir(private.open_yours(state._dir(), path.name, path, JOB_FILES, kind="folder",
+                                                          flags=os.O_RDONLY, replace=False), os.fspath(path))
+        spec = pickle.loads(folder.read(SPEC_FILE))
+    except BaseException:
+        statedir.release(run)
+        raise
     if Path(spec.run_dir).resolve() != run.resolve():
+        statedir.release(run)
         raise ConfigError(f"attach({str(run_dir)!r}): the job's launch names another run folder ({spec.run_dir}); "
                           "the folder was moved or copied: attach the run where it was submitted")
     cluster = Slurm(**{**job.get("cluster", {}), "extra": tuple(job.get("cluster", {}).get("extra", ()))})

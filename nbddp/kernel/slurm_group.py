@@ -27,6 +27,7 @@ from ..contract import private, rundir, statedir
 from ..contract.protocol import Heartbeat, LaunchSpec, read_heartbeats
 from .ranks import remove_private_tmp
 from .report import RankEnd
+from . import slurm
 from .slurm import Slurm, cancel, job_state, submit
 
 #: The names :mod:`nbddp.rank.slurm_task` reads and writes in the job's folder (named here as text:
@@ -65,17 +66,32 @@ def job_folder(run_dir: Path) -> Path:
     return Path(run_dir) / statedir.STATE_DIR / "slurm"
 
 
-def _fresh_folder(run_dir: Path) -> Path:
-    folder = private.private_folder(job_folder(run_dir), "the SLURM job's files")
-    for name in os.listdir(folder):  # an earlier start's records and store are not this one's
-        if name.startswith(("exit.", "preempted.")) or name in ("store", "job.out", SIGNALS_FILE, SPEC_FILE,
-                                                                REQUEUE_SPEC_FILE):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(folder / name)
+#: What the job's files are, for messages.
+JOB_FILES = "the SLURM job's files (its launch, script output and the ranks' exit records)"
+#: What an earlier start of the job left in its folder: never read by this one.
+_EARLIER = ("exit.", "preempted.", ".exit.", ".signals.")
+
+
+def _fresh_folder(run_dir: Path) -> statedir.StateDir:
+    """The job's folder, made or found only through the launch's pinned state folder, and held open.
+
+    Never found by its name: anyone of the group may rename ``.nbddp`` in a shared run folder. A
+    ``slurm`` in the state folder that is not a private folder of the user's is refused (the state
+    folder is the user's alone: only the user could have put it there), never narrowed and reused.
+    """
+    state = statedir.pinned(run_dir) or statedir.pin(run_dir, None)
+    path = job_folder(run_dir)
+    with state._lock:
+        fd = private.open_yours(state._dir(), path.name, path, JOB_FILES, kind="folder", replace=False)
+    folder = statedir.StateDir(fd, os.fspath(path))
+    for name in folder.names():  # an earlier start's records and store are not this one's
+        if name.startswith(_EARLIER) or name in ("store", slurm.JOB_OUTPUT, SIGNALS_FILE, SPEC_FILE,
+                                                 REQUEUE_SPEC_FILE, "job.sbatch"):
+            folder.unlink(name)
     return folder
 
 
-def _job_spec(spec: LaunchSpec, cluster: Slurm, folder: Path) -> LaunchSpec:
+def _job_spec(spec: LaunchSpec, cluster: Slurm, folder: statedir.StateDir) -> LaunchSpec:
     """The local start's spec, made for the nodes: the store in the private folder, nothing of this server's."""
     env = {k: v for k, v in (spec.env or {}).items() if k not in _LOCAL_ONLY}
     if cluster.nodes > 1:  # gloo and NCCL talk over the network, not loopback
@@ -85,7 +101,7 @@ def _job_spec(spec: LaunchSpec, cluster: Slurm, folder: Path) -> LaunchSpec:
     gpu = bool(cluster.gpus_per_node)
     return dataclasses.replace(
         spec, env=env, parent_pid=None, kernel=None,  # the ranks outlive the kernel: attach() follows them again
-        store_path=os.fspath(folder / "store") if spec.store_path else None, store_host="",
+        store_path=os.path.join(folder.path, "store") if spec.store_path else None, store_host="",
         backend="nccl" if gpu else "gloo", gpus=tuple(range(cluster.gpus_per_node)) if gpu else ())
 
 
@@ -97,13 +113,13 @@ def submit_start(cluster: Slurm, launches: Any, spec: LaunchSpec, meet: Any, tmp
     run_dir = Path(spec.run_dir)
     folder = _fresh_folder(run_dir)
     job = _job_spec(spec, cluster, folder)
-    _write_spec(folder / SPEC_FILE, job)
+    folder.write(SPEC_FILE, pickle.dumps(job))
     if getattr(launches, "config", None) is not None:  # a requeued job resumes the run folder
-        _write_spec(folder / REQUEUE_SPEC_FILE,
-                    dataclasses.replace(job, args=(launches.config.replace(resume=str(run_dir)),)))
+        folder.write(REQUEUE_SPEC_FILE, pickle.dumps(dataclasses.replace(
+            job, args=(launches.config.replace(resume=str(run_dir)),))))
     per_node = job.world_size // cluster.nodes
     started = time.time() if started_at is None else started_at
-    job_id = submit(cluster, folder, per_node, job.threads, f"nbddp-{run_dir.name}"[:64], job.cwd or os.getcwd())
+    job_id = submit(cluster, Path(folder.path), folder.identity[1], per_node, job.threads, f"nbddp-{run_dir.name}"[:64], job.cwd or os.getcwd())
     group = SlurmGroup(launches, job, cluster, job_id, folder, started)
     rundir.update_launch_record(run_dir, target=job.target, world_size=job.world_size, backend=job.backend,
                                 gpus=list(job.gpus), pids=[], start_times=[], parent_pid=os.getpid(),
@@ -111,12 +127,6 @@ def submit_start(cluster: Slurm, launches: Any, spec: LaunchSpec, meet: Any, tmp
                                 host=socket.gethostname(), started=started, tmp_dir=None,
                                 slurm={"job": job_id, "cluster": dataclasses.asdict(cluster)})
     return group
-
-
-def _write_spec(path: Path, spec: LaunchSpec) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(spec, f)
 
 
 class SlurmGroup:
@@ -128,7 +138,7 @@ class SlurmGroup:
         notify: where the queue's news go (the handle's notice line), set by the handle's maker.
     """
 
-    def __init__(self, launches: Any, spec: LaunchSpec, cluster: Slurm, job_id: str, folder: Path,
+    def __init__(self, launches: Any, spec: LaunchSpec, cluster: Slurm, job_id: str, folder: statedir.StateDir,
                  started_at: float):
         self.launches, self.spec, self.cluster, self.job_id, self.folder = launches, spec, cluster, job_id, folder
         self.run_dir, self.world_size = Path(spec.run_dir), spec.world_size
@@ -137,6 +147,7 @@ class SlurmGroup:
         self.started_at = started_at
         self.procs = self.server = self.tmp_dir = self.store = self.not_before = None
         self.closed = False
+        self._output = ""  # the job's output as it was when the group closed (job_output)
         self.state: Optional[tuple] = ("PENDING", "")
         self.ran = False  # the job has started on its nodes
         self.notify: Optional[Callable[[str], None]] = None
@@ -191,8 +202,8 @@ class SlurmGroup:
         """Note each rank whose guardian recorded its end; once the job has left, every rank has ended."""
         for rank in self.running():
             try:
-                record = json.loads(private.read_private(self.folder / exit_record_name(rank), "its end"))
-            except (FileNotFoundError, ValueError):
+                record = json.loads(self.folder.read(exit_record_name(rank)))
+            except (OSError, ValueError):  # none yet (a NotPrivate one: not the guardian's, never read)
                 continue
             count = int(record.get("restart_count") or 0)
             if record.get("preempted"):  # stopped on SLURM's USR1 and checkpointed: the job is requeued
@@ -224,13 +235,7 @@ class SlurmGroup:
         # Through the guardians, which deliver it as the local start does (SIGINT to the rank alone):
         # `scancel --signal` would reach every process of each task, the DataLoader workers too.
         self._signals.append(int(sig))
-        tmp = self.folder / f".{SIGNALS_FILE}.{os.getpid()}"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self._signals, f)
-        os.replace(tmp, self.folder / SIGNALS_FILE)
+        self.folder.write(SIGNALS_FILE, json.dumps(self._signals).encode())
 
     def reap(self) -> None:
         """Wait until the job has left the queue (cancel it if it lingers); a rank not seen to end counts as ended by nbddp."""
@@ -277,12 +282,14 @@ class SlurmGroup:
                 cancel(self.job_id)
                 self.reap()
         self.close_store()
+        self._output = self.job_output()  # kept for the error: the folder's descriptor is given back
+        self.folder.close()
         self.closed = True
 
     def close_store(self) -> None:
         if self.spec.store_path:
             with contextlib.suppress(OSError):
-                os.unlink(self.spec.store_path)
+                self.folder.unlink(os.path.basename(self.spec.store_path))
 
     def abandon(self) -> None:
         with contextlib.suppress(Exception):
@@ -303,8 +310,10 @@ class SlurmGroup:
 
     def job_output(self) -> str:
         """The last lines SLURM itself wrote for the job (srun's errors, a rank that could not start)."""
+        if self.folder.fd is None:
+            return self._output
         with contextlib.suppress(OSError):
-            lines = (self.folder / "job.out").read_text(errors="replace").splitlines()
+            lines = self.folder.read(slurm.JOB_OUTPUT).decode(errors="replace").splitlines()
             return "\n".join(lines[-JOB_OUTPUT_LINES:])
         return ""
 
@@ -314,10 +323,21 @@ class SlurmGroup:
         started = self.beats()
         if all(r in started for r in range(self.world_size)):
             return error
+        state = statedir.pinned(self.run_dir)
+        if state is not None and state.replaced(self.run_dir) and error.args:
+            # The job's script checks its folder first, and refuses one put in place of .nbddp: the
+            # ranks never started, which the ranks' missing records alone would blame on a kill.
+            error.args = (f"the SLURM job {self.job_id} refused to start: {self.run_dir / statedir.STATE_DIR} was "
+                          "replaced by another folder while the job waited (anyone who may write the run folder can "
+                          "rename it), and the job uses only the folder nbddp made for it: nothing in the other was "
+                          "read or run. Submit the run again, into a runs folder only you may write.",
+                          ) + tuple(error.args[1:])
+            return error
         out = self.job_output()
         if out and error.args:
-            error.args = (f"{error.args[0]}\n--- last lines of the SLURM job's output ({self.folder / 'job.out'}) ---"
-                          f"\n{out}",) + tuple(error.args[1:])
+            where = os.path.join(self.folder.path, slurm.JOB_OUTPUT)
+            error.args = (f"{error.args[0]}\n--- last lines of the SLURM job's output ({where}) ---\n{out}",
+                          ) + tuple(error.args[1:])
         return error
 
 

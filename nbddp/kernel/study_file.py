@@ -72,6 +72,11 @@ class StudyFile:
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise self._refused(self.folder, "is not a folder (a link or a file)") from None
+            if exc.errno in (errno.EACCES, errno.EPERM):  # another user's, closed to you: say whose
+                found = None
+                with contextlib.suppress(OSError):
+                    found = problem(os.lstat(self.folder), "folder")
+                raise self._refused(self.folder, found or "cannot be opened (permission denied)") from None
             raise
         try:
             self._folder_id, narrowed = self._check_folder(dir_fd)

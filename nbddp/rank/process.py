@@ -28,6 +28,7 @@ from . import interrupt as rank_interrupt
 from . import reaper
 from ..contract import rundir, targets
 from ..contract.protocol import STACK_SIGNAL, LaunchSpec
+from ..contract.safe_path import add_after_stdlib
 from .logs import open_private_log
 
 
@@ -209,6 +210,9 @@ def become_rank_process(spec: LaunchSpec) -> None:
         # multiprocessing finds a spawned child's __main__ ("python train.py" run by a relative
         # path) from the directory the process started in: the kernel's, as for `python train.py`.
         multiprocessing.process.ORIGINAL_DIR = spec.cwd
+        # The kernel's folder, where Jupyter has it: after the standard library (the process
+        # started without it, nbddp.contract.safe_path), so a module there is found, a json.py is not.
+        add_after_stdlib(spec.cwd)
     # The run's marker (``procs.MARKER_ENV``), absolute, before any user code: every process the
     # rank starts inherits it, so the kernel finds them even in a session of their own.
     os.environ[_MARKER_ENV] = os.path.abspath(spec.run_dir)

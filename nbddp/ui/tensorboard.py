@@ -25,7 +25,6 @@ import html
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,6 +35,7 @@ from typing import Dict, Optional
 
 from ..contract.errors import NbddpError
 from ..contract.paths import PathLike
+from ..contract.safe_path import python_argv
 from ..contract.rundir import RUNS_DIR
 
 
@@ -182,7 +182,8 @@ def _launch(logdir: Path, port: int, timeout: float, reload_interval: int) -> Te
     log_path = folder / "nbddp-tensorboard.log"
     # --load_fast=false: TensorBoard reads the events itself instead of starting its Rust data
     # server, a grandchild that would outlive it as a zombie when TensorBoard exits.
-    cmd = [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), "--logdir", str(logdir), "--host", "127.0.0.1",
+    # python -c started in the notebook's folder: never importing from it first (safe_path).
+    cmd = [*python_argv(_BOOTSTRAP), str(os.getpid()), "--logdir", str(logdir), "--host", "127.0.0.1",
            "--port", str(port), "--reload_interval", str(reload_interval), "--load_fast", "false"]
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with open(fd, "wb") as log:  # the child keeps its own copy of the descriptor

@@ -216,12 +216,19 @@ def _check_same_run(run_dir: Path, ckpt: dict, cfg: TrainConfig, classes: Option
 
 
 def _recorded_config(run_dir: Path, ckpt: dict) -> dict:
-    """The settings the run was last launched with: its ``config.json``, else its checkpoint's copy."""
+    """The settings the run was launched with, as its checkpoint records them, else its ``config.json``.
+
+    The checkpoint is the user's alone (checked as it is loaded); ``config.json`` is a file of the run
+    folder that anyone who may write a shared run folder can replace: it is read only for a checkpoint
+    of an older nbddp that records no settings.
+    """
+    recorded = ckpt.get("config")
+    if isinstance(recorded, dict):
+        return recorded
     try:
         return read_config_file(run_dir)
     except ConfigError:
-        recorded = ckpt.get("config")
-        return recorded if isinstance(recorded, dict) else {}
+        return {}
 
 
 def _same_value(name: str, was: Any, now: Any) -> bool:
@@ -280,8 +287,8 @@ def _check_config_changes(run_dir: Path, ckpt: dict, cfg: TrainConfig) -> None:
         listing = "\n".join(f"  {line}" for line in refused)
         raise ConfigError(
             f"cannot resume {run_dir}: {len(refused)} setting{'s differ' if len(refused) > 1 else ' differs'} from "
-            f"the run it continues, which would mix two runs:\n{listing}\nSet them back to continue it (its config.json "
-            "holds them: TrainConfig.load(run_dir)), or start a new run (resume=False). Epochs (while some are left), "
+            f"the run it continues, which would mix two runs:\n{listing}\nSet them back to continue it (as its checkpoint "
+            "records them), or start a new run (resume=False). Epochs (while some are left), "
             "checkpoint_every_s, num_workers, the GPUs and the timeouts may change.")
 
 
