@@ -27,18 +27,17 @@ from ..contract import rundir, statedir
 from ..contract.errors import NbddpError, TrainingInterrupted
 from ..contract.leases import Leases
 from ..contract.private import open_private_file
+from ..contract.safe_path import python_argv
 
 #: The supervisor's own lines (a restart, a hang, its errors), in the run's private logs folder.
 LOG_NAME = "supervisor.log"
 #: How long the kernel waits for the supervisor to say that the ranks started.
 START_TIMEOUT_S = 600.0
 
-# The supervisor's first lines. The launching folder is dropped from sys.path before anything is
-# imported (`-c` puts it first), so a file there never shadows the standard library or nbddp (to be
-# replaced by the one function that starts all of nbddp's processes with a safe import path, once
-# there is one); then it forks and the first process exits, so the supervisor is no child of the kernel.
+# The supervisor's first lines, run with the launching folder dropped from sys.path before anything is
+# imported (contract.safe_path.python_argv: a file there never shadows the standard library or nbddp);
+# then it forks and the first process exits, so the supervisor is no child of the kernel.
 _BOOT = ("import os, sys\n"
-         "del sys.path[0]\n"
          "if os.fork():\n"
          "    os._exit(0)\n"
          "from nbddp.kernel.supervisor import main\n"
@@ -77,7 +76,7 @@ def start_detached(launches: Any, leases: Leases, restarts: Dict[str, Any], watc
     data = pickle.dumps(job)
     log = open_private_file(supervisor_log(run_dir), rundir.RUN_LOGS)
     try:
-        boot = subprocess.Popen([sys.executable, "-c", _BOOT, launches.start_method], stdin=subprocess.PIPE,
+        boot = subprocess.Popen(python_argv(_BOOT, launches.start_method), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=log, start_new_session=True, close_fds=True)
     finally:
         os.close(log)
