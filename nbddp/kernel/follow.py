@@ -232,6 +232,14 @@ def attach(run_dir: Union[str, "os.PathLike[str]"], block: bool = False, echo: b
         >>> h.wait().value
     """
     run = _checked_folder(run_dir)
+    if statedir.pinned(run) is None:
+        # The run folder resolved once, a link at its name refused, its state folder pinned: every
+        # record below (owner, stop requests, the kept result) is read from this run's own folder,
+        # whatever is renamed meanwhile. A run this process owns is pinned already: kept as it is.
+        try:
+            statedir.follow(run)
+        except FileNotFoundError:
+            pass  # no state folder: not a run of this server's; SLURM's attach says what it is
     record = owners.owner_record(run)
     if record is None:  # not a local run's folder: a SLURM job's (nbddp.kernel.slurm_attach)
         from .slurm_attach import attach as attach_job
