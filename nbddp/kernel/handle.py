@@ -321,6 +321,97 @@ def _resumes_from(run_dir: Path) -> Optional[str]:
     return note.where() if note is not None else _newest_checkpoint(run_dir)
 
 
+# A watch that failed, the ranks a stop need not wait for, and the restarts: module functions
+# beside RunHandle (as _outcome_of above), so that the class holds its public face and the poll.
+def _abandon(self: "RunHandle", exc: BaseException) -> None:
+    """Watching failed (run folder gone, disk unreadable): end every worker, end the run.
+
+    A background run must always end, or ``running`` stays True and ``wait()`` never
+    returns. The workers are killed and reaped; the outcome names what went wrong.
+    """
+    with self._lock:
+        if self._done.is_set():
+            return
+        self._ranks.abandon()
+        self._outcome = RunAbandoned(
+            f"nbddp could not watch the run in {self.run_dir} ({type(exc).__name__}: {exc}); "
+            f"all {self.world_size} workers were stopped and reaped. Check that the run folder "
+            "still exists and is writable, then launch again.", run_dir=self.run_dir)
+        self._outcome.__cause__ = exc
+        self._release()
+        if self._owner is not None:
+            self._owner.end(self._outcome)
+        if not getattr(self._ranks, "owner_here", False):  # a kernel following its own run keeps it
+            statedir.release(self.run_dir)
+        self._done.set()
+    self._emit("end", self._outcome)
+
+
+def _not_in_code(self: "RunHandle") -> set:
+    """The running ranks that have nothing of the user's to finish or save: still starting
+    (importing, meeting the others: a heartbeat not past ``starting``, which becomes ``running``
+    once nbddp made the process group), or found meeting the others when the stop came (code that
+    makes its own group, in C++ there: it would ignore a ``KeyboardInterrupt`` until the rendezvous
+    times out)."""
+    running, stacks = set(self._ranks.running()), self._interrupt_stacks or {}
+    meeting = {r for r in running if r in stacks and stacks[r].meeting}
+    in_code = {r for r in running if r in stacks and stacks[r].code_frame is not None} - meeting
+    for _ in range(3):  # a heartbeat being rewritten reads as missing for a moment: look again
+        beats = self._ranks.beats()  # (one says "starting" up to a second after the code began)
+        starting = {r for r in running if r not in beats or beats[r].state == "starting"} - in_code
+        if all(r in beats for r in running):
+            break
+        time.sleep(0.02)
+    return starting | meeting
+
+
+def _restart_or_finish(self: "RunHandle") -> None:
+    """Every rank has ended: restart the run if its failure is one a restart heals, else finish."""
+    reason = self._shutdown.reason if self._shutdown else None
+    if reason not in ("failure", None) or all(e.exitcode == 0 for e in self._ends.values()):
+        self._finish()
+        return
+    error = _worker_error(self)
+    restart, why = (self._policy.next_restart(error, self.restarts, _resumes_from(self.run_dir))
+                    if self._policy is not None else (None, ""))
+    if restart is None:
+        self._finish(error, why)
+        return
+    self._ranks.close()
+    self.restarts.append(restart)
+    rundir.update_launch_record(self.run_dir, restarts=[r.as_dict() for r in self.restarts])
+    if self.echo:
+        self._echo.close()
+        print(restart.line(self.max_restarts), file=sys.stderr, flush=True)
+    self._emit("restart", restart)
+    self._shutdown = None  # that launch's; a Stop or an Interrupt during the back-off makes a new one
+    self._restart_at = time.time() + restart.backoff_s
+
+
+def _relaunch(self: "RunHandle") -> None:
+    """Start the restart that waited for its back-off; a restart that cannot start ends the run."""
+    restart = self.restarts[-1]
+    self._log_starts = rundir.log_sizes(self.run_dir, self.world_size)  # the restart's own lines
+    try:
+        ranks = self._ranks.next(restart.number, restart.changes)
+    except Exception as exc:  # noqa: BLE001 - the run must reach an end state
+        self._restart_at = None
+        error = NbddpError(f"restart {restart.number} of the run in {self.run_dir} could not start "
+                           f"({type(exc).__name__}: {exc}); after: {restart.cause}")
+        error.__cause__ = exc
+        self._finish(error)
+        return
+    self._ranks = ranks
+    self._shutdown, self._stall_checked, self._failure_stacks = None, 0.0, None
+    self._quiet = QuietWatch(self.stall_timeout_s or 0.0, ranks.started_at)
+    self._relay = PromptRelay(self.run_dir, self.world_size)
+    self._restart_at = None
+    spec = ranks.spec
+    rundir.update_launch_record(
+        self.run_dir, pids=self.pids, start_times=[start_time(p) for p in self.pids], store_path=spec.store_path,
+        port=spec.store_port, tmp_dir=ranks.tmp_dir, restarts=[r.as_dict() for r in self.restarts])
+
+
 class RunHandle:
     """A running (or finished) launch. ``spawn_train(..., block=False)`` returns one.
 
@@ -514,35 +605,12 @@ class RunHandle:
                 try:
                     self.poll()
                 except Exception as exc:  # noqa: BLE001 - the run must reach an end state
-                    self._abandon(exc)
+                    _abandon(self, exc)
                     return
                 time.sleep(0.1)
 
         self._thread = threading.Thread(target=loop, name="nbddp-monitor", daemon=True)
         self._thread.start()
-
-    def _abandon(self, exc: BaseException) -> None:
-        """Watching failed (run folder gone, disk unreadable): end every worker, end the run.
-
-        A background run must always end, or ``running`` stays True and ``wait()`` never
-        returns. The workers are killed and reaped; the outcome names what went wrong.
-        """
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._ranks.abandon()
-            self._outcome = RunAbandoned(
-                f"nbddp could not watch the run in {self.run_dir} ({type(exc).__name__}: {exc}); "
-                f"all {self.world_size} workers were stopped and reaped. Check that the run folder "
-                "still exists and is writable, then launch again.", run_dir=self.run_dir)
-            self._outcome.__cause__ = exc
-            self._release()
-            if self._owner is not None:
-                self._owner.end(self._outcome)
-            if not getattr(self._ranks, "owner_here", False):  # a kernel following its own run keeps it
-                statedir.release(self.run_dir)
-            self._done.set()
-        self._emit("end", self._outcome)
 
     def _release(self) -> None:
         """Give back what the run held for its lifetime: its meeting point and its GPU leases."""
@@ -565,7 +633,7 @@ class RunHandle:
                     try:
                         self.poll()
                     except Exception as exc:  # noqa: BLE001 - never return with workers left running
-                        self._abandon(exc)
+                        _abandon(self, exc)
                         return
                     if self.debug_mode in ("prompt", "stop") and not self._done.is_set() and self._relay.waiting():
                         serve_prompts(self, interrupted=came)  # a rank at a breakpoint: its prompt in this cell
@@ -651,7 +719,7 @@ class RunHandle:
                 if self._shutdown is not None:  # a Stop or an Interrupt is never retried
                     self._finish()
                 elif now >= self._restart_at:
-                    self._relaunch()
+                    _relaunch(self)
                 return
             self._ranks.see_exits(now, by_launcher=self._shutdown is not None)
             if self._ranks.failed() and self._shutdown is None:
@@ -664,7 +732,7 @@ class RunHandle:
                 self._shutdown.advance(now)
             if self._ranks.all_ended:
                 self._ranks.reap()
-                self._restart_or_finish()
+                _restart_or_finish(self)
 
     _read_streams = _forward_output  # rank 0's lines, the metrics and the progress, to the cell and listeners
 
@@ -682,28 +750,11 @@ class RunHandle:
                                   finishing=self._finishing, writing=self._writing)
         if reason == "failure":
             return
-        waiting = self._not_in_code()
+        waiting = _not_in_code(self)
         if waiting and waiting >= set(self._ranks.running()):
             self._shutdown.end_starting(time.time())
         elif waiting and hasattr(self._ranks, "end_ranks"):
             self._ranks.end_ranks(waiting)  # the others may finish; these have nothing to
-
-    def _not_in_code(self) -> set:
-        """The running ranks that have nothing of the user's to finish or save: still starting
-        (importing, meeting the others: a heartbeat not past ``starting``, which becomes ``running``
-        once nbddp made the process group), or found meeting the others when the stop came (code that
-        makes its own group, in C++ there: it would ignore a ``KeyboardInterrupt`` until the rendezvous
-        times out)."""
-        running, stacks = set(self._ranks.running()), self._interrupt_stacks or {}
-        meeting = {r for r in running if r in stacks and stacks[r].meeting}
-        in_code = {r for r in running if r in stacks and stacks[r].code_frame is not None} - meeting
-        for _ in range(3):  # a heartbeat being rewritten reads as missing for a moment: look again
-            beats = self._ranks.beats()  # (one says "starting" up to a second after the code began)
-            starting = {r for r in running if r not in beats or beats[r].state == "starting"} - in_code
-            if all(r in beats for r in running):
-                break
-            time.sleep(0.02)
-        return starting | meeting
 
     def _finishing(self, now: float, since: float) -> bool:
         """True while the workers may still be finishing after the stop request (see :func:`ranks_finishing`)."""
@@ -714,52 +765,6 @@ class RunHandle:
         running = set(self._ranks.running())
         return any(b.writing and r in running and now - (b.beat_time or 0.0) < self.grace_s + 2.0
                    for r, b in self._ranks.beats().items())
-
-    # -- restarts ------------------------------------------------------------------------
-    def _restart_or_finish(self) -> None:
-        """Every rank has ended: restart the run if its failure is one a restart heals, else finish."""
-        reason = self._shutdown.reason if self._shutdown else None
-        if reason not in ("failure", None) or all(e.exitcode == 0 for e in self._ends.values()):
-            self._finish()
-            return
-        error = _worker_error(self)
-        restart, why = (self._policy.next_restart(error, self.restarts, _resumes_from(self.run_dir))
-                        if self._policy is not None else (None, ""))
-        if restart is None:
-            self._finish(error, why)
-            return
-        self._ranks.close()
-        self.restarts.append(restart)
-        rundir.update_launch_record(self.run_dir, restarts=[r.as_dict() for r in self.restarts])
-        if self.echo:
-            self._echo.close()
-            print(restart.line(self.max_restarts), file=sys.stderr, flush=True)
-        self._emit("restart", restart)
-        self._shutdown = None  # that launch's; a Stop or an Interrupt during the back-off makes a new one
-        self._restart_at = time.time() + restart.backoff_s
-
-    def _relaunch(self) -> None:
-        """Start the restart that waited for its back-off; a restart that cannot start ends the run."""
-        restart = self.restarts[-1]
-        self._log_starts = rundir.log_sizes(self.run_dir, self.world_size)  # the restart's own lines
-        try:
-            ranks = self._ranks.next(restart.number, restart.changes)
-        except Exception as exc:  # noqa: BLE001 - the run must reach an end state
-            self._restart_at = None
-            error = NbddpError(f"restart {restart.number} of the run in {self.run_dir} could not start "
-                               f"({type(exc).__name__}: {exc}); after: {restart.cause}")
-            error.__cause__ = exc
-            self._finish(error)
-            return
-        self._ranks = ranks
-        self._shutdown, self._stall_checked, self._failure_stacks = None, 0.0, None
-        self._quiet = QuietWatch(self.stall_timeout_s or 0.0, ranks.started_at)
-        self._relay = PromptRelay(self.run_dir, self.world_size)
-        self._restart_at = None
-        spec = ranks.spec
-        rundir.update_launch_record(
-            self.run_dir, pids=self.pids, start_times=[start_time(p) for p in self.pids], store_path=spec.store_path,
-            port=spec.store_port, tmp_dir=ranks.tmp_dir, restarts=[r.as_dict() for r in self.restarts])
 
     def _finish(self, error: Optional[BaseException] = None, not_restarted: str = "") -> None:
         """End the run: its outcome (``error`` when already built), every resource given back.

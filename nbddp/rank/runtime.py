@@ -95,6 +95,57 @@ def _before_first_save(ctx: "Context") -> None:
     ctx._saved = True
 
 
+# ctx.log's TensorBoard scalars and a checkpoint's write are module functions beside Context (as
+# the first-save barrier above), so that the class holds what a worker calls.
+
+#: Keys that place a record, not values to chart.
+_AXIS_KEYS = ("step", "epoch", "time")
+
+
+def _log_to_tensorboard(ctx: "Context", record: dict) -> None:
+    """Every scalar of a ``ctx.log`` record as a TensorBoard scalar (rank 0 only).
+
+    The step axis is the record's ``step``, else its ``epoch``, else the number of records
+    logged so far. Non-numbers (text, lists) stay in ``metrics.jsonl`` only.
+    """
+    scalars = {k: v for k, v in record.items() if k not in _AXIS_KEYS
+               and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    axis = record.get("step", record.get("epoch"))
+    step = axis if isinstance(axis, int) and not isinstance(axis, bool) else ctx._logged
+    ctx._logged += 1
+    if not scalars:
+        return
+    writer = ctx.tensorboard
+    for key, value in scalars.items():
+        writer.add_scalar(key, value, step)
+
+
+def _save_checkpoint(ctx: "Context", state: dict, name: str) -> Path:
+    """Write ``state`` as checkpoint ``name`` (sharded, or whole by rank 0), every rank learning of a failure."""
+    from ..contract.checkpoint import save_run_checkpoint, to_plain
+    from .dist import agree_on_error, barrier
+    from .sharded_checkpoint import save as save_sharded, split_state
+    from .sharding import gather_dtensors, has_dtensors
+
+    if isinstance(state, dict) and any(split_state(state)[:2]):
+        path = save_sharded(ctx.run_dir, name, state, ctx.is_main)
+        _note_checkpoint(ctx, path, state)
+        return path
+    if has_dtensors(state):  # one tensor at a time, kept on rank 0 only
+        state = gather_dtensors(state, keep=ctx.is_main)
+    path = rundir.checkpoint_path(ctx.run_dir, name)
+    error = None
+    if ctx.is_main:
+        try:
+            save_run_checkpoint(to_plain(state), path)
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+            error = exc
+    agree_on_error(error, f"saving checkpoint {path.name}")
+    barrier()
+    _note_checkpoint(ctx, path, state)
+    return path
+
+
 class Context:
     """What a worker function receives as its first argument.
 
@@ -205,7 +256,7 @@ class Context:
         record = {"time": round(time.time(), 3)}
         record.update({k: json_value(v) for k, v in metrics.items()})
         self._metrics_file.write(json.dumps(record) + "\n")
-        self._log_to_tensorboard(record)
+        _log_to_tensorboard(self, record)
         if self._trackers is not None:
             self._trackers.log(record)
 
@@ -248,26 +299,6 @@ class Context:
         seconds = now - self._throughput_since if seconds is None else seconds
         self._throughput_since = now
         return throughput(samples, seconds, self.device, flops_per_sample, precision, data_wait_s)
-
-    # Keys that place a record, not values to chart.
-    _AXIS_KEYS = ("step", "epoch", "time")
-
-    def _log_to_tensorboard(self, record: dict) -> None:
-        """Every scalar of a ``ctx.log`` record as a TensorBoard scalar (rank 0 only).
-
-        The step axis is the record's ``step``, else its ``epoch``, else the number of records
-        logged so far. Non-numbers (text, lists) stay in ``metrics.jsonl`` only.
-        """
-        scalars = {k: v for k, v in record.items() if k not in self._AXIS_KEYS
-                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        axis = record.get("step", record.get("epoch"))
-        step = axis if isinstance(axis, int) and not isinstance(axis, bool) else self._logged
-        self._logged += 1
-        if not scalars:
-            return
-        writer = self.tensorboard
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
 
     @property
     def tensorboard(self):
@@ -366,33 +397,9 @@ class Context:
         self._saving = True  # the heartbeat says so: the staged stop lets the write end before SIGTERM
         try:
             with uninterrupted(lambda: read_stop_request(self.run_dir) is not None):
-                return self._save_checkpoint(state, name)
+                return _save_checkpoint(self, state, name)
         finally:
             self._saving = False
-
-    def _save_checkpoint(self, state: dict, name: str) -> Path:
-        from ..contract.checkpoint import save_run_checkpoint, to_plain
-        from .dist import agree_on_error, barrier
-        from .sharded_checkpoint import save as save_sharded, split_state
-        from .sharding import gather_dtensors, has_dtensors
-
-        if isinstance(state, dict) and any(split_state(state)[:2]):
-            path = save_sharded(self.run_dir, name, state, self.is_main)
-            _note_checkpoint(self, path, state)
-            return path
-        if has_dtensors(state):  # one tensor at a time, kept on rank 0 only
-            state = gather_dtensors(state, keep=self.is_main)
-        path = rundir.checkpoint_path(self.run_dir, name)
-        error = None
-        if self.is_main:
-            try:
-                save_run_checkpoint(to_plain(state), path)
-            except Exception as exc:  # noqa: BLE001 - every rank learns of it below
-                error = exc
-        agree_on_error(error, f"saving checkpoint {path.name}")
-        barrier()
-        _note_checkpoint(self, path, state)
-        return path
 
     def load_checkpoint(self, into: Union[dict, str, None] = None, name: str = rundir.LAST) -> Optional[dict]:
         """The run's checkpoint ``name``, or ``None`` if there is none (a fresh run).

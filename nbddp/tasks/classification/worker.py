@@ -436,26 +436,33 @@ def _train_epochs(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: 
             return
         if epoch + 1 < cfg.epochs:  # the next epoch's first batches load while this one is evaluated and saved
             data.loaders.start_epoch(epoch + 1)
-        t_eval = time.perf_counter()
-        sync_buffers_from_main(t.model)
-        ev = evaluate(t.model, data.loaders.val, ctx.device, t.amp_dtype, t.channels_last,
-                      batch_transform=data.loaders.val_transform, ctx=ctx)
-        t.scheduler.step()
-        # The epoch's fixed costs, in its record (bench/gpu.py prints them): the loader's first
-        # batch, the evaluation, the previous epoch's checkpoint on the step's path.
-        costs = {"first_batch_s": stats.first_batch_s, "eval_s": time.perf_counter() - t_eval,
-                 "checkpoint_s": progress.checkpoint_s, **(started.take() if started is not None else {})}
-        # Per rank: the epoch's images over the ranks; the data wait is rank 0's own.
-        rates = flops.throughput(stats.images / ctx.world_size, stats.seconds, ctx.device, t.flops_per_image,
-                                 flops.precision_of(t.amp_dtype), stats.data_wait_s)
-        rates.pop("samples_per_s", None)  # images_per_s says it, over all ranks
-        improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr, compile_s, costs, rates)
-        progress.checkpoint_s = 0.0
-        t_save = time.perf_counter()
-        _save_epoch(cfg, ctx, data, t, progress, epoch, improved)
-        progress.checkpoint_s += time.perf_counter() - t_save
+        _end_epoch(cfg, ctx, data, t, progress, writer, started, epoch, stats, lr, compile_s)
         if clock is not None:
             clock.reset()
+
+
+def _end_epoch(cfg: TrainConfig, ctx, data: TaskData, t: _Trainer, progress: _Progress, writer,
+               started: Optional[LaunchClock], epoch: int, stats: EpochStats, lr: float,
+               compile_s: Optional[float]) -> None:
+    """A trained epoch's end on every rank: validate, step the schedule, record the epoch, save it."""
+    t_eval = time.perf_counter()
+    sync_buffers_from_main(t.model)
+    ev = evaluate(t.model, data.loaders.val, ctx.device, t.amp_dtype, t.channels_last,
+                  batch_transform=data.loaders.val_transform, ctx=ctx)
+    t.scheduler.step()
+    # The epoch's fixed costs, in its record (bench/gpu.py prints them): the loader's first
+    # batch, the evaluation, the previous epoch's checkpoint on the step's path.
+    costs = {"first_batch_s": stats.first_batch_s, "eval_s": time.perf_counter() - t_eval,
+             "checkpoint_s": progress.checkpoint_s, **(started.take() if started is not None else {})}
+    # Per rank: the epoch's images over the ranks; the data wait is rank 0's own.
+    rates = flops.throughput(stats.images / ctx.world_size, stats.seconds, ctx.device, t.flops_per_image,
+                             flops.precision_of(t.amp_dtype), stats.data_wait_s)
+    rates.pop("samples_per_s", None)  # images_per_s says it, over all ranks
+    improved = _record_epoch(cfg, ctx, progress, writer, epoch, stats, ev, lr, compile_s, costs, rates)
+    progress.checkpoint_s = 0.0
+    t_save = time.perf_counter()
+    _save_epoch(cfg, ctx, data, t, progress, epoch, improved)
+    progress.checkpoint_s += time.perf_counter() - t_save
 
 
 def _say_early_stop(cfg: TrainConfig, progress: _Progress, epoch: int) -> None:
