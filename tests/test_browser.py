@@ -5,13 +5,14 @@ against a JupyterLab that the test starts on loopback (free port, its own token,
 root folder and settings), at a laptop's 1280x800:
 
 1. open a notebook written by the test (``TrainingPanel`` of a tiny class-folder tree,
-   ResNet18, 2 CPU processes, 2 epochs; then ``show_tensorboard``) and run it with
+   ResNet18, 2 CPU processes, 3 epochs; then ``show_tensorboard``) and run it with
    Run > Run All Cells;
 2. the panel renders; its layout is checked: nothing wider than the panel or its output area,
    no clipped or sideways-scrolling box, no text under 11 px, the chart not shrunk below 75%;
-3. click **Train**: the progress label reads "epoch 1/2 · step 2/3 · loss ..." and then
-   "epoch 2/2 ... ended after", the bar turns green, the status says Finished with the best
-   accuracy, rank 0's log shows both epochs, and the chart's PNG (fetched from the page) changed
+3. click **Train**: the progress label reads "epoch 3/3 · step 2/3 · loss ..." (the picture the
+   README shows is taken then, once the chart has the curves of the two epochs done) and then
+   "epoch 3/3 ... ended after", the bar turns green, the status says Finished with the best
+   accuracy, rank 0's log shows every epoch, and the chart's PNG (fetched from the page) changed
    and now has the green accuracy curve;
 4. the TensorBoard iframe (``http://127.0.0.1:<port>/``, the page's own host) answers, its server lists the run's
    accuracy, and the frame itself shows the run's name and an "accuracy" card;
@@ -127,7 +128,7 @@ import nbddp
 import nbddp.ui.panel as _panel
 _panel.list_gpus = lambda: []  # the CPU panel on any machine
 cfg = nbddp.TrainConfig(data_path="data/tiny", model="resnet18", image_size=32,
-                        epochs=2, batch_size=4, lr=0.01, nprocs=2, name="browser")
+                        epochs=3, batch_size=4, lr=0.01, nprocs=2, name="browser")
 panel = nbddp.TrainingPanel(cfg)
 panel"""
     nb = nbformat.v4.new_notebook()
@@ -413,27 +414,29 @@ def test_panel_trains_stops_and_tensorboard_shows_the_run_in_jupyterlab(lab, pag
     expect(stop).to_be_enabled(timeout=30 * MS)
     expect(train).to_be_disabled()
     # Polled in the page every 50 ms: on a fast machine the whole run lasts a few seconds.
-    page.wait_for_function(r"""el => /epoch [12]\/2 · step \d+\/\d+ · loss \d+\.\d{4} · [\d,]+ img\/s/
+    # The README's picture: in the last epoch, after two done, so its chart shows their curves.
+    page.wait_for_function(r"""el => /epoch 3\/3 · step \d+\/\d+ · loss \d+\.\d{4} · [\d,]+ img\/s/
                                     .test(el.innerText) && !el.innerText.includes('ended')""",
                            arg=label.element_handle(), polling=50, timeout=120 * MS)
     bar = panel.locator(".widget-hprogress .progress-bar")
     assert float(bar.evaluate("el => parseFloat(el.style.width) || 0")) > 0
+    assert green_pixels(image_bytes(chart)) > 200, "epoch 3 began above a chart without the curves of epochs 1-2"
     shot_whole(page, panel, "panel-training.png")
     label.scroll_into_view_if_needed()
     shot(page, "notebook-training-1280x800.png")  # what a laptop shows
     check_layout(panel, "while training")
     expect(status).to_contain_text("Finished", timeout=150 * MS)
     status_text = text(status)
-    assert "best val accuracy" in status_text and "2 epochs completed" in status_text, status_text
+    assert "best val accuracy" in status_text and "3 epochs completed" in status_text, status_text
     # The label changes to "ended after" a moment after the status: waited for, not read once.
-    expect(label).to_have_text(re.compile(r"epoch 2/2 · step \d+/\d+ · loss \d+\.\d{4} .* · ended after \d+:\d\d"),
+    expect(label).to_have_text(re.compile(r"epoch 3/3 · step \d+/\d+ · loss \d+\.\d{4} .* · ended after \d+:\d\d"),
                                timeout=30 * MS)
     expect(bar).to_have_class(re.compile("progress-bar-success"))
     trained_png = image_bytes(chart)
     assert trained_png[:8] == b"\x89PNG\r\n\x1a\n" and trained_png != empty_png
     assert green_pixels(empty_png) == 0 and green_pixels(trained_png) > 200, "no accuracy curve drawn"
     log = panel.locator(".widget-html").last  # rank 0's log
-    expect(log).to_contain_text("epoch 2/2")
+    expect(log).to_contain_text("epoch 3/3")
     expect(log).to_contain_text("data: 3 classes")
     shot_whole(page, panel, "panel-finished.png")
     check_layout(panel, "after training")
