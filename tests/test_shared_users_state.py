@@ -146,6 +146,25 @@ def test_a_tree_record_never_names_a_process_older_than_its_rank(tmp_path):
         decoy.wait()
 
 
+def test_a_process_started_in_the_launchs_own_clock_tick_is_older_than_its_ranks():
+    """A start time is a whole clock tick (10 ms): a process started milliseconds before a warm launch
+    often shares the launch's tick, and counted as started at the launch it was ended with the ranks'
+    tree (the test above, in a full run). The launch's tick is the next one: it divides the two."""
+    from nbddp.kernel.procs import launch_ticks
+
+    for _ in range(10):
+        before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            assert wait_for(lambda: start_time(before.pid) is not None, 10)
+            not_before = launch_ticks()
+            after = subprocess.Popen(["sleep", "0"])
+            assert start_time(before.pid) < not_before <= (start_time(after.pid) or not_before)
+            after.wait()
+        finally:
+            before.kill()
+            before.wait()
+
+
 def test_a_state_folder_moved_in_from_another_run_is_never_used(tmp_path):
     """Renamed from a run of the user's own into another's place, a private ``.nbddp`` still says which
     run folder it belongs to: its records are not this run's (pids, temp folder), nor are its files."""

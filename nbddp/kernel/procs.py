@@ -166,9 +166,24 @@ def end_leftovers(run_dir: Union[str, Path], groups: Iterable[int] = (), spare: 
 
 
 def boot_ticks() -> int:
-    """Now, in the unit of /proc's process start times (clock ticks since boot), rounded down:
-    no process started from now on has an earlier start time."""
-    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+    """Now, in the unit of /proc's process start times (clock ticks since boot), rounded down
+    as Linux rounds a start time: no process started from now on has an earlier start time."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK") // 1_000_000_000
+
+
+def launch_ticks() -> int:
+    """The start-time tick that divides "before this call" from "after it": every process started
+    before the call has an earlier start time, none started after it has an earlier one.
+
+    A start time is a whole tick (1/CLK_TCK s, 10 ms), so the tick now running may already hold a
+    process started just before the call (a kernel warm from earlier launches starts its ranks a few
+    milliseconds after a ``subprocess.Popen`` of the notebook's): :func:`boot_ticks` alone would count
+    that process as started at the launch. So the call waits for the next tick to begin (one tick at
+    most) and returns it."""
+    now = boot_ticks()
+    while boot_ticks() <= now:
+        time.sleep(0.001)
+    return now + 1
 
 
 def end_recorded_tree(run_dir: Union[str, Path], ranks: Iterable[int], grace_s: float = 1.0,
@@ -180,7 +195,7 @@ def end_recorded_tree(run_dir: Union[str, Path], ranks: Iterable[int], grace_s: 
     write there, and a folder renamed into ``.nbddp``'s place is never read), checked, and removed.
     Even so a recorded process is signalled only while it is provably one a rank started: this
     user's, with the recorded start time (a reused pid has another), and started no earlier than
-    the launch (``not_before``, :func:`boot_ticks` before the ranks started): the user's Jupyter
+    the launch (``not_before``, :func:`launch_ticks` before the ranks started): the user's Jupyter
     server, another run, anything older than the ranks is never a rank's descendant. Returns the
     pids ended.
     """

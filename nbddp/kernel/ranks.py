@@ -33,7 +33,7 @@ from ..contract.protocol import (MAX_RESTARTS_ENV, RESTART_ENV, Heartbeat, Launc
 from ..contract.system import cpu_cores, kill_group_or_process, start_time
 from .forkserver import server_pid, start_server
 from . import interrupt
-from .procs import MARKER_ENV, boot_ticks, end_leftovers, end_recorded_tree, folder_id, orphaned_group
+from .procs import MARKER_ENV, end_leftovers, end_recorded_tree, folder_id, launch_ticks, orphaned_group
 from .rendezvous import Rendezvous, rendezvous_for
 from .report import RankEnd
 from .stacks import flight_recorder_env
@@ -301,7 +301,7 @@ class RankGroup:
         try:
             start_helpers(start_method)  # a launch server that died is started again
             store.open()  # env://'s store listens from here on: after a warm server's cold start, not during it
-            not_before = boot_ticks()
+            not_before = launch_ticks()  # a process started just before, in the same tick, is not after it
             with patched_env(child_env), bare_main(), error_files_in(tmp_dir), sigint_held(start_method == "spawn"), \
                     starts_safely():
                 procs = mp.start_processes(start_rank, args=(spec,), nprocs=spec.world_size, join=False,
