@@ -50,9 +50,11 @@ case "${1:-}" in
     bash scripts/install_slurm.sh
     # Notebooks shorten their training in CI but still run every code path.
     export NBDDP_SMOKE=${NBDDP_SMOKE:-1}
-    # Two test processes side by side (NBDDP_TEST_PROCS=1: one); a file's tests stay together,
-    # so module-scoped launches and kernels are shared as written.
-    exec "$VENV/bin/python" -m pytest -n "${NBDDP_TEST_PROCS:-2}" --dist loadfile tests notebooks --nbmake "$@"
+    # Three test processes on 2 cores (NBDDP_TEST_PROCS=1: one): tests wait on ranks as much as they
+    # compute, and two left the machine half idle (four only made each test slower). A file's tests stay
+    # together, so module-scoped launches and kernels are shared as written; the files that take longest
+    # start first, in the order tests/conftest.py gives (xdist's reordering by size turned off).
+    exec "$VENV/bin/python" -m pytest -n "${NBDDP_TEST_PROCS:-3}" --dist loadfile --no-loadscope-reorder tests notebooks --nbmake "$@"
     ;;
   docs)
     setup "$1"

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from nbddp.contract.system import descendants
+
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ["nbdistributed", "ipyparallel", "decorator", "psutil", "python-dateutil"]
 TRIVIAL = "1"
@@ -62,25 +64,6 @@ def run(kc, code: str, timeout: float = 120.0, out: list = None) -> float:
     if error:
         raise RuntimeError(f"{code!r} failed: {error}")
     return took
-
-
-def descendants(pid: int) -> list:
-    """Every descendant of ``pid`` (read from /proc)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        found += kids
-        todo += kids
-    return found
 
 
 def install_peers(folder: Path) -> str:

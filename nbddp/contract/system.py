@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 
 def cpu_cores() -> int:
@@ -56,3 +56,33 @@ def kill_group_or_process(pid: int, sig: int = signal.SIGKILL) -> None:
             os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def parent_pids() -> Dict[int, int]:
+    """``{pid: parent pid}`` of every process /proc shows (zombies included)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                found[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return found
+
+
+def descendants(pid: Optional[int] = None) -> Dict[int, int]:
+    """``{pid: parent pid}`` of every descendant of ``pid`` (default: this process), zombies included."""
+    root = os.getpid() if pid is None else pid
+    parents = parent_pids()
+    children: Dict[int, list] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found and child != root:
+                found[child] = parents[child]
+                todo.append(child)
+    return found

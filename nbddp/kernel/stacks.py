@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 from ..contract import rundir, statedir
 from ..contract.paths import PathLike
 from ..contract.protocol import STACK_SIGNAL
+from ..contract.system import parent_pids
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.+)", line (?P<line>\d+) in (?P<function>.+)$')
@@ -255,14 +256,7 @@ def collect(run_dir: PathLike, pids: Dict[int, int], timeout: float = 3.0) -> St
 def build_folders(pid: int) -> List[str]:
     """The folders ninja builds in among ``pid``'s descendants: one per C++ extension being built
     (``<extensions root>/<name>``, torch's layout), read from ``/proc`` (the user's own processes)."""
-    parents: Dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue  # gone meanwhile
+    parents = parent_pids()
     below, found = {pid}, []
     for _ in range(8):  # the rank, its shell or python, ninja, the compilers: a few levels
         below |= {child for child, parent in parents.items() if parent in below}

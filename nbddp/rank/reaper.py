@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ..contract.system import descendants, parent_pids
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -44,36 +46,6 @@ def become_subreaper() -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-
-
-def _parents() -> Dict[int, int]:
-    """``{pid: parent pid}`` of every process /proc shows (zombies included)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                found[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-    return found
-
-
-def descendants(pid: Optional[int] = None) -> Dict[int, int]:
-    """``{pid: parent pid}`` of every descendant of ``pid`` (default: this process), zombies included."""
-    root = os.getpid() if pid is None else pid
-    parents = _parents()
-    children: Dict[int, list] = {}
-    for child, parent in parents.items():
-        children.setdefault(parent, []).append(child)
-    found, todo = {}, [root]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in found and child != root:
-                found[child] = parents[child]
-                todo.append(child)
-    return found
 
 
 def _reap_own_children() -> None:
