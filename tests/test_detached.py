@@ -220,3 +220,24 @@ def test_the_panel_s_box_launches_detached(no_gpu):
     config = nbddp.TrainingPanel(nbddp.TrainConfig(data_path=str(ROOT / "data" / "digits"), nprocs=1))
     config.keep_running_checkbox.value = True
     assert config._launch_args()[1]["detach"] is True
+
+
+def test_attach_of_a_local_run_refuses_a_link_at_its_name_and_follows_the_folder_itself(tmp_path):
+    """A run folder is followed by its own name: a link (anyone who may write the runs folder can point
+    one at another run) is refused before any record is read; the folder itself is followed."""
+    import nbddp
+    from nbddp.contract.private import NotPrivate
+
+    handle = nbddp.spawn_train(f"{WORKERS / 'detached.py'}:until_stopped", nprocs=1, block=False, echo=False,
+                               runs_dir=str(tmp_path / "runs"), name="linked")
+    try:
+        assert wait_for(lambda: handle.progress, 60), "the run never reported a step"
+        link = tmp_path / "runs" / "looks-like-a-run"
+        link.symlink_to(handle.run_dir, target_is_directory=True)
+        with pytest.raises(NotPrivate, match="symbolic link"):
+            nbddp.attach(link, echo=False)
+        followed = nbddp.attach(handle.run_dir, echo=False)  # this kernel's own run: its pin kept
+        assert followed.run_dir == handle.run_dir or str(followed.run_dir) == str(handle.run_dir)
+    finally:
+        handle.stop(wait=True)
+    assert handle.outcome.value["stopped"] and not survivors(handle.pids)
