@@ -6,6 +6,7 @@
     python bench/gpu.py --e2e-only                 # only the built-in worker's launches (fixed costs, pipelines)
     python bench/gpu.py --no-e2e --step-rows eager # parts 1 and 2 only, nbddp's step without the DDP variants
     python bench/gpu.py --smoke                    # CPU, tiny sizes: every code path (tests)
+    python bench/gpu.py --report-from gpu-round-out # the whole table again from a GPU round's step.json and e2e.json
 
 ResNet34 (torchvision, 10 outputs) at 224 px, batch 256 per GPU, autocast (bf16 from compute
 capability 8.0, else fp16 with a GradScaler) + channels_last, SGD with momentum,
@@ -474,6 +475,7 @@ def _run_e2e_child(a, data_root: Path, work: Path, out: Path) -> dict:
     r = json.loads(out.read_text()) if out.exists() else {"import_s": float("nan")}
     r["timed_out"] = p is None
     r["process_s"] = time.perf_counter() - t0
+    r["config"] = config
     for key in ("first", "warm", "decode", "pil"):
         r.setdefault(key, {"wall_s": float("nan"), "metrics": []})
     steady = [m["images_per_s"] for k in ("first", "warm") for m in r[k]["metrics"][1:]]
@@ -626,6 +628,23 @@ def _report(a, plain_r, step_r, e2e_r) -> dict:
             "plain": plain_r, "step": step_r, "e2e": e2e_r, "date": time.strftime("%Y-%m-%d")}
 
 
+def report_from(a, folder: Path) -> dict:
+    """The report of one run of all three parts, from the files of two runs (parts 1-2, then part 3 alone).
+
+    The settings are those parts 1 and 2 ran with (their ``config``); part 3 must have run on the same
+    model and image size, or its rows would be compared with another step.
+    """
+    steps, e2e_r = (json.loads((folder / name).read_text()) for name in ("step.json", "e2e.json"))
+    for key, value in steps["config"].items():
+        setattr(a, key, value)
+    for key in ("model", "image_size"):
+        theirs = e2e_r["config"][key]
+        if theirs != getattr(a, key):
+            raise SystemExit(f"--report-from {folder}: e2e.json ran {key}={theirs!r}, step.json {getattr(a, key)!r}; "
+                             f"rerun one of them with the other's settings")
+    return _report(a, steps["plain"], steps["step"], e2e_r)
+
+
 def _report_e2e(a, e2e_r, world, base) -> None:
     """Part 3's lines: the launches' wall times, the decode pipeline, the fixed costs."""
 
@@ -689,8 +708,13 @@ def main(argv=None):
                     help="eager: nbddp's step as the built-in worker builds it, without the DDP option variants")
     ap.add_argument("--launches", default="first,warm,decode,pil",
                     help="part 3's launches after the first (tensor pipeline), e.g. first,warm,decode")
+    ap.add_argument("--report-from", default=None, metavar="DIR",
+                    help="measure nothing: print the whole report from DIR/step.json and DIR/e2e.json "
+                         "(bench/gpu_round.py's step and e2e files), as one run of all three parts prints it")
     ap.add_argument("--plain-only", action="store_true", help=argparse.SUPPRESS)  # part 1, in its own process
     a = ap.parse_args(argv)
+    if a.report_from:
+        return report_from(a, Path(a.report_from))
     if a.quick:
         a.steps, a.repeats = 10, 1
     if a.smoke:

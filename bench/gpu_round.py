@@ -86,19 +86,21 @@ def _installed() -> bool:
     return subprocess.run(_py("-c", check), cwd=tempfile.gettempdir(), capture_output=True).returncode == 0
 
 
-# The smoke runs each step's own command at its smallest: the compiled rows and the launches after
-# the first are bench/gpu.py's same code, which tests/test_bench.py runs whole.
+# The smoke runs each step's own command at its smallest, and every code path of bench/gpu.py between
+# the two steps (tests/test_bench.py): the DDP option variants too, and the compiled rows with
+# dynamo's eager backend.
 def _step(a):
-    cmd = _py(HERE / "gpu.py", "--no-e2e", "--step-rows", "eager", "--profile", "--work-dir", a.work_dir,
+    cmd = _py(HERE / "gpu.py", "--no-e2e", "--compile", "--profile", "--work-dir", a.work_dir,
               "--json", a.out / "step.json")
-    return cmd + (["--smoke"] if a.smoke else ["--compile", "--steps", "20", "--repeats", "2"])
+    return cmd + (["--smoke", "--step-rows", "all"] if a.smoke else ["--step-rows", "eager", "--steps", "20",
+                                                                    "--repeats", "2"])
 
 
 def _e2e(a):
     # gpu.py stops its own launches first, so that the ones done are written (a killed gpu.py writes nothing).
     cmd = _py(HERE / "gpu.py", "--e2e-only", "--work-dir", a.work_dir, "--json", a.out / "e2e.json",
               "--part-timeout", round(a.timeout_s - 20 * a.stretch))
-    return cmd + (["--smoke", "--launches", "first"] if a.smoke else [])
+    return cmd + (["--smoke"] if a.smoke else [])
 
 
 def _profiles(a):

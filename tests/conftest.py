@@ -6,6 +6,7 @@ import contextlib
 import os
 import queue
 import re
+import signal
 import socket
 import time
 from collections.abc import Mapping
@@ -16,6 +17,22 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 EXAMPLES = ROOT / "examples"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _sigint_handler_is_python_s_again():
+    """A file that leaves its own SIGINT handler in the test process fails at its last teardown.
+
+    nbddp swaps the handler while it holds an Interrupt (a checkpoint write, an import, a launch)
+    and must put Python's back; a handler left behind turns a later test's Interrupt into nothing,
+    far from its cause.
+    """
+    yield
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        pytest.fail(f"this file left SIGINT's handler set to {handler!r} "
+                    f"({getattr(handler, '__module__', '')}.{getattr(handler, '__qualname__', '')})", pytrace=False)
 
 
 def proc_state(pid: int):

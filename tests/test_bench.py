@@ -1,4 +1,4 @@
-"""The benchmark scripts run: every code path of bench/gpu.py on the CPU at tiny sizes.
+"""The benchmark scripts run: the GPU round and every code path of bench/gpu.py on the CPU at tiny sizes.
 
 Only correctness is checked here; timings are never asserted (docs/benchmarks.md has them).
 """
@@ -19,61 +19,20 @@ def load(name):
     return module
 
 
-def test_gpu_benchmark_runs_every_part_on_the_cpu(tmp_path, capsys):
-    gpu = load("gpu")
-    out = tmp_path / "gpu.json"
-    r = gpu.main(["--smoke", "--compile", "--profile", "--work-dir", str(tmp_path), "--json", str(out)])
-
-    # 1. plain PyTorch, in its own process, which never imported nbddp
-    assert set(r["plain"]["rows"]) == {gpu.PLAIN_EAGER, gpu.PLAIN_COMPILED}
-    assert r["plain"]["nbddp_imported"] is False
-    assert r["plain"]["compile_s"] > 0 and r["plain"]["amp_dtype"] == r["step"]["amp_dtype"]
-    # 2. nbddp's step: every DDP variant and the compiled step
-    assert set(r["step"]["rows"]) == set(gpu.STEP_VARIANTS) | {gpu.STEP_COMPILED}
-    assert r["step"]["compile_s"] > 0 and r["step"]["grad_mb"] > 2  # squeezenet1_1: 0.7 M parameters
-    rates = [row["images_per_s"] for part in ("plain", "step") for row in r[part]["rows"].values()]
-    assert all(v > 0 and math.isfinite(v) for v in rates), rates
-    prof = r["step"]["profile"]
-    assert {"forward", "backward", "optimizer", "all-reduce"} <= set(prof["groups_ms"]), prof["groups_ms"]
-    assert prof["step_ms"] > 0 and prof["top_ops"]
-    # 3. the built-in worker end to end: twice (fresh process, then warm), then PIL
-    e2e = r["e2e"]
-    assert len(e2e["first"]["metrics"]) == len(e2e["warm"]["metrics"]) == 2
-    assert e2e["first"]["wall_s"] > 0 and e2e["warm"]["wall_s"] > 0 and e2e["import_s"] > 0
-    assert e2e["steady_images_per_s"] > 0 and len(e2e["pil_images_per_s"]) == 2
-    # every pipeline's steady epochs, end to end: tensor, decode (bytes to the device), pil
-    assert len(e2e["decode"]["metrics"]) == 2 and set(e2e["steady_images_per_s_by_pipeline"]) == {
-        "tensor", "decode", "pil"}
-    pipes = [f"built-in steady ({p}){tail} / plain eager" for p in ("tensor", "decode", "pil")
-             for tail in ("", ", each epoch's first batch left out")]
-    assert set(r["ratios"]) == {"nbddp step / plain eager", "nbddp compiled / plain compiled", *pipes}
-    assert all(math.isfinite(v["measured"]) and v["measured"] > 0 for v in r["ratios"].values())
-
-    assert json.loads(out.read_text())["ratios"].keys() == r["ratios"].keys()
-    printed = capsys.readouterr().out
-    assert "| row | images/s per GPU | vs plain eager | TFLOP/s | MFU | data wait | peak GiB |" in printed
-    # nbddp's FLOP count of the bench's step, and no peak (so no MFU) on a CPU
-    assert r["gflop_nbddp"] > 0 and r["peak_tflops"] is None and all(row["mfu"] is None for row in r["table"])
-    assert any(row["data_wait"] is not None for row in r["table"]), "the built-in worker's records carry it"
-    assert "| nbddp step / plain eager |" in printed and "warm relaunch" in printed
-    assert "decode pipeline, steady:" in printed and "fixed cost, decode launch, epoch 2" in printed
-    assert "profile of one nbddp step" in printed and "all-reduce of the gradients" in printed
-    # The fixed costs, a line each: launch to first step, then per epoch loader, evaluation, checkpoint.
-    assert e2e["first"]["first_step_s"] > 0 and e2e["warm"]["first_step_s"] > 0
-    assert "fixed cost, first launch: spawn_train to the first step" in printed
-    assert all(k in e2e["first"]["metrics"][0] for k in ("first_batch_s", "eval_s", "checkpoint_s"))
-    assert "fixed cost, warm launch, epoch 2: first batch" in printed and "checkpoint" in printed
-
-
 def test_decode_benchmark_measures_both_pipelines_side_by_side():
     decode = load("decode")
     r = decode.main(["--images", "20", "--image-size", "32", "--batch", "8", "--repeats", "1"])
     assert r["pil"] > 0 and r["decode"] > 0 and r["decode_vs_pil"] > 0 and r["images"] == 20
 
 
-def test_gpu_round_runs_every_step_and_summarises_the_goals_on_the_cpu(tmp_path):
-    """bench/gpu_round.py --smoke: each step's own command at tiny sizes, then the summary of the GPU goals."""
-    gpu_round = load("gpu_round")
+def test_gpu_round_runs_every_step_and_every_part_of_the_gpu_bench_on_the_cpu(tmp_path, capsys):
+    """bench/gpu_round.py --smoke: each step's own command at tiny sizes, then the summary of the GPU goals.
+
+    Its step and e2e steps are bench/gpu.py's three parts (parts 1-2, then part 3 alone), every code
+    path: the DDP option variants, the compiled rows, the four launches; ``gpu.py --report-from``
+    then prints the report one run of all three parts prints, from their two files.
+    """
+    gpu_round, gpu = load("gpu_round"), load("gpu")
     out = tmp_path / "out"
     summary = gpu_round.main(["--smoke", "--out", str(out), "--work-dir", str(tmp_path / "work")])
 
@@ -85,14 +44,63 @@ def test_gpu_round_runs_every_step_and_summarises_the_goals_on_the_cpu(tmp_path)
     assert all(s["rc"] == 0 and not s["timed_out"] for s in ran.values()), steps
     assert all((out / f"{name}.log").read_text().startswith("$ ") for name in ran)
 
+    # 1. plain PyTorch, in its own process, which never imported nbddp
+    r = json.loads((out / "step.json").read_text())
+    assert set(r["plain"]["rows"]) == {gpu.PLAIN_EAGER, gpu.PLAIN_COMPILED}
+    assert r["plain"]["nbddp_imported"] is False
+    assert r["plain"]["compile_s"] > 0 and r["plain"]["amp_dtype"] == r["step"]["amp_dtype"]
+    # 2. nbddp's step: every DDP variant and the compiled step
+    assert set(r["step"]["rows"]) == set(gpu.STEP_VARIANTS) | {gpu.STEP_COMPILED}
+    assert r["step"]["compile_s"] > 0 and r["step"]["grad_mb"] > 2  # squeezenet1_1: 0.7 M parameters
+    rates = [row["images_per_s"] for part in ("plain", "step") for row in r[part]["rows"].values()]
+    assert all(v > 0 and math.isfinite(v) for v in rates), rates
+    prof = r["step"]["profile"]
+    assert {"forward", "backward", "optimizer", "all-reduce"} <= set(prof["groups_ms"]), prof["groups_ms"]
+    assert prof["step_ms"] > 0 and prof["top_ops"]
+    # nbddp's FLOP count of the bench's step, and no peak (so no MFU) on a CPU
+    assert r["gflop_nbddp"] > 0 and r["peak_tflops"] is None and all(row["mfu"] is None for row in r["table"])
+    step_log = (out / "step.log").read_text()
+    assert "| row | images/s per GPU | vs plain eager | TFLOP/s | MFU | data wait | peak GiB |" in step_log
+    assert "| nbddp step / plain eager |" in step_log and "| nbddp compiled / plain compiled |" in step_log
+    assert "profile of one nbddp step" in step_log and "all-reduce of the gradients" in step_log
+
+    # 3. the built-in worker end to end: a fresh process, a warm relaunch, the decode and the PIL pipelines
+    e2e = json.loads((out / "e2e.json").read_text())
+    assert len(e2e["first"]["metrics"]) == len(e2e["warm"]["metrics"]) == 2
+    assert e2e["first"]["wall_s"] > 0 and e2e["warm"]["wall_s"] > 0 and e2e["import_s"] > 0
+    assert e2e["steady_images_per_s"] > 0 and len(e2e["pil_images_per_s"]) == 2
+    assert len(e2e["decode"]["metrics"]) == 2 and set(e2e["steady_images_per_s_by_pipeline"]) == {
+        "tensor", "decode", "pil"}
+    # The fixed costs, a line each: launch to first step, then per epoch loader, evaluation, checkpoint.
+    assert e2e["first"]["first_step_s"] > 0 and e2e["warm"]["first_step_s"] > 0
+    assert all(k in e2e["first"]["metrics"][0] for k in ("first_batch_s", "eval_s", "checkpoint_s"))
+    e2e_log = (out / "e2e.log").read_text()
+    assert "warm relaunch" in e2e_log and "fixed cost, first launch: spawn_train to the first step" in e2e_log
+    assert "fixed cost, warm launch, epoch 2: first batch" in e2e_log and "checkpoint" in e2e_log
+    assert "fixed cost, decode launch, epoch 2" in e2e_log
+
+    # The three parts' report from the two files: every pipeline's steady epochs against plain eager.
+    capsys.readouterr()
+    whole = gpu.main(["--report-from", str(out)])
+    pipes = [f"built-in steady ({p}){tail} / plain eager" for p in ("tensor", "decode", "pil")
+             for tail in ("", ", each epoch's first batch left out")]
+    assert set(whole["ratios"]) == {"nbddp step / plain eager", "nbddp compiled / plain compiled", *pipes}
+    assert all(math.isfinite(v["measured"]) and v["measured"] > 0 for v in whole["ratios"].values())
+    assert any(row["data_wait"] is not None for row in whole["table"]), "the built-in worker's records carry it"
+    printed = capsys.readouterr().out
+    assert "| built-in worker, decode pipeline, epoch 2 |" in printed and "warm relaunch" in printed
+    assert "decode pipeline, steady:" in printed and "fixed cost, decode launch, epoch 2" in printed
+    (out / "e2e.json").write_text(json.dumps({**e2e, "config": {**e2e["config"], "image_size": 64}}))
+    with pytest.raises(SystemExit, match="e2e.json ran image_size=64, step.json 32"):
+        gpu.main(["--report-from", str(out)])
+
     rows = {r["goal"]: r for r in summary["rows"]}
     # What a CPU measures has its figure; what only a GPU has reads "not measured", never "met".
-    for goal in ("nbddp's step / plain PyTorch, eager, same run", "built-in worker's steady epochs (tensor) / plain eager",
-                 "flowers 3 epochs, first launch in a fresh process, s"):
+    for goal in ("nbddp's step / plain PyTorch, eager, same run", "nbddp's step / plain PyTorch, torch.compile, same run",
+                 "built-in worker's steady epochs (tensor) / plain eager",
+                 "flowers 3 epochs, first launch in a fresh process, s", "flowers 3 epochs, warm relaunch, s"):
         assert rows[goal]["measured"] is not None and math.isfinite(rows[goal]["measured"]), rows[goal]
-    for goal in ("nbddp's step / plain PyTorch, torch.compile, same run", "FSDP step, spawn_train / torchrun",
-                 "decode pipeline, flowers-sized folder, images/s per GPU"):
-        assert rows[goal]["status"] == "not measured", rows[goal]
+    assert rows["FSDP step, spawn_train / torchrun"]["status"] == "not measured", rows
     assert rows["tests/test_gpu.py on the GPU"]["shown"].endswith("skipped"), "no GPU here: every GPU test skips"
     assert "| goal | measured | target | status |" in (out / "summary.md").read_text()
 
