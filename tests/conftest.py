@@ -19,6 +19,14 @@ WORKERS = ROOT / "tests" / "workers"
 EXAMPLES = ROOT / "examples"
 
 
+def pytest_configure(config):
+    """The tests interrupt themselves and their launches as Jupyter does (SIGINT). A shell that starts
+    them in the background (``bash dev.sh test &``) has SIGINT ignored, which every process they start
+    would inherit: Python's handler is put back first, as a terminal has it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _sigint_handler_is_python_s_again():
     """A file that leaves its own SIGINT handler in the test process fails at its last teardown.
