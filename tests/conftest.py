@@ -19,6 +19,14 @@ WORKERS = ROOT / "tests" / "workers"
 EXAMPLES = ROOT / "examples"
 
 
+@pytest.fixture(autouse=True)
+def _own_gpu_leases(tmp_path_factory, monkeypatch):
+    """Each test leases its (fake) GPUs in a folder of its own, not the machine's shared one: the
+    fake GPUs' UUIDs are every test's, and a launch in another test process would show as
+    "leased by" in this one's listing. A test that sets ``NBDDP_GPU_LEASES`` itself overrides it."""
+    monkeypatch.setenv("NBDDP_GPU_LEASES", str(tmp_path_factory.mktemp("gpu-leases")))
+
+
 def pytest_configure(config):
     """The tests interrupt themselves and their launches as Jupyter does (SIGINT). A shell that starts
     them in the background (``bash dev.sh test &``) has SIGINT ignored, which every process they start
