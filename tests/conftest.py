@@ -20,11 +20,15 @@ EXAMPLES = ROOT / "examples"
 
 
 @pytest.fixture(autouse=True)
-def _own_gpu_leases(tmp_path_factory, monkeypatch):
+def _own_gpu_leases(tmp_path_factory):
     """Each test leases its (fake) GPUs in a folder of its own, not the machine's shared one: the
     fake GPUs' UUIDs are every test's, and a launch in another test process would show as
-    "leased by" in this one's listing. A test that sets ``NBDDP_GPU_LEASES`` itself overrides it."""
-    monkeypatch.setenv("NBDDP_GPU_LEASES", str(tmp_path_factory.mktemp("gpu-leases")))
+    "leased by" in this one's listing. A test that sets ``NBDDP_GPU_LEASES`` itself overrides it.
+    (A patch of its own, not the test's ``monkeypatch``: that one's undo keeps its place among the
+    test's fixtures.)"""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NBDDP_GPU_LEASES", str(tmp_path_factory.mktemp("gpu-leases")))
+        yield
 
 
 def pytest_configure(config):
