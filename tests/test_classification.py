@@ -32,7 +32,7 @@ def test_a_run_leaves_its_metrics_export_checkpoint_and_tensorboard(small_run):
     export = result.run_dir / "export"
     sd = torch.load(export / "model.pth", weights_only=True)
     assert not any(k.startswith("module.") for k in sd)
-    build_model("resnet18", 3).load_state_dict(sd, strict=True)
+    build_model(cfg.model, 3).load_state_dict(sd, strict=True)
     st = load_state_dict_file(export / "model.safetensors")
     assert all(torch.equal(sd[k], st[k]) for k in sd)
     assert json.loads((export / "class_indices.json").read_text()) == {"0": "a", "1": "b", "2": "c"}
@@ -47,7 +47,7 @@ def test_a_run_leaves_its_metrics_export_checkpoint_and_tensorboard(small_run):
 
     # Checkpoints hold plain values only; TensorBoard has the epoch curves and hparams.
     ck = load_checkpoint(result.run_dir / "checkpoints" / "last.pt")
-    assert ck["epoch"] == 1 and ck["config"]["model"] == "resnet18"
+    assert ck["epoch"] == 1 and ck["config"]["model"] == cfg.model
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ea = EventAccumulator(str(result.run_dir / "tensorboard"))
@@ -84,7 +84,7 @@ def test_freeze_layers_trains_only_the_head(tree, runs_dir):
     cfg = small_cfg(tree, runs_dir, freeze_layers=True, epochs=1)
     result = spawn_train(cfg, echo=False)
     torch.manual_seed(cfg.seed)
-    initial = build_model("resnet18", 3).state_dict()
+    initial = build_model(cfg.model, 3).state_dict()
     trained = load_checkpoint(result.run_dir / "checkpoints" / "last.pt")["model"]
     changed = sorted(k for k in initial if not torch.equal(initial[k], trained[k]))
     assert changed == ["fc.bias", "fc.weight"], changed  # BatchNorm statistics stay frozen too
@@ -100,7 +100,9 @@ def test_weights_from_another_run_fine_tune_a_different_class_count(tmp_path, ru
     four = make_tree(tmp_path / "four", classes=("w", "x", "y", "z"), per_class=10, seed=1)
     second = spawn_train(small_cfg(four, runs_dir, epochs=1, weights=str(first.run_dir)), echo=False)
     log = (second.run_dir / "logs" / "rank0.log").read_text()
-    assert "fc.weight: file (3, 512) vs model (4, 512)" in log
+    model = json.loads((second.run_dir / "config.json").read_text())["model"]
+    features = build_model(model, 4).fc.in_features  # what the head reads: 512 for a ResNet18
+    assert f"fc.weight: file (3, {features}) vs model (4, {features})" in log
     assert "fc.bias: file (3,) vs model (4,)" in log
 
 

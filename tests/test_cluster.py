@@ -35,7 +35,7 @@ def test_two_torchrun_nodes_match_spawn_train(small_run, tmp_path):
     # Only global rank 0 wrote the files; both ranks kept their logs; exports are alike.
     assert (run_dir / "export" / "model.safetensors").exists()
     assert {p.name for p in (run_dir / "logs").iterdir()} == {"rank0.log", "rank1.log"}
-    assert json.loads((run_dir / "config.json").read_text())["model"] == "resnet18"
+    assert json.loads((run_dir / "config.json").read_text())["model"] == cfg.model
 
 
 def test_fake_slurm_environment_initialises_two_ranks(tmp_path):

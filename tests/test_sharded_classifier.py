@@ -44,7 +44,7 @@ def test_a_sharded_run_learns_and_exports_one_plain_state_dict(runs):
     assert value["final_accuracy"] == straight.metrics[value["best_epoch"]]["val_accuracy"]
     sd = torch.load(straight.run_dir / "export" / "model.pth", weights_only=True)
     assert all(type(v) is torch.Tensor for v in sd.values())  # no DTensor: no torch.distributed to read it
-    torchvision.models.resnet18(num_classes=3).load_state_dict(sd, strict=True)
+    torchvision.models.get_model(cfg.model, num_classes=3).load_state_dict(sd, strict=True)
     model, classes = load_model(straight.run_dir)
     recorded = json.loads((straight.run_dir / "val_predictions.json").read_text())
     preds = predict(model, [r["path"] for r in recorded])
