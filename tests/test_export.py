@@ -136,9 +136,10 @@ def test_prediction_grid_and_confusion_figure(fake_run, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_export_of_a_real_run_predicts_like_the_workers(tmp_path, small_run):
-    _, result = small_run
+    cfg, result = small_run
     paths = export_run(result.run_dir, tmp_path / "exported")
-    torchvision.models.resnet18(num_classes=3).load_state_dict(torch.load(paths["pth"], weights_only=True), strict=True)
+    torchvision.models.get_model(cfg.model, num_classes=3).load_state_dict(torch.load(paths["pth"], weights_only=True),
+                                                                       strict=True)
     meta = json.loads(paths["meta"].read_text())
     assert meta["epoch"] == result.value["best_epoch"] and meta["val_accuracy"] == pytest.approx(result.value["best_accuracy"])
     model, classes = load_model(tmp_path / "exported")
