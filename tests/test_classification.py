@@ -98,10 +98,10 @@ def test_sync_bn_run_on_cpu(tree, runs_dir):
 def test_weights_from_another_run_fine_tune_a_different_class_count(tmp_path, runs_dir, small_run):
     _, first = small_run  # 3 classes
     four = make_tree(tmp_path / "four", classes=("w", "x", "y", "z"), per_class=10, seed=1)
-    second = spawn_train(small_cfg(four, runs_dir, epochs=1, weights=str(first.run_dir)), echo=False)
+    cfg = small_cfg(four, runs_dir, epochs=1, weights=str(first.run_dir))
+    second = spawn_train(cfg, echo=False)
     log = (second.run_dir / "logs" / "rank0.log").read_text()
-    model = json.loads((second.run_dir / "config.json").read_text())["model"]
-    features = build_model(model, 4).fc.in_features  # what the head reads: 512 for a ResNet18
+    features = build_model(cfg.model, 4).fc.in_features  # what the head reads: 512 for a ResNet18
     assert f"fc.weight: file (3, {features}) vs model (4, {features})" in log
     assert "fc.bias: file (3,) vs model (4,)" in log
 
