@@ -3,6 +3,7 @@ asks), a free port, a clean launcher environment, a small learnable image tree a
 training config every launched test starts from."""
 
 import contextlib
+import functools
 import os
 import queue
 import re
@@ -209,6 +210,18 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr("nbddp.ui.panel.list_gpus", lambda: [])
 
 
+def one_cell_at_a_time(kc):
+    """Send every cell of ``kc`` with ``stop_on_error=False``, as a client that waits for each cell does.
+
+    With the default (True) a cell that ends in an error (an interrupted one) makes ipykernel abort
+    the requests that reach it before its own "stop aborting" message does, and a cell sent right
+    after the error's reply can still be one of them: it is answered ``aborted`` without running.
+    These tests send a cell only after the last one ended, so none of theirs is meant to be aborted.
+    """
+    kc.execute = functools.partial(kc.execute, stop_on_error=False)
+    return kc
+
+
 @contextlib.contextmanager
 def real_kernel(cwd, env=None):
     """A real Jupyter kernel of this environment (kernelspec ``python3``) in ``cwd``, shut down after."""
@@ -216,6 +229,7 @@ def real_kernel(cwd, env=None):
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(cwd), **({"env": env} if env is not None else {}))
+    one_cell_at_a_time(kc)
     try:
         yield km, kc
     finally:
