@@ -241,10 +241,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ns = _parser().parse_args(argv)
     ns.argv = script_argv
 
-    from .rank.elastic import detect
     from .contract.errors import NbddpError
 
-    launcher = detect()
+    # Only train and run can be a rank of torchrun or srun; the other commands never import torch.
+    launcher = None
+    if ns.command in ("train", "run"):
+        from .rank.elastic import detect
+
+        launcher = detect()
     try:
         if launcher is not None and ns.command in ("train", "run"):
             if getattr(ns, "strategy", None) and ns.command == "run":  # ctx.strategy of a rank of torchrun/srun

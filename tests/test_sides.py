@@ -232,3 +232,14 @@ def test_a_rank_under_a_launcher_holds_no_kernel_module(tmp_path):
     loaded = ast.literal_eval(line[len("result: "):])
     assert "nbddp.rank.elastic" in loaded
     assert loaded_kernel_modules(loaded) == []
+
+
+def test_the_commands_that_only_look_never_import_torch(tmp_path):
+    """``python -m nbddp runs`` and ``gpus`` read records and ask nvidia-smi: ~0.15 s of CPU, where
+    importing torch (to tell whether they run under torchrun or srun, as train and run must) costs ~2."""
+    code = ("import sys; from nbddp.cli import main\n"
+            "codes = [main(['runs']), main(['gpus'])]\n"
+            "print('RESULT', codes, 'torch' in sys.modules)")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # an empty list of runs
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=True)
+    assert "RESULT [0, 0] False" in out.stdout, out.stdout + out.stderr
