@@ -142,7 +142,13 @@ def _flops_per_image(cfg: TrainConfig, ctx, num_classes: int, channels_last: boo
     The model is built again there (shapes only: no memory, no arithmetic, whatever the strategy),
     frozen as the run freezes it, at the run's image size and memory format. None where the count
     fails (a layer without a meta kernel): the records then carry no ``tflops`` nor ``mfu``.
+
+    Rank 0 alone counts: the records that carry the rates (``metrics.jsonl``, the cell, TensorBoard,
+    the checkpoint's history, the run's value) are its own, and the count runs a whole forward and
+    backward on ``meta`` (0.1-0.5 s of CPU) that the other ranks would repeat for nothing.
     """
+    if not ctx.is_main:
+        return None
     t0 = time.perf_counter()
     try:
         with torch.device("meta"):
