@@ -2,106 +2,37 @@
 
 A fresh Python process (a kernel stand-in) launches 2 ranks whose PIL loaders run 2 worker
 processes each, and is ended with SIGTERM, SIGKILL or SIGHUP during start-up, data loading,
-training or evaluation. Every process of that launch carries a marker in its environment
-(inherited from the launcher), so survivors are found wherever they went: ranks, their loader
-workers, the forkserver, orphans reparented to init. A zombie counts as a survivor.
+training or evaluation (tests/launchers_end.py). Every process of that launch carries a marker in
+its environment (inherited from the launcher), so survivors are found wherever they went: ranks,
+their loader workers, the forkserver, orphans reparented to init. A zombie counts as a survivor.
 
 And a rank's loader workers end with the rank's main thread, even when the rank lingers as a
 zombie leader with live threads (as one killed inside the CUDA driver does): neither waitpid nor
 the workers' own watchdog (which compares getppid()) can tell that the rank is gone.
 """
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
 from nbddp import TrainingInterrupted, spawn_train
 from nbddp.contract.system import start_time
-from conftest import ROOT, WORKERS, make_tree, proc_state, survivors, wait_for
+from conftest import ROOT, WORKERS, proc_state, survivors, wait_for
+from launchers_end import end_launchers, marked
 
-SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL, "SIGHUP": signal.SIGHUP}
-
-LAUNCHER = """
-import sys
-sys.path.insert(0, {root!r})
-from nbddp import spawn_train
-spawn_train({target!r}, {data!r}, nprocs=2, runs_dir={runs!r}, kwargs={kwargs!r}, echo=False)
-"""
+# Each phase once and each signal at least once (SIGKILL, which no handler sees, in the two phases
+# where the most is running); every signal in every phase is bench/orphans.py (12 launches, minutes).
+PAIRS = [("start-up", "SIGKILL"), ("loading", "SIGTERM"), ("training", "SIGKILL"), ("evaluation", "SIGHUP")]
 
 
-def marked(marker: str) -> dict:
-    """``{pid: state}`` of every process, live or zombie, whose environment holds ``marker``."""
-    found = {}
-    needle = f"NBDDP_TEST_MARKER={marker}".encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in env.split(b"\0"):
-            found[int(entry)] = state
-    return found
-
-
-def reached(runs: Path, phase: str) -> bool:
-    if phase == "start-up":
-        return any(runs.glob("*/.nbddp/launch.json"))
-    for prog in runs.glob("*/.nbddp/progress.json"):
-        try:
-            return json.loads(prog.read_text()).get("phase") == phase
-        except ValueError:
-            return False
-    return False
-
-
-@pytest.mark.parametrize("phase", ["start-up", "loading", "training", "evaluation"])
-def test_no_process_outlives_the_launching_process(tmp_path, phase):
-    tree = make_tree(tmp_path / "data", per_class=8)
-    launches = {}
-    for name in SIGNALS:  # one launcher per signal, side by side: the set-up cost is shared
-        marker, runs = uuid.uuid4().hex, tmp_path / name
-        code = LAUNCHER.format(root=str(ROOT), target=f"{WORKERS / 'lifecycle.py'}:phase_hold", data=str(tree),
-                               runs=str(runs), kwargs={"phase": "loading" if phase == "start-up" else phase})
-        proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "NBDDP_TEST_MARKER": marker},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        launches[name] = (proc, marker, runs)
-    try:
-        before = {}
-        for name, (proc, marker, runs) in launches.items():
-            assert wait_for(lambda: reached(runs, phase) or proc.poll() is not None, 120), f"{name}: {phase} not reached"
-            assert proc.poll() is None, f"{name}: the launcher ended early: {proc.stderr.read().decode()[-2000:]}"
-            before[name] = marked(marker)
-            proc.send_signal(SIGNALS[name])
-        for name, (proc, marker, runs) in launches.items():
-            proc.wait(timeout=30)  # the test is the launcher's parent: it reaps the launcher itself
-            if phase != "start-up":
-                # launcher, forkserver, 2 ranks and their 2 loader workers each (4 in "loading")
-                assert len(before[name]) >= (12 if phase == "loading" else 8), f"{name}: {before[name]}"
-        left = {}
-        for name, (proc, marker, runs) in launches.items():
-            wait_for(lambda: not marked(marker), 10)
-            if marked(marker):
-                left[name] = marked(marker)
-        assert not left, f"processes left 10 s after the launcher ended, by signal: {left}"
-    finally:
-        for proc, marker, _ in launches.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            for pid in marked(marker):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+@pytest.mark.parametrize("phase, sig", PAIRS)
+def test_no_process_outlives_the_launching_process(tmp_path, phase, sig):
+    left = end_launchers(tmp_path, phase, [sig])
+    assert not any(left.values()), f"processes left 10 s after the launcher ended, by signal: {left}"
 
 
 def test_loader_workers_end_with_their_ranks_main_thread(runs_dir):
