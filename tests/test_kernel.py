@@ -161,7 +161,7 @@ def test_interrupt_during_training_keeps_the_checkpoint_and_resume_works(shared_
     km, kc = shared_kernel
     tree = make_tree(tmp_path / "data")
     runs = tmp_path / "runs"
-    cfg = (f"TrainConfig(data_path={str(tree)!r}, model='resnet18', image_size=32, epochs=40, batch_size=2, "
+    cfg = (f"TrainConfig(data_path={str(tree)!r}, model='shufflenet_v2_x0_5', image_size=32, epochs=40, batch_size=2, "
            f"lr=0.01, nprocs=2, runs_dir={str(runs)!r}, name='k')")
     msg_id, run_dir, pids = start_run_in_kernel(kc, runs, cfg)
     assert wait_for(lambda: (run_dir / "checkpoints" / "last.pt").exists(), timeout=120)

@@ -211,7 +211,7 @@ from conftest import make_tree
 from nbddp import TrainConfig
 from nbddp.ui import TrainingPanel
 make_tree(__import__('pathlib').Path('data'))
-panel = TrainingPanel(TrainConfig(data_path='data', model='resnet18', image_size=32, epochs=2, batch_size=4,
+panel = TrainingPanel(TrainConfig(data_path='data', model='shufflenet_v2_x0_5', image_size=32, epochs=2, batch_size=4,
                                   lr=0.01, nprocs=2, runs_dir='runs'))
 clicked_on = []
 panel.train_button.on_click(lambda b: clicked_on.append(threading.current_thread() is threading.main_thread()))
