@@ -292,15 +292,37 @@ def give_away(monkeypatch):
     return give
 
 
-#: The files that take longest (a full run, 3 test processes on 2 cores), started first: the longest
+#: The files that take longest (a full run, 4 test processes on 2 cores), started first: the longest
 #: processing time first, so that no test process ends the suite alone on a long file (xdist hands out
 #: files in this order: dev.sh turns its own reordering by size off). A hint only: a file missing here
 #: starts in its usual place.
 SLOW_FIRST = ("tests/test_requirements.py", "tests/test_bench.py", "tests/test_faults.py", "tests/test_orphans.py",
               "tests/test_own_code.py", "tests/test_warm.py", "tests/test_cluster.py", "tests/test_classification.py",
               "tests/test_shared_users_attacks.py", "tests/test_sweep.py", "tests/test_onnx_export.py",
-              "tests/test_observe.py", "notebooks/04_finetune.ipynb", "tests/test_shared_users_checkpoints.py",
-              "tests/test_detached.py", "tests/test_panel.py", "notebooks/08_sweep.ipynb")
+              "tests/test_observe.py", "notebooks/01_quickstart.ipynb", "notebooks/04_finetune.ipynb",
+              "tests/test_shared_users_checkpoints.py", "tests/test_detached.py", "tests/test_panel.py",
+              "notebooks/08_sweep.ipynb")
+
+
+#: Files one test process runs together, in this order (their first one's place in SLOW_FIRST): notebook
+#: 04 fine-tunes the model notebook 01 exports, as a user who runs them in order does; opened alone
+#: it trains 01's model first (the same training as 01's, run a second time).
+TOGETHER = ("notebooks/01_quickstart.ipynb", "notebooks/04_finetune.ipynb")
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own, which answers for every --dist
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, with the files of :data:`TOGETHER` as one unit."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class TogetherScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            where = super()._split_scope(nodeid)
+            return TOGETHER[0] if where in TOGETHER else where
+
+    return TogetherScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
