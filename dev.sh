@@ -50,11 +50,16 @@ case "${1:-}" in
     bash scripts/install_slurm.sh
     # Notebooks shorten their training in CI but still run every code path.
     export NBDDP_SMOKE=${NBDDP_SMOKE:-1}
-    # Three test processes on 2 cores (NBDDP_TEST_PROCS=1: one): tests wait on ranks as much as they
-    # compute, and two left the machine half idle (four only made each test slower). A file's tests stay
-    # together, so module-scoped launches and kernels are shared as written; the files that take longest
-    # start first, in the order tests/conftest.py gives (xdist's reordering by size turned off).
-    exec "$VENV/bin/python" -m pytest -n "${NBDDP_TEST_PROCS:-3}" --dist loadfile --no-loadscope-reorder tests notebooks --nbmake "$@"
+    # The checkout's bytecode, compiled once: with PYTHONDONTWRITEBYTECODE set (as on some servers)
+    # each of the suite's hundreds of fresh interpreters (kernels, forkservers, launchers) would compile
+    # nbddp again (0.13 s each). An edited file's entry is stale by its timestamp and compiled afresh.
+    PYTHONDONTWRITEBYTECODE= "$VENV/bin/python" -m compileall -q -j 0 nbddp tests bench >/dev/null
+    # Four test processes on 2 cores (NBDDP_TEST_PROCS=1: one): tests wait on ranks, kernels, SLURM and
+    # grace periods as much as they compute; on 2026-11-29 four took 12:07 where three took 13:21 (two
+    # left the machine half idle). A file's tests stay together, so module-scoped launches and kernels
+    # are shared as written; the files that take longest start first, in the order tests/conftest.py
+    # gives (xdist's reordering by size turned off).
+    exec "$VENV/bin/python" -m pytest -n "${NBDDP_TEST_PROCS:-4}" --dist loadfile --no-loadscope-reorder tests notebooks --nbmake "$@"
     ;;
   docs)
     setup "$1"
