@@ -250,7 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         launcher = detect()
     try:
-        if launcher is not None and ns.command in ("train", "run"):
+        if launcher is not None:  # train or run, as a rank of torchrun or srun
             if getattr(ns, "strategy", None) and ns.command == "run":  # ctx.strategy of a rank of torchrun/srun
                 os.environ[STRATEGY_ENV] = ns.strategy
             return _under_launcher(ns, launcher)  # a rank: the worker side only
