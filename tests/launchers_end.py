@@ -75,18 +75,20 @@ def end_launchers(tmp: Path, phase: str, signals: Iterable[str]) -> Dict[str, di
         proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "NBDDP_TEST_MARKER": marker},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         launches[name] = (proc, marker, runs)
+    # launcher, forkserver, 2 ranks and their 2 loader workers each (4 in "loading")
+    expected = 0 if phase == "start-up" else 12 if phase == "loading" else 8
     try:
         before = {}
         for name, (proc, marker, runs) in launches.items():
             assert wait_for(lambda: reached(runs, phase) or proc.poll() is not None, 120), f"{name}: {phase} not reached"
+            # The phase is rank 0's: rank 1 may start its loader workers a moment later.
+            wait_for(lambda: len(marked(marker)) >= expected or proc.poll() is not None, 30)
             assert proc.poll() is None, f"{name}: the launcher ended early: {proc.stderr.read().decode()[-2000:]}"
             before[name] = marked(marker)
             proc.send_signal(SIGNALS[name])
         for name, (proc, marker, runs) in launches.items():
             proc.wait(timeout=30)  # the caller is the launcher's parent: it reaps the launcher itself
-            if phase != "start-up":
-                # launcher, forkserver, 2 ranks and their 2 loader workers each (4 in "loading")
-                assert len(before[name]) >= (12 if phase == "loading" else 8), f"{name}: {before[name]}"
+            assert len(before[name]) >= expected, f"{name}: {before[name]}"
         left = {}
         for name, (proc, marker, runs) in launches.items():
             wait_for(lambda: not marked(marker), 10)
