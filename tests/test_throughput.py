@@ -55,6 +55,54 @@ def test_frozen_layers_and_channels_last_count_as_the_run_trains():
     assert forward < frozen < 1.01 * forward  # nothing below the head needs a gradient
 
 
+class _Norms(torch.nn.Module):
+    """Each normalisation the count stands in for, called as modules and as functions (keywords too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.group, self.instance = torch.nn.GroupNorm(2, 8), torch.nn.InstanceNorm2d(8, affine=True)
+        self.rms, self.w = torch.nn.RMSNorm([8]), torch.nn.Parameter(torch.ones(8))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.instance(self.group(self.conv(x)))
+        x = torch.nn.functional.layer_norm(x.mean((2, 3)), (8,), weight=self.w)
+        return self.head(self.rms(x))
+
+
+def _trainable_only(model, *words):
+    for name, p in model.named_parameters():
+        p.requires_grad_(any(w in name for w in words))
+    return model
+
+
+@pytest.mark.parametrize("case", ["resnet18", "resnet18 frozen", "resnet18 norms alone trainable",
+                                  "convnext_tiny", "vit_b_16 frozen", "norms"])
+def test_the_normalisations_stood_in_for_on_meta_count_what_the_real_ones_do(case, monkeypatch):
+    """On ``meta`` the count runs each normalisation as one shape-only op (torch computes their
+    ``meta`` statistics op by op in Python): the FLOPs, forward and backward, stay the real ones'.
+
+    Trainable norms between frozen convolutions still make autograd compute the convolutions'
+    input gradients; frozen ones make it compute nothing there, as the real ones do."""
+    from nbddp.tasks.classification.models import freeze_except_head
+
+    name = case.split()[0]
+    model = _Norms().to("meta") if name == "norms" else _meta_model(name)
+    if case.endswith(" frozen"):
+        freeze_except_head(model)
+    elif case.endswith("alone trainable"):
+        _trainable_only(model, "bn", "downsample.1")
+    size = 224 if name.startswith("vit") else 32
+    x = torch.empty(2, 3, size, size, device="meta")
+    if name == "resnet18":
+        x, model = x.contiguous(memory_format=torch.channels_last), model.to(memory_format=torch.channels_last)
+    stood_in = nbddp.count_flops(model, x), nbddp.count_flops(model, x, backward=False)
+    monkeypatch.setattr(flops, "_NormsShapeOnly", torch.overrides.TorchFunctionMode)  # the real norms
+    assert stood_in == (nbddp.count_flops(model, x), nbddp.count_flops(model, x, backward=False))
+    assert stood_in[0] > stood_in[1] > 0
+
+
 def test_the_count_leaves_a_real_model_as_it_was_even_where_it_runs_on_the_device(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(),
                                 torch.nn.Linear(8 * 6 * 6, 2))

@@ -145,7 +145,7 @@ def _flops_per_image(cfg: TrainConfig, ctx, num_classes: int, channels_last: boo
 
     Rank 0 alone counts: the records that carry the rates (``metrics.jsonl``, the cell, TensorBoard,
     the checkpoint's history, the run's value) are its own, and the count runs a whole forward and
-    backward on ``meta`` (0.1-0.5 s of CPU) that the other ranks would repeat for nothing.
+    backward on ``meta`` (0.05-0.2 s of CPU) that the other ranks would repeat for nothing.
     """
     if not ctx.is_main:
         return None
