@@ -9,6 +9,7 @@ import queue
 import re
 import signal
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,6 +39,20 @@ def pytest_configure(config):
     would inherit: Python's handler is put back first, as a terminal has it."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """pytest keeps the test modules it rewrote (their asserts) in ``tests/__pycache__`` unless bytecode
+    is off: with ``PYTHONDONTWRITEBYTECODE=1`` (as on this project's servers) each test process would
+    rewrite all of them again, 2.6 s of CPU at every start. So collection (where the modules are
+    imported) may write; the tests, and every process they start, run with the setting as it was."""
+    was = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = was
 
 
 @pytest.fixture(autouse=True, scope="module")
