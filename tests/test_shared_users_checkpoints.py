@@ -71,6 +71,19 @@ def project(shared_project):  # noqa: F811 - the fixture imported above
     return p
 
 
+@pytest.fixture(scope="module")
+def made(project):
+    """A run of each kind (sharded, plain) as the victim, and its checkpoints' modes as nbddp made them:
+    taken before any test swaps a run's ``checkpoints`` for the attacker's."""
+    runs = {}
+    for dcp in (True, False):
+        run = _run_dir(_launch(project, dcp=dcp))
+        ck = project.root / run / "checkpoints"
+        runs[dcp] = run, {str(path.relative_to(ck)): (path.is_dir(), oct(path.stat().st_mode & 0o777))
+                          for path in [ck, *ck.rglob("*")]}
+    return runs
+
+
 def _swap_checkpoints(p, run: str, inner: str, write: str) -> str:
     """As the attacker: rename the run's ``checkpoints`` aside and make her own, ``inner`` written by ``write``."""
     ck = f"{run}/checkpoints"
@@ -79,9 +92,8 @@ def _swap_checkpoints(p, run: str, inner: str, write: str) -> str:
     return ck
 
 
-def test_a_group_member_cannot_run_code_as_you_through_a_sharded_checkpoint(project):
-    p = project
-    run = _run_dir(_launch(p, dcp=True))
+def test_a_group_member_cannot_run_code_as_you_through_a_sharded_checkpoint(project, made):
+    p, (run, _) = project, made[True]
     marker = p.root / "pwned"
     payload = pickle.dumps(_Payload(str(marker)))
     write = f"open({{path!r}}, 'wb').write({payload!r})"
@@ -99,9 +111,8 @@ def test_a_group_member_cannot_run_code_as_you_through_a_sharded_checkpoint(proj
     assert f"{ck} is owned by uid {p.attacker.uid}, not by you" in out and f"Remove {ck}" in out, out
 
 
-def test_a_group_member_cannot_make_you_resume_from_her_plain_checkpoint(project):
-    p = project
-    run = _run_dir(_launch(p, dcp=False))
+def test_a_group_member_cannot_make_you_resume_from_her_plain_checkpoint(project, made):
+    p, (run, _) = project, made[False]
     # Weights-only, so no code runs; but her step (and weights) would be taken as the victim's own.
     write = "import torch; torch.save({{'model': torch.nn.Linear(4, 2).state_dict(), 'step': 41}}, {path!r})"
     ck = _swap_checkpoints(p, run, "last.pt", write)
@@ -113,9 +124,7 @@ def test_a_group_member_cannot_make_you_resume_from_her_plain_checkpoint(project
     assert f"{ck} is owned by uid {p.attacker.uid}, not by you" in out and f"Remove {ck}" in out, out
 
 
-def test_checkpoints_are_private_whatever_the_umask(project):
-    p = project
-    for dcp in (True, False):
-        ck = p.root / _run_dir(_launch(p, dcp=dcp)) / "checkpoints"
-        modes = {str(path.relative_to(ck)): oct(path.stat().st_mode & 0o777) for path in [ck, *ck.rglob("*")]}
-        assert all(mode == ("0o700" if (ck / name).is_dir() else "0o600") for name, mode in modes.items()), modes
+def test_checkpoints_are_private_whatever_the_umask(made):
+    for _, modes in made.values():
+        assert len(modes) > 1, modes  # the folder and what the run wrote in it
+        assert all(mode == ("0o700" if is_dir else "0o600") for is_dir, mode in modes.values()), modes
