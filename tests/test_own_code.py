@@ -225,23 +225,21 @@ def test_a_crash_and_a_stop_reach_every_process_a_launcher_script_started(projec
     assert time.time() - t0 < handle.grace_s + 2
     assert len(pids) >= 3 and not survivors(pids), survivors(pids)
 
-    # join=False and a script that returns without joining: `python script.py` waits for them at its
-    # exit, and so does the launcher (nothing it started is cut short).
+    # Two starts side by side, join=False, and a script that returns without joining either:
+    # `python script.py` waits for them at its exit, and so does the launcher (nothing it started is
+    # cut short); each process keeps a log of its own.
     for f in out.iterdir():
         f.unlink()
-    (project / "no_join.py").write_text(SPAWNER.replace("time.sleep(120)", "time.sleep(1.5)").replace(
-        "mp.spawn(work, args=(sys.argv[1], sys.argv[2]), nprocs=2)",
-        "mp.start_processes(work, args=(sys.argv[1], sys.argv[2]), nprocs=2, join=False)"))
-    result = spawn_train("no_join.py", argv=["wait", str(out)], runs_dir=runs, echo=False)
-    assert (out / "finally0").exists() and (out / "finally1").exists() and not result.stopped
-    # Two starts running side by side: each process keeps a log of its own.
     (project / "two_groups.py").write_text(
-        "import sys, time\nimport torch.multiprocessing as mp\n\n\ndef work(rank, tag):\n"
-        "    time.sleep(0.5)\n    print(f'{tag} process {rank}', flush=True)\n\n\n"
-        "if __name__ == '__main__':\n    a = mp.start_processes(work, args=('first',), nprocs=2, join=False)\n"
-        "    b = mp.start_processes(work, args=('second',), nprocs=2, join=False)\n"
-        "    a.join()\n    b.join()\n")
-    logs = spawn_train("two_groups.py", runs_dir=runs, echo=False).run_dir / "logs"
+        "import os, sys, time\nimport torch.multiprocessing as mp\n\n\ndef work(rank, tag, out):\n"
+        "    try:\n        time.sleep(1.5)\n        print(f'{tag} process {rank}', flush=True)\n"
+        "    finally:\n        open(os.path.join(out, f'finally-{tag}{rank}'), 'w').close()\n\n\n"
+        "if __name__ == '__main__':\n    mp.start_processes(work, args=('first', sys.argv[1]), nprocs=2, join=False)\n"
+        "    mp.start_processes(work, args=('second', sys.argv[1]), nprocs=2, join=False)\n")
+    result = spawn_train("two_groups.py", argv=[str(out)], runs_dir=runs, echo=False)
+    assert sorted(f.name for f in out.iterdir()) == [f"finally-{tag}{rank}" for tag in ("first", "second")
+                                                      for rank in (0, 1)] and not result.stopped
+    logs = result.run_dir / "logs"
     assert [(logs / f"spawned{i}.log").read_text().strip() for i in (0, 1)] == ["first process 0", "first process 1"]
     assert [(logs / f"spawned{i}-1.log").read_text().strip() for i in (0, 1)] == ["second process 0",
                                                                                     "second process 1"]
