@@ -175,25 +175,3 @@ def test_interrupt_during_training_keeps_the_checkpoint_and_resume_works(shared_
                              "print('epochs', [m['epoch'] for m in r2.value['metrics']])")
     assert reply["status"] == "ok", out
     assert f"epochs {list(range(epoch + 2))}" in out
-
-
-@pytest.mark.parametrize("how", ["sigkill", "restart"])
-def test_workers_die_with_the_kernel(kernel, tmp_path, how):
-    km, kc = kernel
-    runs = tmp_path / "runs"
-    msg_id, run_dir, pids = start_run_in_kernel(kc, runs, repr(str(WORKERS / "faulty.py") + ":barrier_and_sleep") + ", nprocs=2")
-    if how == "sigkill":
-        import os
-        import signal as sig
-
-        os.kill(kernel_pid(km), sig.SIGKILL)  # the OOM killer's way
-    else:
-        km.restart_kernel(now=True)
-    # The parent-death signal ends the workers; init reaps them (a zombie counts as a survivor).
-    assert wait_for(lambda: survivors(pids) == {}, timeout=30), survivors(pids)
-    if how == "restart":
-        kc.wait_for_ready(timeout=60)
-        reply, out = execute(kc, f"import sys; sys.path.insert(0, {str(ROOT)!r}); from nbddp import spawn_train; "
-                                 f"print(spawn_train({str(WORKERS / 'faulty.py') + ':info'!r}, nprocs=2, "
-                                 f"runs_dir={str(runs)!r}, echo=False).value['world_size'])")
-        assert reply["status"] == "ok" and "2" in out, out

@@ -186,6 +186,9 @@ def test_a_launch_during_the_pre_warm_waits_for_it_and_uses_the_same_server(kern
 
 @pytest.mark.parametrize("how", ["restart", "sigkill"])
 def test_the_warm_server_and_everything_under_it_end_with_the_kernel(kernel, tmp_path, how):
+    """The kernel SIGKILLed (the OOM killer's way) or restarted: the server, its workers and the resource
+    tracker end with it (the workers by their parent-death signal, init reaps them); a restarted kernel
+    launches again."""
     km, kc = kernel
     pid = kernel_pid(km)
     runs = tmp_path / "runs"
@@ -207,6 +210,12 @@ def test_the_warm_server_and_everything_under_it_end_with_the_kernel(kernel, tmp
     else:
         km.restart_kernel(now=True)
     assert wait_for(lambda: survivors(left) == {}, 15), {p: cmdline(p) for p in survivors(left)}
+    if how == "restart":  # the restarted kernel launches again, from a server of its own
+        kc.wait_for_ready(timeout=60)
+        out = run_cell(kc, IMPORT + f"print(nbddp.spawn_train({str(WORKERS / 'faulty.py') + ':info'!r}, nprocs=2, "
+                                    f"runs_dir={str(runs)!r}, echo=False).value['world_size'])")
+        assert out.split()[-1] == "2", out
+        assert server not in servers_of(kernel_pid(km)) and len(servers_of(kernel_pid(km))) == 1
 
 
 def test_no_pre_warm_with_nbddp_prewarm_0(tmp_path, monkeypatch):
