@@ -57,9 +57,9 @@ case "${1:-}" in
     # Four test processes on 2 cores (NBDDP_TEST_PROCS=1: one): tests wait on ranks, kernels, SLURM and
     # grace periods as much as they compute; on 2026-11-29 four took 12:07 where three took 13:21 (two
     # left the machine half idle), and 11:09 where five took 11:57 (five left no core idle, but every
-    # test took ~5 % more CPU, its processes contending for two cores). A file's tests stay together, so module-scoped launches and kernels
-    # are shared as written; the files that take longest start first, in the order tests/conftest.py
-    # gives (xdist's reordering by size turned off).
+    # test took ~5 % more CPU, its processes contending for two cores). A file's tests stay together,
+    # so module-scoped launches and kernels are shared as written; the files that take longest start
+    # first, in the order tests/conftest.py gives (xdist's reordering by size turned off).
     exec "$VENV/bin/python" -m pytest -n "${NBDDP_TEST_PROCS:-4}" --dist loadfile --no-loadscope-reorder tests notebooks --nbmake "$@"
     ;;
   docs)

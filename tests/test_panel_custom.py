@@ -209,6 +209,7 @@ def test_stop_after_the_first_metrics_returns_a_stopped_result(worker, tmp_path,
     assert wait_for(lambda: handle.metrics, timeout=60), text_of(panel.status)
     assert wait_for(lambda: panel.chart_keys == ["loss", "lr", "warm"], timeout=10)  # drawn live
     assert not panel.where_button.disabled
+
     def both_in_train() -> bool:
         panel.where_button.click()  # "Where are they?": every rank's stack, in the panel
         shown = text_of(panel.stacks)

@@ -79,7 +79,8 @@ class _ShapeOnly(torch.autograd.Function):
 
 
 #: The normalisations stood in for on ``meta``, each with its signature: none has a FLOP formula in
-#: ``FlopCounterMode`` and each gives its input's shape, so the count is the same, in a third of the time.
+#: ``FlopCounterMode`` and each gives its input's shape, so the count is the same, in a third to four
+#: fifths of the time (``bench/flop_count.py``).
 _NORMS = {f: inspect.signature(f) for f in (F.batch_norm, F.instance_norm, F.layer_norm, F.group_norm, F.rms_norm)}
 
 
